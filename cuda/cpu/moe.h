@@ -1,0 +1,24 @@
+// Plain C++ MoE kernels behind the CPU FFI handlers: exact, single-threaded, deterministic.
+#pragma once
+
+#include <cstdint>
+
+#include "jmm/ffi_common.h"
+
+namespace jmm::cpu {
+
+// Sorts (token, k) pairs by expert, stable in pair order; ids outside [0, E) are dropped.
+void MoeLayout(const int32_t* experts, int64_t num_pairs, int64_t num_experts, int32_t* row_of_pair,
+               int32_t* pair_of_row, int32_t* expert_offsets);
+
+template <typename T>
+void MoeForward(const MoeDims& d, const T* x, const float* weights, const T* w_gate_up, const T* w_down,
+                const int32_t* row_of_pair, const int32_t* pair_of_row, const int32_t* expert_offsets,
+                T* y, T* gate_up);
+
+template <typename T>
+void MoeBackward(const MoeDims& d, const T* dy, const T* x, const float* weights, const T* w_gate_up,
+                 const T* w_down, const T* gate_up, const int32_t* row_of_pair, const int32_t* pair_of_row,
+                 const int32_t* expert_offsets, T* dx, float* d_weights, T* d_w_gate_up, T* d_w_down);
+
+}  // namespace jmm::cpu

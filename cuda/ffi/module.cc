@@ -1,0 +1,37 @@
+// The Python extension: one registration table mapping FFI target names to handler capsules.
+#include <nanobind/nanobind.h>
+
+#include "jmm/handlers.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename Fn>
+nb::capsule Capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+nb::dict Registrations() {
+  nb::dict table;
+  table["jmm_cpu_moe_layout"] = Capsule(jmm_cpu_moe_layout);
+  table["jmm_cpu_moe_forward"] = Capsule(jmm_cpu_moe_forward);
+  table["jmm_cpu_moe_backward"] = Capsule(jmm_cpu_moe_backward);
+#ifdef JMM_WITH_CUDA
+  table["jmm_cuda_moe_layout"] = Capsule(jmm_cuda_moe_layout);
+  table["jmm_cuda_moe_forward"] = Capsule(jmm_cuda_moe_forward);
+  table["jmm_cuda_moe_backward"] = Capsule(jmm_cuda_moe_backward);
+#endif
+  return table;
+}
+
+}  // namespace
+
+NB_MODULE(_ext, m) {
+  m.def("registrations", &Registrations, "FFI target name -> handler capsule.");
+#ifdef JMM_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

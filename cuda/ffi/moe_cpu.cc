@@ -1,0 +1,109 @@
+// CPU FFI handlers of the MoE op family: argument checks and dtype dispatch onto cuda/cpu/moe.cc.
+#include "../cpu/moe.h"
+
+#include "../cpu/scalar.h"
+#include "jmm/ffi_common.h"
+#include "jmm/handlers.h"
+
+namespace jmm {
+namespace {
+
+ffi::Error MoeLayoutCpu(ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::S32> row_of_pair,
+                        ffi::ResultBuffer<ffi::S32> pair_of_row, ffi::ResultBuffer<ffi::S32> expert_offsets,
+                        int64_t num_experts) {
+  if (expert_offsets->element_count() != static_cast<size_t>(num_experts + 1)) {
+    return InvalidArgument("expert_offsets must hold num_experts + 1 entries");
+  }
+  cpu::MoeLayout(experts.typed_data(), experts.element_count(), num_experts, row_of_pair->typed_data(),
+                 pair_of_row->typed_data(), expert_offsets->typed_data());
+  return ffi::Error::Success();
+}
+
+// Calls fn with a null pointer of the C++ storage type matching `type`.
+template <typename Fn>
+ffi::Error DispatchFloat(ffi::DataType type, Fn&& fn) {
+  switch (type) {
+    case ffi::F32: return fn(static_cast<float*>(nullptr));
+    case ffi::F64: return fn(static_cast<double*>(nullptr));
+    case ffi::BF16: return fn(static_cast<cpu::BFloat16*>(nullptr));
+    case ffi::F16: return fn(static_cast<_Float16*>(nullptr));
+    default: return InvalidArgument("unsupported dtype for the CPU MoE kernels");
+  }
+}
+
+template <typename T>
+T* Data(ffi::AnyBuffer buffer) {
+  return static_cast<T*>(buffer.untyped_data());
+}
+
+ffi::Error MoeForwardCpu(ffi::AnyBuffer x, ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up,
+                         ffi::AnyBuffer w_down, ffi::Buffer<ffi::S32> row_of_pair,
+                         ffi::Buffer<ffi::S32> pair_of_row, ffi::Buffer<ffi::S32> expert_offsets,
+                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gate_up) {
+  MoeDims d;
+  if (auto err = ReadMoeDims(x, weights, w_gate_up, w_down, &d); err.failure()) return err;
+  return DispatchFloat(x.element_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cpu::MoeForward<T>(d, Data<T>(x), Data<float>(weights), Data<T>(w_gate_up), Data<T>(w_down),
+                       row_of_pair.typed_data(), pair_of_row.typed_data(), expert_offsets.typed_data(),
+                       Data<T>(*y), Data<T>(*gate_up));
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error MoeBackwardCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weights,
+                          ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down, ffi::AnyBuffer gate_up,
+                          ffi::Buffer<ffi::S32> row_of_pair, ffi::Buffer<ffi::S32> pair_of_row,
+                          ffi::Buffer<ffi::S32> expert_offsets, ffi::Result<ffi::AnyBuffer> dx,
+                          ffi::Result<ffi::AnyBuffer> d_weights, ffi::Result<ffi::AnyBuffer> d_w_gate_up,
+                          ffi::Result<ffi::AnyBuffer> d_w_down) {
+  MoeDims d;
+  if (auto err = ReadMoeDims(x, weights, w_gate_up, w_down, &d); err.failure()) return err;
+  return DispatchFloat(x.element_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cpu::MoeBackward<T>(d, Data<T>(dy), Data<T>(x), Data<float>(weights), Data<T>(w_gate_up),
+                        Data<T>(w_down), Data<T>(gate_up), row_of_pair.typed_data(), pair_of_row.typed_data(),
+                        expert_offsets.typed_data(), Data<T>(*dx), Data<float>(*d_weights),
+                        Data<T>(*d_w_gate_up), Data<T>(*d_w_down));
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+}  // namespace jmm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_layout, jmm::MoeLayoutCpu,
+                              jmm::ffi::Ffi::Bind()
+                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
+                                  .Ret<jmm::ffi::Buffer<jmm::ffi::S32>>()
+                                  .Ret<jmm::ffi::Buffer<jmm::ffi::S32>>()
+                                  .Ret<jmm::ffi::Buffer<jmm::ffi::S32>>()
+                                  .Attr<int64_t>("num_experts"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_forward, jmm::MoeForwardCpu,
+                              jmm::ffi::Ffi::Bind()
+                                  .Arg<jmm::ffi::AnyBuffer>()
+                                  .Arg<jmm::ffi::AnyBuffer>()
+                                  .Arg<jmm::ffi::AnyBuffer>()
+                                  .Arg<jmm::ffi::AnyBuffer>()
+                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
+                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
+                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
+                                  .Ret<jmm::ffi::AnyBuffer>()
+                                  .Ret<jmm::ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_backward, jmm::MoeBackwardCpu,
+                              jmm::ffi::Ffi::Bind()
+                                  .Arg<jmm::ffi::AnyBuffer>()
+                                  .Arg<jmm::ffi::AnyBuffer>()
+                                  .Arg<jmm::ffi::AnyBuffer>()
+                                  .Arg<jmm::ffi::AnyBuffer>()
+                                  .Arg<jmm::ffi::AnyBuffer>()
+                                  .Arg<jmm::ffi::AnyBuffer>()
+                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
+                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
+                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
+                                  .Ret<jmm::ffi::AnyBuffer>()
+                                  .Ret<jmm::ffi::AnyBuffer>()
+                                  .Ret<jmm::ffi::AnyBuffer>()
+                                  .Ret<jmm::ffi::AnyBuffer>());

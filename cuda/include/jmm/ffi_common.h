@@ -1,0 +1,55 @@
+// Shared by every FFI handler: the XLA FFI API, dimension helpers and error formatting.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jmm {
+
+namespace ffi = xla::ffi;
+
+inline ffi::Error InvalidArgument(const std::string& message) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_megamoe: " + message);
+}
+
+// Problem sizes read off the buffers of one moe_forward / moe_backward call.
+struct MoeDims {
+  int64_t tokens;        // T
+  int64_t hidden;        // H
+  int64_t intermediate;  // I
+  int64_t experts;       // E (local experts held in the weights)
+  int64_t top_k;         // K
+};
+
+// Reads and cross-checks the sizes of x [T,H], weights [T,K], w_gate_up [E,H,2I], w_down [E,I,H].
+inline ffi::Error ReadMoeDims(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weights,
+                              const ffi::AnyBuffer& w_gate_up, const ffi::AnyBuffer& w_down,
+                              MoeDims* dims) {
+  auto xd = x.dimensions();
+  auto wd = weights.dimensions();
+  auto gd = w_gate_up.dimensions();
+  auto dd = w_down.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || gd.size() != 3 || dd.size() != 3) {
+    return InvalidArgument("moe buffers have the wrong rank");
+  }
+  dims->tokens = xd[0];
+  dims->hidden = xd[1];
+  dims->top_k = wd[1];
+  dims->experts = gd[0];
+  dims->intermediate = gd[2] / 2;
+  if (wd[0] != dims->tokens || gd[1] != dims->hidden || gd[2] % 2 != 0 || dd[0] != dims->experts ||
+      dd[1] != dims->intermediate || dd[2] != dims->hidden) {
+    return InvalidArgument("moe buffers have inconsistent shapes");
+  }
+  if (weights.element_type() != ffi::F32) {
+    return InvalidArgument("routing weights must be float32 at the FFI boundary");
+  }
+  if (x.element_type() != w_gate_up.element_type() || x.element_type() != w_down.element_type()) {
+    return InvalidArgument("x, w_gate_up and w_down must share one dtype");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jmm

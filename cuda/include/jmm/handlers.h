@@ -1,0 +1,24 @@
+// Every FFI handler symbol the extension exports; module.cc turns them into the registration table.
+//
+// The op contract (identical on every platform, see jax_megamoe/ops/moe.py):
+//   moe_layout(experts [T,K] s32; attr num_experts) ->
+//       row_of_pair [T*K] s32    sorted row of pair p = t*K + k, or -1 when its id is outside [0, E)
+//       pair_of_row [T*K] s32    pair held by sorted row r, or -1 for r >= expert_offsets[E]
+//       expert_offsets [E+1] s32 rows of expert e are [offsets[e], offsets[e+1]); stable in pair order
+//   moe_forward(x [T,H], weights [T,K] f32, w_gate_up [E,H,2I], w_down [E,I,H], row_of_pair,
+//               pair_of_row, expert_offsets) -> y [T,H], gate_up [T*K, 2I] (x's dtype, saved for backward)
+//   moe_backward(dy [T,H], x, weights, w_gate_up, w_down, gate_up, row_of_pair, pair_of_row,
+//                expert_offsets) -> dx [T,H], d_weights [T,K] f32, d_w_gate_up, d_w_down
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cpu_moe_layout);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cpu_moe_forward);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cpu_moe_backward);
+
+#ifdef JMM_WITH_CUDA
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_layout);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_forward);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_backward);
+#endif

@@ -1,0 +1,7 @@
+"""jax_megamoe: fast, trainable Mixture-of-Experts for JAX (XLA FFI kernels, expert parallelism, Flax)."""
+
+from jax_megamoe.ops.moe import moe_ffn
+from jax_megamoe.ops.routing import load_balancing_loss, route, router_z_loss
+
+__all__ = ["route", "moe_ffn", "load_balancing_loss", "router_z_loss"]
+__version__ = "0.1.0"

@@ -1,0 +1,126 @@
+"""The MoE expert FFN: dispatch, SwiGLU experts and weighted combine, as FFI kernels with a custom VJP.
+
+Three FFI ops per platform (contract in cuda/include/jmm/handlers.h):
+  moe_layout   expert ids -> stable expert-sorted row order (ids outside [0, E) are dropped)
+  moe_forward  y, and the gate/up projections saved for the backward
+  moe_backward dx, d weights, d w_gate_up, d w_down
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_megamoe import _ffi, reference
+from jax_megamoe.ops.validation import check_moe_args
+
+BACKENDS = ("auto", "cpu", "cuda", "reference")
+
+# dtypes each kernel platform implements; "reference" takes any float dtype.
+KERNEL_DTYPES = {
+    "cpu": (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64),
+    "cuda": (jnp.bfloat16, jnp.float32),
+}
+
+
+def resolve_backend(backend: str) -> str:
+    """Maps `backend` to `"cpu"`, `"cuda"` or `"reference"`, raising if the kernels are missing.
+
+    `"auto"` follows `jax.default_backend()`: the CUDA kernels on a GPU, the CPU kernels on a CPU, the
+    reference where no kernel for the platform was built.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        platform = jax.default_backend()
+        if platform == "gpu" and _ffi.has_cuda_kernels():
+            return "cuda"
+        if platform == "cpu" and _ffi.has_cpu_kernels():
+            return "cpu"
+        return "reference"
+    if backend == "cuda" and not _ffi.has_cuda_kernels():
+        raise ValueError("backend='cuda' needs jax_megamoe built with its CUDA kernels (nvcc present at "
+                         "install time, JMM_CUDA not OFF); this build has none")
+    if backend == "cpu" and not _ffi.has_cpu_kernels():
+        raise ValueError("backend='cpu' needs jax_megamoe's compiled extension; reinstall with `pip install .`")
+    return backend
+
+
+class Layout(NamedTuple):
+    """Expert-sorted order of the (token, k) pairs; see `moe_layout`."""
+    row_of_pair: jax.Array     # [T*K] int32, -1 for dropped pairs
+    pair_of_row: jax.Array     # [T*K] int32, -1 past the last valid row
+    expert_offsets: jax.Array  # [E+1] int32
+
+
+def moe_layout(experts: jax.Array, num_experts: int, platform: str) -> Layout:
+    """Sorts the (token, k) pairs by expert id, stable in pair order, on `platform` ("cpu"/"cuda")."""
+    num_pairs = experts.size
+    shapes = (jax.ShapeDtypeStruct((num_pairs,), jnp.int32), jax.ShapeDtypeStruct((num_pairs,), jnp.int32),
+              jax.ShapeDtypeStruct((num_experts + 1,), jnp.int32))
+    return Layout(*_ffi.call(platform, "moe_layout", shapes, experts.astype(jnp.int32),
+                             num_experts=np.int64(num_experts)))
+
+
+def _forward(platform, x, weights, w_gate_up, w_down, layout):
+    tokens, _ = x.shape
+    top_k = weights.shape[1]
+    shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype),
+              jax.ShapeDtypeStruct((tokens * top_k, w_gate_up.shape[2]), x.dtype))
+    return _ffi.call(platform, "moe_forward", shapes, x, weights, w_gate_up, w_down, *layout)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _moe_ffn_kernels(x, weights, experts, w_gate_up, w_down, platform):
+    """`moe_ffn` on the kernels of `platform`; weights float32, experts int32."""
+    return _moe_ffn_kernels_fwd(x, weights, experts, w_gate_up, w_down, platform)[0]
+
+
+def _moe_ffn_kernels_fwd(x, weights, experts, w_gate_up, w_down, platform):
+    layout = moe_layout(experts, w_gate_up.shape[0], platform)
+    y, gate_up = _forward(platform, x, weights, w_gate_up, w_down, layout)
+    return y, (x, weights, w_gate_up, w_down, gate_up, layout)
+
+
+def _moe_ffn_kernels_bwd(platform, residuals, dy):
+    x, weights, w_gate_up, w_down, gate_up, layout = residuals
+    shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(weights.shape, jnp.float32),
+              jax.ShapeDtypeStruct(w_gate_up.shape, w_gate_up.dtype),
+              jax.ShapeDtypeStruct(w_down.shape, w_down.dtype))
+    dx, d_weights, d_w_gate_up, d_w_down = _ffi.call(
+        platform, "moe_backward", shapes, dy.astype(x.dtype), x, weights, w_gate_up, w_down, gate_up, *layout)
+    return dx, d_weights, None, d_w_gate_up, d_w_down
+
+
+_moe_ffn_kernels.defvjp(_moe_ffn_kernels_fwd, _moe_ffn_kernels_bwd)
+
+
+def moe_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
+            *, backend: str = "auto") -> jax.Array:
+    """Mixture-of-experts SwiGLU FFN: `y[t] = sum_k weights[t, k] * f_{experts[t, k]}(x[t])`.
+
+    Args:
+      x: `[T, H]` tokens.
+      weights: `[T, K]` routing weights (any float dtype; float32 inside the kernels).
+      experts: `[T, K]` integer expert ids. Pairs whose id lies outside `[0, E)` are dropped: they
+        contribute zero to `y` and get zero gradient. No kernel reads or writes out of bounds for them.
+      w_gate_up: `[E, H, 2I]`, gate in `[..., :I]`, up in `[..., I:]`; same dtype as `x`.
+      w_down: `[E, I, H]`; same dtype as `x`.
+      backend: `"auto"`, `"cpu"`, `"cuda"` or `"reference"` (pure JAX).
+
+    Returns `[T, H]` in x's dtype, accumulated in float32 (float64 for float64 inputs).
+    Differentiable in `x`, `weights`, `w_gate_up` and `w_down`.
+    """
+    check_moe_args(x, weights, experts, w_gate_up, w_down)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return reference.moe_ffn(x, weights, experts, w_gate_up, w_down)
+    supported = [jnp.dtype(d) for d in KERNEL_DTYPES[backend]]
+    if jnp.dtype(x.dtype) not in supported:
+        raise TypeError(f"backend={backend!r} supports x dtypes {[str(d) for d in supported]}, got {x.dtype}")
+    y = _moe_ffn_kernels(x, weights.astype(jnp.float32), experts.astype(jnp.int32), w_gate_up, w_down, backend)
+    return y
