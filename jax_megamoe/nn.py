@@ -1,0 +1,182 @@
+"""Flax NNX Mixture-of-Experts layer (Qwen3-MoE semantics) on `jax_megamoe`'s kernels.
+
+`MoE` owns the parameters; `moe_block` is the functional core it calls (shared with `jax_megamoe.linen`):
+router logits in float32 -> `route` -> optional capacity drop -> `moe_ffn` (one device) or
+`moe_ffn_ep` inside `jax.shard_map` (expert parallelism, when the layer's `expert_axis` is an axis of
+the active mesh).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jax_megamoe import reference
+from jax_megamoe.ops.moe import moe_ffn
+from jax_megamoe.ops.routing import load_balancing_loss, route, router_z_loss
+
+ExpertFn = Callable[..., jax.Array]
+
+
+class MoEAux(NamedTuple):
+    """Side outputs of an MoE layer (a pytree: it flows through `jit`, `scan` and `remat`)."""
+    load_balancing_loss: jax.Array  # [] float32, Switch/HF form; equals top_k at perfect balance
+    router_z_loss: jax.Array        # [] float32, mean(logsumexp(logits)^2)
+    expert_counts: jax.Array        # [E] int32, (token, k) pairs the router sent to each expert
+    dropped_pairs: jax.Array        # [] int32, pairs dropped by the capacity limit (0 when dropless)
+
+
+def expert_mesh_axis(expert_axis: str | None):
+    """Returns the active mesh when `expert_axis` names one of its axes with more than one device, else None."""
+    if expert_axis is None:
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or expert_axis not in mesh.axis_names or mesh.shape[expert_axis] == 1:
+        return None
+    return mesh
+
+
+def apply_capacity(experts: jax.Array, num_experts: int, capacity_factor: float):
+    """Drops the (token, k) pairs past each expert's capacity `ceil(capacity_factor * T * K / E)`.
+
+    Earlier tokens keep their slots (GShard order). Dropped pairs get expert id -1, which `moe_ffn`
+    skips. Returns `(experts, dropped_pairs)`.
+    """
+    flat = experts.reshape(-1)
+    capacity = math.ceil(capacity_factor * flat.size / num_experts)
+    order = jnp.argsort(flat, stable=True)
+    counts = jnp.bincount(flat, length=num_experts)
+    starts = jnp.cumsum(counts) - counts
+    rank = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.size, dtype=flat.dtype) - starts[flat[order]])
+    keep = rank < capacity
+    return jnp.where(keep, flat, -1).reshape(experts.shape), jnp.sum(~keep, dtype=jnp.int32)
+
+
+def _expert_parallel_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, backend, capacity_factor):
+    """`moe_ffn_ep` under `shard_map`: tokens split over every mesh axis, experts over `expert_axis`."""
+    from jax_megamoe import moe_ffn_ep  # written alongside this layer; imported where used
+
+    num_shards = math.prod(mesh.shape.values())
+    if x.shape[0] % num_shards:
+        raise ValueError(f"expert parallelism splits the {x.shape[0]} tokens over all {num_shards} devices of the "
+                         f"mesh {dict(mesh.shape)}; the token count must be divisible by {num_shards}")
+    tokens = P(tuple(mesh.axis_names))
+
+    def shard_fn(x, weights, experts, w_gate_up, w_down):
+        y, stats = moe_ffn_ep(x, weights, experts, w_gate_up, w_down, axis_name=expert_axis, backend=backend,
+                              capacity_factor=capacity_factor, return_stats=True)
+        return y, jax.lax.psum(stats.dropped_pairs, tuple(mesh.axis_names))
+
+    return jax.shard_map(shard_fn, mesh=mesh, in_specs=(tokens, tokens, tokens, P(expert_axis), P(expert_axis)),
+                         out_specs=(tokens, P()))(x, weights, experts, w_gate_up, w_down)
+
+
+def moe_block(x: jax.Array, router_logits: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, top_k: int,
+              norm_topk_prob: bool = True, capacity_factor: float | None = None,
+              backend: str | ExpertFn = "auto", expert_axis: str | None = None) -> tuple[jax.Array, MoEAux]:
+    """Routes `x [T, H]` by `router_logits [T, E]` and runs the experts; returns `(y [T, H], MoEAux)`.
+
+    `w_gate_up [E, H, 2I]` and `w_down [E, I, H]` must already be in x's dtype. `backend` is a
+    `moe_ffn` backend name, or a function with `moe_ffn`'s positional signature (a baseline to compare
+    against; single-device only). Expert parallelism is used when `expert_axis` is an axis of the active
+    mesh (`jax.set_mesh`) with more than one device.
+    """
+    num_experts = router_logits.shape[-1]
+    weights, experts = route(router_logits, top_k, norm_topk_prob)
+    aux_losses = (load_balancing_loss(router_logits, experts), router_z_loss(router_logits),
+                  reference.expert_counts(experts, num_experts))
+    mesh = expert_mesh_axis(expert_axis)
+    if mesh is not None:
+        if callable(backend):
+            raise ValueError("a callable backend runs on one device only; use a backend name with expert_axis")
+        y, dropped = _expert_parallel_ffn(mesh, x, weights, experts, w_gate_up, w_down, expert_axis=expert_axis,
+                                          backend=backend, capacity_factor=capacity_factor)
+        return y, MoEAux(*aux_losses, dropped)
+    dropped = jnp.zeros((), jnp.int32)
+    if capacity_factor is not None:
+        experts, dropped = apply_capacity(experts, num_experts, capacity_factor)
+    expert_fn = backend if callable(backend) else functools.partial(moe_ffn, backend=backend)
+    return expert_fn(x, weights, experts, w_gate_up, w_down), MoEAux(*aux_losses, dropped)
+
+
+def check_layer_args(hidden_size, intermediate_size, num_experts, top_k, capacity_factor) -> None:
+    """Validates the MoE layer's constructor arguments (shared by the NNX and Linen layers)."""
+    for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
+                        ("num_experts", num_experts), ("top_k", top_k)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if top_k > num_experts:
+        raise ValueError(f"top_k must be <= num_experts={num_experts}, got {top_k}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be positive or None (dropless), got {capacity_factor!r}")
+
+
+def default_expert_init() -> nnx.Initializer:
+    """LeCun-normal per expert: fan-in is the middle axis of `[E, in, out]`."""
+    return nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
+
+
+class MoE(nnx.Module):
+    """Top-k routed SwiGLU experts (Qwen3-MoE): `y, aux = moe(x)` for `x [..., H]`.
+
+    Parameters: `router.kernel [H, E]`, `w_gate_up [E, H, 2I]` (gate = `[..., :I]`, up = `[..., I:]`),
+    `w_down [E, I, H]`; the expert dimension carries the sharding name `expert_axis`.
+
+    Args:
+      hidden_size, intermediate_size, num_experts, top_k: H, I (per expert), E and K.
+      norm_topk_prob: renormalise the K routing weights to sum to one (Qwen3-MoE: True).
+      capacity_factor: None for dropless; else each expert takes at most
+        `ceil(capacity_factor * T * K / E)` pairs and the rest are dropped and counted in `aux.dropped_pairs`.
+      backend: `moe_ffn` backend (`"auto"`, `"cpu"`, `"cuda"`, `"reference"`), or a function with
+        `moe_ffn`'s positional signature (single device).
+      expert_axis: mesh axis that holds the experts; under an active mesh (`jax.set_mesh`) with that axis,
+        the layer runs `moe_ffn_ep` inside `shard_map` (tokens split over all mesh axes).
+      dtype: compute dtype (x and the expert weights are cast to it); None keeps x's dtype.
+      param_dtype: parameter storage dtype.
+      kernel_init, router_init: initialisers of the expert weights and the router kernel.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
+                 norm_topk_prob: bool = True, capacity_factor: float | None = None,
+                 backend: str | ExpertFn = "auto", expert_axis: str | None = None, dtype=None,
+                 param_dtype=jnp.float32, kernel_init: nnx.Initializer | None = None,
+                 router_init: nnx.Initializer = nnx.initializers.normal(0.02), rngs: nnx.Rngs):
+        check_layer_args(hidden_size, intermediate_size, num_experts, top_k, capacity_factor)
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.capacity_factor = capacity_factor
+        self.backend = backend
+        self.expert_axis = expert_axis
+        self.dtype = dtype
+        self.router = nnx.Linear(hidden_size, num_experts, use_bias=False, dtype=jnp.float32,
+                                 param_dtype=param_dtype, kernel_init=router_init, rngs=rngs)
+        kernel_init = kernel_init or default_expert_init()
+        self.w_gate_up = self._expert_param(kernel_init, rngs, (num_experts, hidden_size, 2 * intermediate_size),
+                                            param_dtype)
+        self.w_down = self._expert_param(kernel_init, rngs, (num_experts, intermediate_size, hidden_size),
+                                         param_dtype)
+
+    def _expert_param(self, init, rngs, shape, param_dtype) -> nnx.Param:
+        value = init(rngs.params(), shape, param_dtype)
+        if self.expert_axis is None:
+            return nnx.Param(value)
+        # Flax shards eagerly only when a mesh with the axis is active; otherwise it records the name.
+        mesh = jax.sharding.get_abstract_mesh()
+        eager = not mesh.empty and self.expert_axis in mesh.axis_names
+        return nnx.Param(value, out_sharding=(self.expert_axis, None, None), eager_sharding=eager)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
+        dtype = self.dtype or x.dtype
+        tokens = x.reshape(-1, x.shape[-1])
+        router_logits = self.router(tokens.astype(jnp.float32))
+        y, aux = moe_block(tokens.astype(dtype), router_logits, self.w_gate_up[...].astype(dtype),
+                           self.w_down[...].astype(dtype), top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
+                           capacity_factor=self.capacity_factor, backend=self.backend, expert_axis=self.expert_axis)
+        return y.reshape(*x.shape[:-1], y.shape[-1]), aux

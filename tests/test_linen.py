@@ -1,0 +1,68 @@
+"""Linen MoE layer: same results as the NNX layer with the same parameters, gradients, partitioning boxes."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_megamoe import linen as jmlinen
+from jax_megamoe import nn as jmnn
+
+H, I, E, K = 16, 8, 4, 2
+
+
+def nnx_twin(params, **kwargs):
+    """An NNX layer holding the Linen layer's parameters."""
+    layer = jmnn.MoE(H, I, E, K, rngs=nnx.Rngs(0), **kwargs)
+    layer.router.kernel[...] = params["router"]["kernel"]
+    layer.w_gate_up[...] = params["w_gate_up"]
+    layer.w_down[...] = params["w_down"]
+    return layer
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_linen_matches_nnx_forward_and_grads(capacity_factor):
+    module = jmlinen.MoE(I, E, K, capacity_factor=capacity_factor, backend="cpu")
+    x = jax.random.normal(jax.random.key(0), (2, 11, H))
+    params = module.init(jax.random.key(1), x)["params"]
+    y, aux = module.apply({"params": params}, x)
+    twin = nnx_twin(params, capacity_factor=capacity_factor, backend="cpu")
+    want_y, want_aux = twin(x)
+    np.testing.assert_allclose(y, want_y, rtol=1e-6, atol=1e-6)
+    for got, want in zip(aux, want_aux, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+    def loss(params):
+        y, aux = module.apply({"params": params}, x)
+        return jnp.sum(jnp.tanh(y)) + aux.load_balancing_loss
+
+    def twin_loss(layer):
+        y, aux = layer(x)
+        return jnp.sum(jnp.tanh(y)) + aux.load_balancing_loss
+
+    grads = jax.jit(jax.grad(loss))(params)
+    want = nnx.grad(twin_loss)(twin)
+    np.testing.assert_allclose(grads["w_gate_up"], want.w_gate_up[...], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(grads["w_down"], want.w_down[...], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(grads["router"]["kernel"], want.router.kernel[...], rtol=1e-4, atol=1e-6)
+
+
+def test_partitioning_boxes_name_the_expert_axis():
+    module = jmlinen.MoE(I, E, K, expert_axis="expert")
+    variables = module.init(jax.random.key(0), jnp.zeros((4, H)))
+    specs = nn.get_partition_spec(variables)["params"]
+    assert specs["w_gate_up"] == jax.sharding.PartitionSpec("expert", None, None)
+    assert specs["w_down"] == jax.sharding.PartitionSpec("expert", None, None)
+    assert nn.unbox(variables)["params"]["w_gate_up"].shape == (E, H, 2 * I)
+
+
+def test_bf16_compute_dtype():
+    module = jmlinen.MoE(I, E, K, dtype=jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(2), (8, H))
+    params = module.init(jax.random.key(3), x)["params"]
+    y, _ = module.apply({"params": params}, x)
+    assert y.dtype == jnp.bfloat16
+    want, _ = nnx_twin(params)(x)
+    assert np.linalg.norm(np.asarray(y, np.float32) - want) <= 1e-2 * np.linalg.norm(want)
