@@ -31,8 +31,38 @@ def has_cuda_kernels() -> bool:
     return ext is not None and bool(ext.with_cuda)
 
 
+def _varying_axes(value) -> frozenset:
+    """Mesh axes along which `value` varies inside `shard_map` (empty outside it)."""
+    aval = jax.typeof(value)
+    mat = getattr(aval, "mat", None)  # jax 0.10 names it manual_axis_type; older/newer releases vma
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _mark_varying(value, axes: frozenset):
+    missing = tuple(sorted(axes - _varying_axes(value)))
+    if not missing:
+        return value
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(value, missing, to="varying")
+    return jax.lax.pvary(value, missing)
+
+
+def vary_alike(*values):
+    """Marks every value varying over the union of the values' varying mesh axes (no-op outside
+    `shard_map`). FFI operands must agree on it; done outside a custom_vjp, autodiff sums the
+    cotangents of replicated operands (pcast's transpose) the way shard_map semantics require."""
+    axes = frozenset().union(*(_varying_axes(v) for v in values))
+    return tuple(_mark_varying(v, axes) for v in values)
+
+
 def call(platform: str, op: str, result_shapes, *args, **attrs):
-    """Calls FFI target `jmm_{platform}_{op}`."""
+    """Calls FFI target `jmm_{platform}_{op}` on operands made alike by `vary_alike`.
+
+    FFI results come back typed as invariant inside `shard_map`; each device computes its own local
+    result, so they are marked varying like the operands.
+    """
     if extension() is None:
         raise RuntimeError("jax_megamoe's compiled extension is missing: reinstall with `pip install .`")
-    return jax.ffi.ffi_call(f"jmm_{platform}_{op}", result_shapes)(*args, **attrs)
+    axes = frozenset().union(*(_varying_axes(a) for a in args))
+    results = jax.ffi.ffi_call(f"jmm_{platform}_{op}", result_shapes)(*args, **attrs)
+    return type(results)(_mark_varying(r, axes) for r in results)

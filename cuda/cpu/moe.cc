@@ -40,8 +40,8 @@ A Sigmoid(A v) {
 }  // namespace
 
 template <typename T>
-void MoeForward(const MoeDims& d, const T* x, const float* weights, const T* w_gate_up, const T* w_down,
-                const int32_t* row_of_pair, const int32_t* pair_of_row, const int32_t* expert_offsets,
+void MoeForward(const MoeDims& d, const T* x, const typename Acc<T>::type* weights, const T* w_gate_up,
+                const T* w_down, const int32_t* row_of_pair, const int32_t* pair_of_row, const int32_t* expert_offsets,
                 T* y, T* gate_up) {
   using A = typename Acc<T>::type;
   const int64_t H = d.hidden, I = d.intermediate, K = d.top_k;
@@ -79,7 +79,7 @@ void MoeForward(const MoeDims& d, const T* x, const float* weights, const T* w_g
     for (int64_t k = 0; k < K; ++k) {
       const int32_t r = row_of_pair[t * K + k];
       if (r < 0) continue;
-      const A w = static_cast<A>(weights[t * K + k]);
+      const A w = weights[t * K + k];
       const A* o = out.data() + r * H;
       for (int64_t h = 0; h < H; ++h) sum[h] += w * o[h];
     }
@@ -88,16 +88,17 @@ void MoeForward(const MoeDims& d, const T* x, const float* weights, const T* w_g
 }
 
 template <typename T>
-void MoeBackward(const MoeDims& d, const T* dy, const T* x, const float* weights, const T* w_gate_up,
-                 const T* w_down, const T* gate_up, const int32_t* row_of_pair, const int32_t* pair_of_row,
-                 const int32_t* expert_offsets, T* dx, float* d_weights, T* d_w_gate_up, T* d_w_down) {
+void MoeBackward(const MoeDims& d, const T* dy, const T* x, const typename Acc<T>::type* weights,
+                 const T* w_gate_up, const T* w_down, const T* gate_up, const int32_t* row_of_pair,
+                 const int32_t* pair_of_row, const int32_t* expert_offsets, T* dx,
+                 typename Acc<T>::type* d_weights, T* d_w_gate_up, T* d_w_down) {
   using A = typename Acc<T>::type;
   const int64_t H = d.hidden, I = d.intermediate, K = d.top_k;
   const int64_t rows = d.tokens * K;
   std::vector<A> dx_rows(rows * H, A(0));  // per-row input gradients, reduced in pair order below
   std::vector<A> dwgu(2 * I * H), dwdn(I * H);
   std::vector<A> grad_act(I), act(I), dz(2 * I), wdy(H);
-  for (int64_t p = 0; p < rows; ++p) d_weights[p] = 0.0f;
+  for (int64_t p = 0; p < rows; ++p) d_weights[p] = A(0);
   for (int64_t e = 0; e < d.experts; ++e) {
     const T* wgu = w_gate_up + e * H * 2 * I;
     const T* wdn = w_down + e * I * H;
@@ -105,7 +106,7 @@ void MoeBackward(const MoeDims& d, const T* dy, const T* x, const float* weights
     std::fill(dwdn.begin(), dwdn.end(), A(0));
     for (int64_t r = expert_offsets[e]; r < expert_offsets[e + 1]; ++r) {
       const int64_t pair = pair_of_row[r], t = pair / K;
-      const A w = static_cast<A>(weights[pair]);
+      const A w = weights[pair];
       const T* xt = x + t * H;
       const T* dyt = dy + t * H;
       const T* zr = gate_up + r * 2 * I;
@@ -122,7 +123,7 @@ void MoeBackward(const MoeDims& d, const T* dy, const T* x, const float* weights
         dz[i] = Round<T>(dact * zu * sig * (A(1) + zg * (A(1) - sig)));
         dz[I + i] = Round<T>(dact * silu);
       }
-      d_weights[pair] = static_cast<float>(dw);
+      d_weights[pair] = dw;
       A* dxr = dx_rows.data() + r * H;
       for (int64_t h = 0; h < H; ++h) {
         const T* wrow = wgu + h * 2 * I;
@@ -156,11 +157,11 @@ void MoeBackward(const MoeDims& d, const T* dy, const T* x, const float* weights
 }
 
 #define JMM_INSTANTIATE(T)                                                                              \
-  template void MoeForward<T>(const MoeDims&, const T*, const float*, const T*, const T*, const int32_t*, \
-                              const int32_t*, const int32_t*, T*, T*);                                  \
-  template void MoeBackward<T>(const MoeDims&, const T*, const T*, const float*, const T*, const T*,     \
-                               const T*, const int32_t*, const int32_t*, const int32_t*, T*, float*, T*, \
-                               T*);
+  template void MoeForward<T>(const MoeDims&, const T*, const Acc<T>::type*, const T*, const T*,      \
+                              const int32_t*, const int32_t*, const int32_t*, T*, T*);                  \
+  template void MoeBackward<T>(const MoeDims&, const T*, const T*, const Acc<T>::type*, const T*,       \
+                               const T*, const T*, const int32_t*, const int32_t*, const int32_t*, T*,  \
+                               Acc<T>::type*, T*, T*);
 JMM_INSTANTIATE(float)
 JMM_INSTANTIATE(double)
 JMM_INSTANTIATE(BFloat16)

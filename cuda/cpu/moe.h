@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "jmm/ffi_common.h"
+#include "scalar.h"
 
 namespace jmm::cpu {
 
@@ -12,13 +13,13 @@ void MoeLayout(const int32_t* experts, int64_t num_pairs, int64_t num_experts, i
                int32_t* pair_of_row, int32_t* expert_offsets);
 
 template <typename T>
-void MoeForward(const MoeDims& d, const T* x, const float* weights, const T* w_gate_up, const T* w_down,
+void MoeForward(const MoeDims& d, const T* x, const typename Acc<T>::type* weights, const T* w_gate_up, const T* w_down,
                 const int32_t* row_of_pair, const int32_t* pair_of_row, const int32_t* expert_offsets,
                 T* y, T* gate_up);
 
 template <typename T>
-void MoeBackward(const MoeDims& d, const T* dy, const T* x, const float* weights, const T* w_gate_up,
+void MoeBackward(const MoeDims& d, const T* dy, const T* x, const typename Acc<T>::type* weights, const T* w_gate_up,
                  const T* w_down, const T* gate_up, const int32_t* row_of_pair, const int32_t* pair_of_row,
-                 const int32_t* expert_offsets, T* dx, float* d_weights, T* d_w_gate_up, T* d_w_down);
+                 const int32_t* expert_offsets, T* dx, typename Acc<T>::type* d_weights, T* d_w_gate_up, T* d_w_down);
 
 }  // namespace jmm::cpu

@@ -44,7 +44,7 @@ ffi::Error MoeForwardCpu(ffi::AnyBuffer x, ffi::AnyBuffer weights, ffi::AnyBuffe
   if (auto err = ReadMoeDims(x, weights, w_gate_up, w_down, &d); err.failure()) return err;
   return DispatchFloat(x.element_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    cpu::MoeForward<T>(d, Data<T>(x), Data<float>(weights), Data<T>(w_gate_up), Data<T>(w_down),
+    cpu::MoeForward<T>(d, Data<T>(x), Data<typename cpu::Acc<T>::type>(weights), Data<T>(w_gate_up), Data<T>(w_down),
                        row_of_pair.typed_data(), pair_of_row.typed_data(), expert_offsets.typed_data(),
                        Data<T>(*y), Data<T>(*gate_up));
     return ffi::Error::Success();
@@ -61,9 +61,9 @@ ffi::Error MoeBackwardCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer we
   if (auto err = ReadMoeDims(x, weights, w_gate_up, w_down, &d); err.failure()) return err;
   return DispatchFloat(x.element_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    cpu::MoeBackward<T>(d, Data<T>(dy), Data<T>(x), Data<float>(weights), Data<T>(w_gate_up),
+    cpu::MoeBackward<T>(d, Data<T>(dy), Data<T>(x), Data<typename cpu::Acc<T>::type>(weights), Data<T>(w_gate_up),
                         Data<T>(w_down), Data<T>(gate_up), row_of_pair.typed_data(), pair_of_row.typed_data(),
-                        expert_offsets.typed_data(), Data<T>(*dx), Data<float>(*d_weights),
+                        expert_offsets.typed_data(), Data<T>(*dx), Data<typename cpu::Acc<T>::type>(*d_weights),
                         Data<T>(*d_w_gate_up), Data<T>(*d_w_down));
     return ffi::Error::Success();
   });

@@ -45,6 +45,8 @@ def resolve_backend(backend: str) -> str:
     if backend == "cuda" and not _ffi.has_cuda_kernels():
         raise ValueError("backend='cuda' needs jax_megamoe built with its CUDA kernels (nvcc present at "
                          "install time, JMM_CUDA not OFF); this build has none")
+    if backend == "cuda" and jax.default_backend() != "gpu":
+        raise ValueError(f"backend='cuda' needs a GPU, but jax.default_backend() is {jax.default_backend()!r}")
     if backend == "cpu" and not _ffi.has_cpu_kernels():
         raise ValueError("backend='cpu' needs jax_megamoe's compiled extension; reinstall with `pip install .`")
     return backend
@@ -76,7 +78,7 @@ def _forward(platform, x, weights, w_gate_up, w_down, layout):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _moe_ffn_kernels(x, weights, experts, w_gate_up, w_down, platform):
-    """`moe_ffn` on the kernels of `platform`; weights float32, experts int32."""
+    """`moe_ffn` on the kernels of `platform`; weights float32 (float64 for float64 x), experts int32."""
     return _moe_ffn_kernels_fwd(x, weights, experts, w_gate_up, w_down, platform)[0]
 
 
@@ -88,7 +90,7 @@ def _moe_ffn_kernels_fwd(x, weights, experts, w_gate_up, w_down, platform):
 
 def _moe_ffn_kernels_bwd(platform, residuals, dy):
     x, weights, w_gate_up, w_down, gate_up, layout = residuals
-    shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(weights.shape, jnp.float32),
+    shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(weights.shape, weights.dtype),
               jax.ShapeDtypeStruct(w_gate_up.shape, w_gate_up.dtype),
               jax.ShapeDtypeStruct(w_down.shape, w_down.dtype))
     dx, d_weights, d_w_gate_up, d_w_down = _ffi.call(
@@ -105,7 +107,7 @@ def moe_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax
 
     Args:
       x: `[T, H]` tokens.
-      weights: `[T, K]` routing weights (any float dtype; float32 inside the kernels).
+      weights: `[T, K]` routing weights (any float dtype; float32 inside the kernels, float64 for float64 x).
       experts: `[T, K]` integer expert ids. Pairs whose id lies outside `[0, E)` are dropped: they
         contribute zero to `y` and get zero gradient. No kernel reads or writes out of bounds for them.
       w_gate_up: `[E, H, 2I]`, gate in `[..., :I]`, up in `[..., I:]`; same dtype as `x`.
@@ -122,5 +124,6 @@ def moe_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax
     supported = [jnp.dtype(d) for d in KERNEL_DTYPES[backend]]
     if jnp.dtype(x.dtype) not in supported:
         raise TypeError(f"backend={backend!r} supports x dtypes {[str(d) for d in supported]}, got {x.dtype}")
-    y = _moe_ffn_kernels(x, weights.astype(jnp.float32), experts.astype(jnp.int32), w_gate_up, w_down, backend)
-    return y
+    weights_dtype = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    args = _ffi.vary_alike(x, weights.astype(weights_dtype), experts.astype(jnp.int32), w_gate_up, w_down)
+    return _moe_ffn_kernels(*args, backend)

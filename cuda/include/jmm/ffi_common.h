@@ -43,8 +43,10 @@ inline ffi::Error ReadMoeDims(const ffi::AnyBuffer& x, const ffi::AnyBuffer& wei
       dd[1] != dims->intermediate || dd[2] != dims->hidden) {
     return InvalidArgument("moe buffers have inconsistent shapes");
   }
-  if (weights.element_type() != ffi::F32) {
-    return InvalidArgument("routing weights must be float32 at the FFI boundary");
+  // Routing weights travel in the accumulation type: float64 with float64 x, float32 otherwise.
+  const ffi::DataType weights_type = x.element_type() == ffi::F64 ? ffi::F64 : ffi::F32;
+  if (weights.element_type() != weights_type) {
+    return InvalidArgument("routing weights must be float32 (float64 for float64 x) at the FFI boundary");
   }
   if (x.element_type() != w_gate_up.element_type() || x.element_type() != w_down.element_type()) {
     return InvalidArgument("x, w_gate_up and w_down must share one dtype");

@@ -5,10 +5,10 @@
 //       row_of_pair [T*K] s32    sorted row of pair p = t*K + k, or -1 when its id is outside [0, E)
 //       pair_of_row [T*K] s32    pair held by sorted row r, or -1 for r >= expert_offsets[E]
 //       expert_offsets [E+1] s32 rows of expert e are [offsets[e], offsets[e+1]); stable in pair order
-//   moe_forward(x [T,H], weights [T,K] f32, w_gate_up [E,H,2I], w_down [E,I,H], row_of_pair,
+//   moe_forward(x [T,H], weights [T,K] f32 (f64 for f64 x), w_gate_up [E,H,2I], w_down [E,I,H], row_of_pair,
 //               pair_of_row, expert_offsets) -> y [T,H], gate_up [T*K, 2I] (x's dtype, saved for backward)
 //   moe_backward(dy [T,H], x, weights, w_gate_up, w_down, gate_up, row_of_pair, pair_of_row,
-//                expert_offsets) -> dx [T,H], d_weights [T,K] f32, d_w_gate_up, d_w_down
+//                expert_offsets) -> dx [T,H], d_weights [T,K] (weights' dtype), d_w_gate_up, d_w_down
 #pragma once
 
 #include "xla/ffi/api/ffi.h"

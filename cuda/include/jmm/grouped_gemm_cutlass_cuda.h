@@ -1,0 +1,183 @@
+// CUTLASS 3 sm90 bf16 grouped GEMM (TMA + wgmma, warp-specialised, persistent), one group per expert.
+//
+// Device-side problem shapes: a tiny kernel reads expert_offsets and writes each group's shape, pointers and
+// strides, so the host never learns the group sizes (no synchronisation; host problem shapes are null and
+// the persistent scheduler walks the groups on the device). Groups with no rows get an M of zero and hence
+// no tiles. Include from exactly one .cu per instantiation: each costs minutes of nvcc time.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include "jmm/moe_cuda.h"
+
+namespace jmm::cuda::cutlass_gemm {
+
+using Bf16 = cutlass::bfloat16_t;
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+using GroupShape = ProblemShape::UnderlyingProblemShape;
+
+// Which operand of the group comes from where (see moe_cuda.h):
+//   kRows:   d[rows of e] = a[rows of e] @ B_e          (M = rows of e, contraction over the fixed k)
+//   kWeight: d_e = a[rows of e]^T @ b[rows of e]        (M, N fixed, contraction over the rows of e)
+enum class Grouping { kRows, kWeight };
+
+// 128 x 256 tiles: the expert weight (B) is the wide operand and is multicast to the 2 CTAs of a cluster
+// along M, which work on neighbouring row tiles of one expert.
+using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+using LayoutD = cutlass::layout::RowMajor;
+constexpr int kAlignment = 8;  // 16 bytes of bf16, what TMA needs
+
+// bf16 output, no source operand (beta = 0). Declared outside the template below: host compilers fail to
+// parse this builder in a dependent context.
+using CollectiveEpilogue = cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignment, Bf16, LayoutD*,
+    kAlignment, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+    cutlass::epilogue::fusion::LinearCombination<Bf16, float, void, float>>::CollectiveOp;
+
+template <class LayoutA, class LayoutB>
+struct Bf16GroupedGemm {
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA*, kAlignment, Bf16, LayoutB*,
+      kAlignment, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+};
+
+// A stride tuple whose one dynamic mode (the leading dimension) is `ld`.
+template <class Stride>
+__host__ __device__ Stride LeadingStride(int64_t ld) {
+  Stride s{};
+  if constexpr (cute::is_static_v<cute::remove_cvref_t<decltype(cute::get<0>(s))>>) {
+    cute::get<1>(s) = ld;
+  } else {
+    cute::get<0>(s) = ld;
+  }
+  return s;
+}
+
+template <class G>
+struct GroupArrays {
+  GroupShape* shapes;
+  const Bf16** a;
+  const Bf16** b;
+  Bf16** d;
+  typename G::StrideA* stride_a;
+  typename G::StrideB* stride_b;
+  typename G::StrideD* stride_d;
+};
+
+// One thread per expert writes its group. For kRows, (m) is unused; for kWeight, (k) is unused.
+template <class G, Grouping kGrouping>
+__global__ void FillGroups(const int32_t* offsets, int num_experts, const Bf16* a, const Bf16* b, Bf16* d,
+                           int m, int n, int k, GroupArrays<G> out, typename G::StrideA stride_a,
+                           typename G::StrideB stride_b, typename G::StrideD stride_d) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= num_experts) return;
+  const int64_t first = offsets[e];
+  const int rows = offsets[e + 1] - offsets[e];
+  if constexpr (kGrouping == Grouping::kRows) {
+    out.shapes[e] = GroupShape{rows, n, k};
+    out.a[e] = a + first * k;
+    out.b[e] = b + static_cast<int64_t>(e) * k * n;
+    out.d[e] = d + first * n;
+  } else {
+    out.shapes[e] = GroupShape{rows > 0 ? m : 0, n, rows};  // no tiles at all for an empty expert
+    out.a[e] = a + first * m;
+    out.b[e] = b + first * n;
+    out.d[e] = d + static_cast<int64_t>(e) * m * n;
+  }
+  out.stride_a[e] = stride_a;
+  out.stride_b[e] = stride_b;
+  out.stride_d[e] = stride_d;
+}
+
+inline size_t RoundUp(size_t v, size_t to) { return (v + to - 1) / to * to; }
+
+inline int MultiprocessorCount() {
+  int device = 0;
+  cudaGetDevice(&device);
+  int count = 0;
+  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  return count;
+}
+
+// Launches one grouped GEMM. ld_* are the leading dimensions of the (row-major or column-major) operands.
+template <class G, Grouping kGrouping>
+Status RunGroupedGemm(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
+                      int64_t m, int64_t n, int64_t k, int64_t ld_a, int64_t ld_b, const Scratch& scratch,
+                      cudaStream_t stream) {
+  const int experts = static_cast<int>(num_experts);
+  const size_t align = 128;
+  size_t sizes[7] = {sizeof(GroupShape), sizeof(void*), sizeof(void*), sizeof(void*),
+                     sizeof(typename G::StrideA), sizeof(typename G::StrideB), sizeof(typename G::StrideD)};
+  size_t total = 0;
+  size_t offset[7];
+  for (int i = 0; i < 7; ++i) {
+    offset[i] = total;
+    total += RoundUp(sizes[i] * experts, align);
+  }
+  char* base = static_cast<char*>(scratch(total));
+  if (base == nullptr) return "out of scratch memory for the grouped GEMM arguments";
+  GroupArrays<G> arrays{reinterpret_cast<GroupShape*>(base + offset[0]),
+                        reinterpret_cast<const Bf16**>(base + offset[1]),
+                        reinterpret_cast<const Bf16**>(base + offset[2]),
+                        reinterpret_cast<Bf16**>(base + offset[3]),
+                        reinterpret_cast<typename G::StrideA*>(base + offset[4]),
+                        reinterpret_cast<typename G::StrideB*>(base + offset[5]),
+                        reinterpret_cast<typename G::StrideD*>(base + offset[6])};
+  const int threads = 128;
+  FillGroups<G, kGrouping><<<(experts + threads - 1) / threads, threads, 0, stream>>>(
+      offsets, experts, static_cast<const Bf16*>(a), static_cast<const Bf16*>(b), static_cast<Bf16*>(d),
+      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), arrays,
+      LeadingStride<typename G::StrideA>(ld_a), LeadingStride<typename G::StrideB>(ld_b),
+      LeadingStride<typename G::StrideD>(n));
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return std::string("grouped GEMM setup launch failed: ") + cudaGetErrorString(err);
+  }
+
+  static const int sm_count = MultiprocessorCount();
+  cutlass::KernelHardwareInfo hw_info;
+  cudaGetDevice(&hw_info.device_id);
+  hw_info.sm_count = sm_count;
+
+  typename G::Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {experts, arrays.shapes, nullptr},
+      {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
+      {{}, nullptr, nullptr, arrays.d, arrays.stride_d},
+      hw_info};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+
+  typename G::Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return "CUTLASS cannot implement this grouped GEMM";
+  void* workspace = nullptr;
+  if (size_t bytes = G::Gemm::get_workspace_size(args); bytes > 0) {
+    workspace = scratch(bytes);
+    if (workspace == nullptr) return "out of scratch memory for the grouped GEMM workspace";
+  }
+  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) {
+    return "CUTLASS grouped GEMM initialisation failed";
+  }
+  if (gemm.run(stream) != cutlass::Status::kSuccess) {
+    return std::string("CUTLASS grouped GEMM launch failed: ") + cudaGetErrorString(cudaGetLastError());
+  }
+  return {};
+}
+
+}  // namespace jmm::cuda::cutlass_gemm

@@ -1,0 +1,82 @@
+// Host entry points of the CUDA MoE kernels (cuda/kernels/*.cu), called by cuda/ffi/moe_cuda.cc.
+//
+// Every function only enqueues work on `stream`: no host synchronisation, no device allocation (temporary
+// memory comes from `Scratch`, which the FFI handler backs with XLA's scratch allocator).
+// Rows are (token, k) pairs in expert-sorted order: expert e owns rows [offsets[e], offsets[e+1]); rows at
+// or past offsets[E] are dropped pairs and are never read.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+namespace jmm::cuda {
+
+enum class Dtype { kFloat32, kBFloat16 };
+
+// Returns device memory of at least `bytes` (256-byte aligned) that lives until the handler returns,
+// or nullptr when the allocator is exhausted.
+using Scratch = std::function<void*(size_t bytes)>;
+
+// An empty message means success.
+using Status = std::string;
+
+// Stable sort of the pairs by expert id (dropped ids last); see handlers.h for the three outputs.
+Status SortPairsByExpert(const int32_t* experts, int64_t num_pairs, int64_t num_experts,
+                         int32_t* row_of_pair, int32_t* pair_of_row, int32_t* expert_offsets,
+                         const Scratch& scratch, cudaStream_t stream);
+
+// dst[r] = src[pair_of_row[r] / top_k] for every kept row r; with `scale`, the copy is multiplied by
+// scale[pair_of_row[r]] and rounded to the storage type.
+Status GatherRows(Dtype dtype, const void* src, int64_t width, const int32_t* pair_of_row,
+                  const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t top_k,
+                  const float* scale, void* dst, cudaStream_t stream);
+
+// h[r] = round(silu(gate) * up) for kept rows; gate_up rows past the kept ones are set to zero.
+Status SwigluForward(Dtype dtype, void* gate_up, void* h, const int32_t* expert_offsets,
+                     int64_t num_experts, int64_t rows, int64_t intermediate, cudaStream_t stream);
+
+// out[t] = sum_k (weights[t,k] or 1) * row_values[row_of_pair[t*K+k]], float32, k in order.
+Status CombineRows(Dtype dtype, const void* row_values, const int32_t* row_of_pair, const float* weights,
+                   int64_t tokens, int64_t top_k, int64_t width, void* out, cudaStream_t stream);
+
+// The SwiGLU backward of kept rows, given g = dy @ W_down^T (row r in row order):
+//   h = round(silu(zg) * zu); d_weights[pair] = <g, h>; dz = round(w * g * d(silu(zg) * zu)).
+// d_weights of dropped pairs is set to zero.
+Status SwigluBackward(Dtype dtype, const void* gate_up, const void* g, const float* weights,
+                      const int32_t* pair_of_row, const int32_t* row_of_pair, const int32_t* expert_offsets,
+                      int64_t num_experts, int64_t rows, int64_t intermediate, void* h, void* dz,
+                      float* d_weights, cudaStream_t stream);
+
+// Zeroes the `per_expert` elements of expert e in `w` for every expert without rows.
+Status ZeroEmptyExperts(Dtype dtype, const int32_t* expert_offsets, int64_t num_experts, int64_t per_expert,
+                        void* w, cudaStream_t stream);
+
+// Tensor-core (CUTLASS sm90) grouped GEMMs need bf16 and 16-byte aligned rows; otherwise the SIMT path.
+bool UseTensorCores(Dtype dtype, int64_t hidden, int64_t intermediate);
+
+// Row-grouped GEMM: d[rows of e] = a[rows of e] @ B_e, a [rows, k], d [rows, n].
+// B_e = b + e*k*n holds [k, n] row-major, or [n, k] row-major when `b_transposed`.
+Status RowsGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, void* d,
+                const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t n, int64_t k,
+                bool b_transposed, const Scratch& scratch, cudaStream_t stream);
+
+// Expert-grouped weight GEMM: d_e = a[rows of e]^T @ b[rows of e], a [rows, m], b [rows, n], d [E, m, n].
+// Experts without rows get zeros.
+Status WeightGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, void* d,
+                  const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t m, int64_t n,
+                  const Scratch& scratch, cudaStream_t stream);
+
+// The CUTLASS instantiations behind RowsGemm / WeightGemm for bf16, one per .cu (grouped_gemm_*.cu).
+namespace cutlass_gemm {
+Status RowsGemmNN(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
+                  int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream);
+Status RowsGemmNT(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
+                  int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream);
+Status WeightGemmTN(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
+                    int64_t m, int64_t n, const Scratch& scratch, cudaStream_t stream);
+}  // namespace cutlass_gemm
+
+}  // namespace jmm::cuda

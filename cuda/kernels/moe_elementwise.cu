@@ -1,0 +1,242 @@
+// Memory-bound MoE kernels: row gather, SwiGLU forward/backward, the fixed-order combine, zero fills.
+// Rounding points follow cuda/cpu/moe.cc: values are rounded to the storage type where it stores them.
+#include <cuda_bf16.h>
+
+#include "jmm/moe_cuda.h"
+
+namespace jmm::cuda {
+namespace {
+
+__device__ __forceinline__ float ToFloat(float v) { return v; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float v);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+template <typename T>
+__device__ __forceinline__ float Round(float v) { return ToFloat(FromFloat<T>(v)); }
+
+__device__ __forceinline__ float Sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+// V consecutive elements moved as one access (16 bytes when the row width allows it).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+template <typename T>
+constexpr int kWideVec = 16 / sizeof(T);
+
+// Calls fn(std::integral_constant<int, V>) with the widest V that divides `width`.
+template <typename T, typename Fn>
+Status WithVectorWidth(int64_t width, Fn&& fn) {
+  if (width % kWideVec<T> == 0) return fn(std::integral_constant<int, kWideVec<T>>{});
+  return fn(std::integral_constant<int, 1>{});
+}
+
+Status LaunchStatus(const char* what) {
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return std::string(what) + " launch failed: " + cudaGetErrorString(err);
+  }
+  return {};
+}
+
+template <typename T, int V, bool kScaled>
+__global__ void GatherRowsKernel(const T* src, int64_t width, const int32_t* pair_of_row,
+                                 const int32_t* kept_rows, int top_k, const float* scale, T* dst) {
+  const int64_t r = blockIdx.x;
+  if (r >= *kept_rows) return;
+  const int32_t pair = pair_of_row[r];
+  const auto* in = reinterpret_cast<const Vec<T, V>*>(src + static_cast<int64_t>(pair / top_k) * width);
+  auto* out = reinterpret_cast<Vec<T, V>*>(dst + r * width);
+  const float w = kScaled ? scale[pair] : 1.0f;
+  for (int64_t i = threadIdx.x; i < width / V; i += blockDim.x) {
+    Vec<T, V> v = in[i];
+    if constexpr (kScaled) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) v.v[j] = FromFloat<T>(w * ToFloat(v.v[j]));
+    }
+    out[i] = v;
+  }
+}
+
+template <typename T>
+__global__ void SwigluForwardKernel(T* gate_up, T* h, const int32_t* kept_rows, int64_t intermediate) {
+  const int64_t r = blockIdx.x;
+  T* z = gate_up + r * 2 * intermediate;
+  if (r >= *kept_rows) {
+    for (int64_t i = threadIdx.x; i < 2 * intermediate; i += blockDim.x) z[i] = FromFloat<T>(0.0f);
+    return;
+  }
+  for (int64_t i = threadIdx.x; i < intermediate; i += blockDim.x) {
+    const float g = ToFloat(z[i]), u = ToFloat(z[intermediate + i]);
+    h[r * intermediate + i] = FromFloat<T>(g * Sigmoid(g) * u);
+  }
+}
+
+template <typename T, int V>
+__global__ void CombineRowsKernel(const T* row_values, const int32_t* row_of_pair, const float* weights,
+                                  int top_k, int64_t width, T* out) {
+  const int64_t t = blockIdx.x;
+  for (int64_t i = threadIdx.x; i < width / V; i += blockDim.x) {
+    float acc[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = 0.0f;
+    for (int k = 0; k < top_k; ++k) {
+      const int32_t r = row_of_pair[t * top_k + k];
+      if (r < 0) continue;
+      const float w = weights ? weights[t * top_k + k] : 1.0f;
+      const Vec<T, V> v = reinterpret_cast<const Vec<T, V>*>(row_values + r * width)[i];
+#pragma unroll
+      for (int j = 0; j < V; ++j) acc[j] += w * ToFloat(v.v[j]);
+    }
+    Vec<T, V> o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) o.v[j] = FromFloat<T>(acc[j]);
+    reinterpret_cast<Vec<T, V>*>(out + t * width)[i] = o;
+  }
+}
+
+constexpr int kRowThreads = 256;
+
+// Sum over the block in a fixed tree order (deterministic); every thread gets the result.
+__device__ float BlockSum(float v) {
+  __shared__ float partial[kRowThreads / 32];
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kRowThreads / 32; ++w) total += partial[w];
+  return total;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kRowThreads) SwigluBackwardKernel(
+    const T* gate_up, const T* g, const float* weights, const int32_t* pair_of_row, const int32_t* kept_rows,
+    int64_t intermediate, T* h, T* dz, float* d_weights) {
+  const int64_t r = blockIdx.x;
+  if (r >= *kept_rows) return;  // uniform per block, so BlockSum's barrier is safe
+  const int32_t pair = pair_of_row[r];
+  const float w = weights[pair];
+  const T* z = gate_up + r * 2 * intermediate;
+  float dw = 0.0f;
+  for (int64_t i = threadIdx.x; i < intermediate; i += blockDim.x) {
+    const float zg = ToFloat(z[i]), zu = ToFloat(z[intermediate + i]);
+    const float grad = ToFloat(g[r * intermediate + i]);
+    const float sig = Sigmoid(zg), silu = zg * sig;
+    const float act = Round<T>(silu * zu);
+    h[r * intermediate + i] = FromFloat<T>(act);
+    dw += grad * act;
+    const float dact = w * grad;
+    dz[r * 2 * intermediate + i] = FromFloat<T>(dact * zu * sig * (1.0f + zg * (1.0f - sig)));
+    dz[r * 2 * intermediate + intermediate + i] = FromFloat<T>(dact * silu);
+  }
+  dw = BlockSum(dw);
+  if (threadIdx.x == 0) d_weights[pair] = dw;
+}
+
+__global__ void ZeroDroppedWeightsKernel(const int32_t* row_of_pair, int64_t num_pairs, float* d_weights) {
+  const int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (p < num_pairs && row_of_pair[p] < 0) d_weights[p] = 0.0f;
+}
+
+template <typename T>
+__global__ void ZeroEmptyExpertsKernel(const int32_t* offsets, int64_t per_expert, T* w) {
+  const int e = blockIdx.y;
+  if (offsets[e + 1] > offsets[e]) return;
+  T* we = w + e * per_expert;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < per_expert;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    we[i] = FromFloat<T>(0.0f);
+  }
+}
+
+template <typename Fn>
+Status WithType(Dtype dtype, Fn&& fn) {
+  if (dtype == Dtype::kBFloat16) return fn(static_cast<__nv_bfloat16*>(nullptr));
+  return fn(static_cast<float*>(nullptr));
+}
+
+}  // namespace
+
+Status GatherRows(Dtype dtype, const void* src, int64_t width, const int32_t* pair_of_row,
+                  const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t top_k,
+                  const float* scale, void* dst, cudaStream_t stream) {
+  if (rows == 0) return {};
+  return WithType(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    return WithVectorWidth<T>(width, [&](auto v) {
+      constexpr int V = decltype(v)::value;
+      const T* s = static_cast<const T*>(src);
+      T* d = static_cast<T*>(dst);
+      const int32_t* kept = expert_offsets + num_experts;
+      if (scale) {
+        GatherRowsKernel<T, V, true><<<rows, 128, 0, stream>>>(s, width, pair_of_row, kept, top_k, scale, d);
+      } else {
+        GatherRowsKernel<T, V, false><<<rows, 128, 0, stream>>>(s, width, pair_of_row, kept, top_k, scale, d);
+      }
+      return LaunchStatus("gather rows");
+    });
+  });
+}
+
+Status SwigluForward(Dtype dtype, void* gate_up, void* h, const int32_t* expert_offsets,
+                     int64_t num_experts, int64_t rows, int64_t intermediate, cudaStream_t stream) {
+  if (rows == 0) return {};
+  return WithType(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    SwigluForwardKernel<T><<<rows, 128, 0, stream>>>(static_cast<T*>(gate_up), static_cast<T*>(h),
+                                                     expert_offsets + num_experts, intermediate);
+    return LaunchStatus("swiglu forward");
+  });
+}
+
+Status CombineRows(Dtype dtype, const void* row_values, const int32_t* row_of_pair, const float* weights,
+                   int64_t tokens, int64_t top_k, int64_t width, void* out, cudaStream_t stream) {
+  if (tokens == 0) return {};
+  return WithType(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    return WithVectorWidth<T>(width, [&](auto v) {
+      constexpr int V = decltype(v)::value;
+      CombineRowsKernel<T, V><<<tokens, 128, 0, stream>>>(static_cast<const T*>(row_values), row_of_pair,
+                                                          weights, static_cast<int>(top_k), width,
+                                                          static_cast<T*>(out));
+      return LaunchStatus("combine rows");
+    });
+  });
+}
+
+Status SwigluBackward(Dtype dtype, const void* gate_up, const void* g, const float* weights,
+                      const int32_t* pair_of_row, const int32_t* row_of_pair, const int32_t* expert_offsets,
+                      int64_t num_experts, int64_t rows, int64_t intermediate, void* h, void* dz,
+                      float* d_weights, cudaStream_t stream) {
+  if (rows == 0) return {};
+  ZeroDroppedWeightsKernel<<<(rows + 255) / 256, 256, 0, stream>>>(row_of_pair, rows, d_weights);
+  if (Status s = LaunchStatus("zero dropped weights"); !s.empty()) return s;
+  return WithType(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    SwigluBackwardKernel<T><<<rows, kRowThreads, 0, stream>>>(
+        static_cast<const T*>(gate_up), static_cast<const T*>(g), weights, pair_of_row,
+        expert_offsets + num_experts, intermediate, static_cast<T*>(h), static_cast<T*>(dz), d_weights);
+    return LaunchStatus("swiglu backward");
+  });
+}
+
+Status ZeroEmptyExperts(Dtype dtype, const int32_t* expert_offsets, int64_t num_experts, int64_t per_expert,
+                        void* w, cudaStream_t stream) {
+  if (num_experts == 0 || per_expert == 0) return {};
+  return WithType(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int64_t blocks = std::min<int64_t>((per_expert + 255) / 256, 64);
+    ZeroEmptyExpertsKernel<T><<<dim3(blocks, num_experts), 256, 0, stream>>>(expert_offsets, per_expert,
+                                                                             static_cast<T*>(w));
+    return LaunchStatus("zero empty experts");
+  });
+}
+
+}  // namespace jmm::cuda

@@ -1,0 +1,73 @@
+"""Problem generators and error measures shared by the MoE tests (CPU and GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    tokens: int
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    routing: str = "uniform"  # uniform | zipf | one_expert | empty_experts | out_of_range
+
+    def __str__(self):
+        return f"T{self.tokens}-H{self.hidden}-I{self.inter}-E{self.experts}-K{self.top_k}-{self.routing}"
+
+
+def seeded_rng(*parts) -> np.random.Generator:
+    """A generator seeded from the test's parameters: fresh inputs per check, reproducible failures."""
+    return np.random.default_rng(zlib.crc32(repr(parts).encode()))
+
+
+def make_routing(rng: np.random.Generator, case: Case) -> tuple[np.ndarray, np.ndarray]:
+    """Returns `(weights [T,K] float32, experts [T,K] int32)` with distinct experts per token."""
+    t, e, k = case.tokens, case.experts, case.top_k
+    if case.routing == "zipf":
+        probs = 1.0 / np.arange(1, e + 1) ** 1.2
+    elif case.routing == "empty_experts":
+        probs = np.zeros(e)
+        probs[: max(k, e // 2)] = 1.0  # the upper half of the experts gets no token
+    else:
+        probs = np.ones(e)
+    probs = probs / probs.sum()
+    experts = np.stack([rng.choice(e, size=k, replace=False, p=probs) for _ in range(t)]).astype(np.int32)
+    if case.routing == "one_expert":
+        experts[:, 0] = 0
+        experts[:, 1:] = (experts[:, 1:] % (e - 1)) + 1 if e > 1 else 0
+    if case.routing == "out_of_range":
+        experts[rng.random((t, k)) < 0.3] = e + 3
+        experts[0, 0] = -1
+    weights = rng.random((t, k)).astype(np.float32) + 0.1
+    return weights / weights.sum(axis=1, keepdims=True), experts
+
+
+def make_problem(rng: np.random.Generator, case: Case, dtype) -> tuple:
+    """Fresh random `(x, weights, experts, w_gate_up, w_down)` in `dtype` (weights stay float32)."""
+    h, i, e = case.hidden, case.inter, case.experts
+    x = rng.standard_normal((case.tokens, h))
+    w_gate_up = rng.standard_normal((e, h, 2 * i)) / np.sqrt(h)
+    w_down = rng.standard_normal((e, i, h)) / np.sqrt(i)
+    weights, experts = make_routing(rng, case)
+    return (jnp.asarray(x, dtype), jnp.asarray(weights), jnp.asarray(experts),
+            jnp.asarray(w_gate_up, dtype), jnp.asarray(w_down, dtype))
+
+
+def rel_error(actual, expected) -> float:
+    """Normwise relative error ||a - b|| / ||b|| in float64; NaN anywhere gives inf."""
+    a = np.asarray(actual, dtype=np.float64)
+    b = np.asarray(expected, dtype=np.float64)
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        return float("inf")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# normwise tolerance per dtype against a float32/float64 reference (DESIGN §6)
+TOLERANCE = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 1e-2, "float16": 3e-3}
