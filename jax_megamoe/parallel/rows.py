@@ -1,0 +1,62 @@
+"""Moving token rows between token order and per-destination send buffers, deterministically.
+
+`dispatch_rows` (gather tokens into `[ep, C, F]` slots) and `combine_rows` (sum each token's returned
+rows over destinations) are each other's transposes. Both are written as gathers, and each one's VJP
+is the other, so neither the forward nor the backward needs a floating-point scatter-add with
+colliding indices (which runs with atomics, in no fixed order, on GPUs).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _accumulation_dtype(dtype) -> jnp.dtype:
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+@jax.custom_vjp
+def dispatch_rows(x: jax.Array, token: jax.Array, slot: jax.Array) -> jax.Array:
+    """`out[d, c] = x[token[d, c]]`, zero where `token[d, c]` is out of range. `x [T, F]` -> `[ep, C, F]`.
+
+    `slot [T, ep]` is the inverse map (slot of token t at destination d, or -1); it defines the VJP.
+    """
+    return x.at[token].get(mode="fill", fill_value=0)
+
+
+@jax.custom_vjp
+def combine_rows(rows: jax.Array, slot: jax.Array, token: jax.Array) -> jax.Array:
+    """`out[t] = sum_d rows[d, slot[t, d]]` over the destinations that hold t, in order d = 0, 1, ...
+
+    Accumulates in float32 (or wider) and returns `rows`' dtype. `rows [ep, C, F]` -> `[T, F]`.
+    """
+    ep, capacity = rows.shape[:2]
+    slot = jnp.where(slot >= 0, slot, capacity)  # -1 would wrap around; `capacity` is out of range: zero
+    acc = jnp.zeros((slot.shape[0], rows.shape[2]), _accumulation_dtype(rows.dtype))
+    for d in range(ep):
+        part = rows[d].at[slot[:, d]].get(mode="fill", fill_value=0)
+        acc = acc + part.astype(acc.dtype)
+    return acc.astype(rows.dtype)
+
+
+def _dispatch_fwd(x, token, slot):
+    return dispatch_rows(x, token, slot), (token, slot)
+
+
+def _dispatch_bwd(residuals, d_out):
+    token, slot = residuals
+    return combine_rows(d_out, slot, token), None, None
+
+
+def _combine_fwd(rows, slot, token):
+    return combine_rows(rows, slot, token), (slot, token)
+
+
+def _combine_bwd(residuals, d_out):
+    slot, token = residuals
+    return dispatch_rows(d_out, token, slot), None, None
+
+
+dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
+combine_rows.defvjp(_combine_fwd, _combine_bwd)
