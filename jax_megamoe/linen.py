@@ -27,6 +27,7 @@ class MoE(nn.Module):
     capacity_factor: float | None = None
     backend: str | ExpertFn = "auto"
     expert_axis: str | None = None
+    ep_backend: str = "auto"
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Any = None
@@ -49,5 +50,5 @@ class MoE(nn.Module):
         y, aux = moe_block(tokens.astype(dtype), router_logits, w_gate_up.astype(dtype), w_down.astype(dtype),
                            top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
                            capacity_factor=self.capacity_factor, backend=self.backend,
-                           expert_axis=self.expert_axis)
+                           expert_axis=self.expert_axis, ep_backend=self.ep_backend)
         return y.reshape(*x.shape[:-1], hidden), aux

@@ -59,20 +59,23 @@ def apply_capacity(experts: jax.Array, num_experts: int, capacity_factor: float)
     return jnp.where(keep, flat, -1).reshape(experts.shape), jnp.sum(~keep, dtype=jnp.int32)
 
 
-def _expert_parallel_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, backend, capacity_factor):
+def _expert_parallel_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, backend, ep_backend,
+                         capacity_factor):
     """`moe_ffn_ep` under `shard_map`: tokens split over every mesh axis, experts over `expert_axis`."""
-    from jax_megamoe import moe_ffn_ep  # written alongside this layer; imported where used
+    from jax_megamoe.parallel import moe_ffn_ep  # imported where used: plain single-device use skips it
 
     num_shards = math.prod(mesh.shape.values())
     if x.shape[0] % num_shards:
         raise ValueError(f"expert parallelism splits the {x.shape[0]} tokens over all {num_shards} devices of the "
                          f"mesh {dict(mesh.shape)}; the token count must be divisible by {num_shards}")
-    tokens = P(tuple(mesh.axis_names))
+    all_axes = tuple(mesh.axis_names)
+    tokens = P(all_axes)
 
     def shard_fn(x, weights, experts, w_gate_up, w_down):
-        y, stats = moe_ffn_ep(x, weights, experts, w_gate_up, w_down, axis_name=expert_axis, backend=backend,
-                              capacity_factor=capacity_factor, return_stats=True)
-        return y, jax.lax.psum(stats.dropped_pairs, tuple(mesh.axis_names))
+        y, stats = moe_ffn_ep(x, weights, experts, w_gate_up, w_down, axis_name=expert_axis, backend=ep_backend,
+                              local_backend=backend, capacity_factor=capacity_factor, return_stats=True,
+                              num_experts=w_gate_up.shape[0] * mesh.shape[expert_axis])
+        return y, jax.lax.psum(stats.pairs_dropped, all_axes)
 
     return jax.shard_map(shard_fn, mesh=mesh, in_specs=(tokens, tokens, tokens, P(expert_axis), P(expert_axis)),
                          out_specs=(tokens, P()))(x, weights, experts, w_gate_up, w_down)
@@ -80,13 +83,14 @@ def _expert_parallel_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert
 
 def moe_block(x: jax.Array, router_logits: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, top_k: int,
               norm_topk_prob: bool = True, capacity_factor: float | None = None,
-              backend: str | ExpertFn = "auto", expert_axis: str | None = None) -> tuple[jax.Array, MoEAux]:
+              backend: str | ExpertFn = "auto", expert_axis: str | None = None,
+              ep_backend: str = "auto") -> tuple[jax.Array, MoEAux]:
     """Routes `x [T, H]` by `router_logits [T, E]` and runs the experts; returns `(y [T, H], MoEAux)`.
 
     `w_gate_up [E, H, 2I]` and `w_down [E, I, H]` must already be in x's dtype. `backend` is a
     `moe_ffn` backend name, or a function with `moe_ffn`'s positional signature (a baseline to compare
     against; single-device only). Expert parallelism is used when `expert_axis` is an axis of the active
-    mesh (`jax.set_mesh`) with more than one device.
+    mesh (`jax.set_mesh`) with more than one device; `ep_backend` is then `moe_ffn_ep`'s transport.
     """
     num_experts = router_logits.shape[-1]
     weights, experts = route(router_logits, top_k, norm_topk_prob)
@@ -97,7 +101,7 @@ def moe_block(x: jax.Array, router_logits: jax.Array, w_gate_up: jax.Array, w_do
         if callable(backend):
             raise ValueError("a callable backend runs on one device only; use a backend name with expert_axis")
         y, dropped = _expert_parallel_ffn(mesh, x, weights, experts, w_gate_up, w_down, expert_axis=expert_axis,
-                                          backend=backend, capacity_factor=capacity_factor)
+                                          backend=backend, ep_backend=ep_backend, capacity_factor=capacity_factor)
         return y, MoEAux(*aux_losses, dropped)
     dropped = jnp.zeros((), jnp.int32)
     if capacity_factor is not None:
@@ -138,6 +142,7 @@ class MoE(nnx.Module):
         `moe_ffn`'s positional signature (single device).
       expert_axis: mesh axis that holds the experts; under an active mesh (`jax.set_mesh`) with that axis,
         the layer runs `moe_ffn_ep` inside `shard_map` (tokens split over all mesh axes).
+      ep_backend: `moe_ffn_ep`'s transport (`"auto"`, `"xla"`, `"ragged"`) under expert parallelism.
       dtype: compute dtype (x and the expert weights are cast to it); None keeps x's dtype.
       param_dtype: parameter storage dtype.
       kernel_init, router_init: initialisers of the expert weights and the router kernel.
@@ -145,7 +150,8 @@ class MoE(nnx.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  norm_topk_prob: bool = True, capacity_factor: float | None = None,
-                 backend: str | ExpertFn = "auto", expert_axis: str | None = None, dtype=None,
+                 backend: str | ExpertFn = "auto", expert_axis: str | None = None, ep_backend: str = "auto",
+                 dtype=None,
                  param_dtype=jnp.float32, kernel_init: nnx.Initializer | None = None,
                  router_init: nnx.Initializer = nnx.initializers.normal(0.02), rngs: nnx.Rngs):
         check_layer_args(hidden_size, intermediate_size, num_experts, top_k, capacity_factor)
@@ -154,6 +160,7 @@ class MoE(nnx.Module):
         self.capacity_factor = capacity_factor
         self.backend = backend
         self.expert_axis = expert_axis
+        self.ep_backend = ep_backend
         self.dtype = dtype
         self.router = nnx.Linear(hidden_size, num_experts, use_bias=False, dtype=jnp.float32,
                                  param_dtype=param_dtype, kernel_init=router_init, rngs=rngs)
@@ -178,5 +185,6 @@ class MoE(nnx.Module):
         router_logits = self.router(tokens.astype(jnp.float32))
         y, aux = moe_block(tokens.astype(dtype), router_logits, self.w_gate_up[...].astype(dtype),
                            self.w_down[...].astype(dtype), top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
-                           capacity_factor=self.capacity_factor, backend=self.backend, expert_axis=self.expert_axis)
+                           capacity_factor=self.capacity_factor, backend=self.backend, expert_axis=self.expert_axis,
+                           ep_backend=self.ep_backend)
         return y.reshape(*x.shape[:-1], y.shape[-1]), aux
