@@ -1,0 +1,364 @@
+"""moe_ffn_ep under jax.shard_map on 8 host CPU devices, against the single-device reference."""
+
+from __future__ import annotations
+
+import functools
+import math
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_megamoe as jmm
+from jax_megamoe import reference
+from jax_megamoe.parallel import EPStats, moe_ffn_ep, transport
+
+# One gathered problem size for every mesh, so each jitted function compiles once per mesh (CI has 2 cores).
+TOKENS, HIDDEN, INTER, EXPERTS, TOP_K = 64, 16, 8, 16, 4
+MESHES = {  # name -> (shape, axis names); tokens are sharded over every axis, experts over "expert"
+    "ep1": ((1,), ("expert",)),
+    "ep2": ((2,), ("expert",)),
+    "ep4": ((4,), ("expert",)),  # K == E_local
+    "ep8": ((8,), ("expert",)),  # K > E_local: rows carry per-local-expert summed weights
+    "data2xep4": ((2, 4), ("data", "expert")),
+}
+
+
+def make_mesh(name: str) -> Mesh:
+    shape, names = MESHES[name]
+    return Mesh(np.array(jax.devices()[:math.prod(shape)]).reshape(shape), names)
+
+
+def rng_for(*parts) -> np.random.Generator:
+    """Fresh inputs per test, reproducible from its parameters."""
+    return np.random.default_rng(zlib.crc32(repr(parts).encode()))
+
+
+def make_routing(rng, tokens: int, routing: str, experts: int = EXPERTS, top_k: int = TOP_K):
+    """`(weights [T, K] float32, experts [T, K] int32)` for one routing pattern (global expert ids)."""
+    if routing == "uniform":
+        probs = np.ones(experts)
+    elif routing == "zipf":  # skewed: expert popularity ~ 1 / rank^1.2, ranks shuffled over the shards
+        probs = 1.0 / rng.permutation(np.arange(1, experts + 1)) ** 1.2
+    elif routing == "all_to_one":  # every pair goes to the last shard's experts; its first expert gets every token
+        probs = None
+    elif routing == "empty":  # even ids of the lower half only: empty experts and whole empty shards
+        probs = np.where((np.arange(experts) % 2 == 0) & (np.arange(experts) < experts // 2), 1.0, 0.0)
+    else:
+        raise AssertionError(routing)
+    if probs is None:
+        ids = np.tile(experts - 1 - np.arange(top_k), (tokens, 1))
+    else:
+        ids = np.stack([rng.choice(experts, top_k, replace=False, p=probs / probs.sum()) for _ in range(tokens)])
+    weights = rng.random((tokens, top_k)) + 0.1
+    return (weights / weights.sum(1, keepdims=True)).astype(np.float32), ids.astype(np.int32)
+
+
+def make_problem(rng, tokens: int, routing: str, dtype=jnp.float32, experts: int = EXPERTS, top_k: int = TOP_K):
+    """The gathered problem `(x, weights, experts, w_gate_up, w_down)` plus a cotangent for `y`."""
+    weights, ids = make_routing(rng, tokens, routing, experts, top_k)
+    x = rng.standard_normal((tokens, HIDDEN))
+    w_gate_up = rng.standard_normal((experts, HIDDEN, 2 * INTER)) / np.sqrt(HIDDEN)
+    w_down = rng.standard_normal((experts, INTER, HIDDEN)) / np.sqrt(INTER)
+    dy = rng.standard_normal((tokens, HIDDEN))
+    return (jnp.asarray(x, dtype), jnp.asarray(weights), jnp.asarray(ids), jnp.asarray(w_gate_up, dtype),
+            jnp.asarray(w_down, dtype)), jnp.asarray(dy, jnp.float32)
+
+
+def ep_function(mesh: Mesh, **options):
+    """`moe_ffn_ep` under shard_map: tokens sharded over all mesh axes, experts over "expert"."""
+    tokens, experts = P(mesh.axis_names), P("expert")
+
+    def body(*args):
+        return moe_ffn_ep(*args, **options)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts), out_specs=tokens)
+
+
+def value_and_grads(fn, args, dy):
+    """`fn(*args)` and the gradients of `<fn(*args), dy>` in x, weights, w_gate_up, w_down."""
+    def loss(x, weights, w_gate_up, w_down):
+        y = fn(x, weights, args[2], w_gate_up, w_down)
+        return jnp.sum(y.astype(jnp.float32) * dy), y
+
+    grads, y = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(args[0], args[1], args[3], args[4])
+    return y, grads
+
+
+@functools.cache
+def jitted_value_and_grads(fn):
+    return jax.jit(functools.partial(value_and_grads, fn))
+
+
+@functools.cache
+def ep_value_and_grads(mesh_name: str, **options):
+    """Jitted forward and gradients of `moe_ffn_ep` on a named mesh, compiled once per options."""
+    return jitted_value_and_grads(ep_function(make_mesh(mesh_name), **options))
+
+
+def rel_error(actual, expected) -> float:
+    """Normwise relative error in float64; inf if anything is not finite."""
+    a, b = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("inf")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_matches_reference(value_and_grads_fn, args, dy, tol=1e-5, reference_args=None):
+    """Forward and all four gradients against the reference on `reference_args` (default `args`)."""
+    reference_args = args if reference_args is None else reference_args
+    y, grads = value_and_grads_fn(args, dy)
+    y_ref, grads_ref = jitted_value_and_grads(reference.moe_ffn)(reference_args, dy)
+    for name, got, want in zip(("y", "dx", "d_weights", "d_w_gate_up", "d_w_down"), (y, *grads), (y_ref, *grads_ref)):
+        assert got.shape == want.shape, name
+        assert rel_error(got, want) <= tol, f"{name}: relative error {rel_error(got, want):.2e} > {tol}"
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "all_to_one", "empty"])
+def test_matches_single_device_reference(mesh_name, routing):
+    args, dy = make_problem(rng_for(mesh_name, routing), TOKENS, routing)
+    assert_matches_reference(ep_value_and_grads(mesh_name, backend="xla"), args, dy)
+
+
+@pytest.mark.parametrize("mesh_name", ["ep2", "ep8"])
+def test_repeated_and_out_of_range_ids(mesh_name):
+    """Repeated ids in a token's top-k count twice; ids outside [0, E) contribute zero (as in moe_ffn)."""
+    (x, weights, ids, w_gate_up, w_down), dy = make_problem(rng_for(mesh_name), TOKENS, "uniform")
+    ids = ids.at[0, 1].set(ids[0, 0]).at[1, :].set(ids[1, 0]).at[2, 0].set(-1).at[3, 2].set(EXPERTS)
+    assert_matches_reference(ep_value_and_grads(mesh_name, backend="xla"), (x, weights, ids, w_gate_up, w_down), dy)
+
+
+def test_bfloat16_close_to_float32_reference():
+    args, dy = make_problem(rng_for("bf16"), TOKENS, "zipf", dtype=jnp.bfloat16)
+    args32 = tuple(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args)
+    assert_matches_reference(ep_value_and_grads("data2xep4"), args, dy, tol=1e-2, reference_args=args32)
+
+
+@functools.cache
+def stats_function(mesh_name: str, **options):
+    """`moe_ffn_ep` with its stats: `(y, expert_counts [devices * E_local], received [devices], dropped [devices])`."""
+    mesh = make_mesh(mesh_name)
+    tokens, experts, devices = P(mesh.axis_names), P("expert"), P(mesh.axis_names)
+
+    def body(*args):
+        y, stats = moe_ffn_ep(*args, return_stats=True, **options)
+        return y, stats.expert_counts, stats.pairs_received[None], stats.pairs_dropped[None]
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts),
+                                 out_specs=(tokens, devices, devices, devices)))
+
+
+def expected_capacity(ids: np.ndarray, mesh: Mesh, pair_capacity: int):
+    """Independent model of the capacity rule: `(kept [T, K] bool, counts [devices, E_local], dropped [devices])`.
+
+    Each device (a source) sends at most `pair_capacity` pairs to each expert shard of its own row of
+    the mesh, in (token, k) order. The receiver of source (row, col) for expert shard d is (row, d).
+    """
+    ep = mesh.shape["expert"]
+    local = EXPERTS // ep
+    devices = mesh.size
+    blocks = ids.reshape(devices, -1, ids.shape[1])
+    kept = np.zeros(blocks.shape, bool)
+    counts = np.zeros((devices, local), np.int64)
+    dropped = np.zeros(devices, np.int64)
+    for source in range(devices):
+        row = source // ep
+        sent = np.zeros(ep, np.int64)
+        for t, k in np.ndindex(blocks.shape[1:]):
+            expert = blocks[source, t, k]
+            if not 0 <= expert < EXPERTS:
+                continue
+            dest = expert // local
+            receiver = row * ep + dest
+            if sent[dest] < pair_capacity:
+                kept[source, t, k] = True
+                counts[receiver, expert % local] += 1
+            else:
+                dropped[receiver] += 1
+            sent[dest] += 1
+    return kept.reshape(ids.shape), counts, dropped
+
+
+def check_capacity(mesh_name, routing, capacity_factor, **options):
+    """Stats equal the independent model; output and gradients equal the reference without the dropped pairs."""
+    mesh = make_mesh(mesh_name)
+    args, dy = make_problem(rng_for(mesh_name, routing, capacity_factor), TOKENS, routing)
+    ep = mesh.shape["expert"]
+    local_tokens = TOKENS // mesh.size
+    pair_capacity = local_tokens * TOP_K
+    if capacity_factor is not None:
+        pair_capacity = math.ceil(capacity_factor * local_tokens * TOP_K / ep)
+    kept, counts, dropped = expected_capacity(np.asarray(args[2]), mesh, pair_capacity)
+    if capacity_factor is not None:
+        assert dropped.sum() > 0, "test case must overflow"
+
+    _, expert_counts, received, got_dropped = stats_function(mesh_name, capacity_factor=capacity_factor,
+                                                             **options)(*args)
+    np.testing.assert_array_equal(np.asarray(expert_counts).reshape(mesh.size, -1), counts)
+    np.testing.assert_array_equal(np.asarray(received), counts.sum(1))
+    np.testing.assert_array_equal(np.asarray(got_dropped), dropped)
+    assert int(np.sum(received)) + int(np.sum(dropped)) == TOKENS * TOP_K
+
+    # Dropped pairs behave as out-of-range ids: zero output, zero gradient.
+    reference_args = (args[0], args[1], jnp.where(kept, args[2], -1), args[3], args[4])
+    assert_matches_reference(ep_value_and_grads(mesh_name, capacity_factor=capacity_factor, **options), args, dy,
+                             reference_args=reference_args)
+
+
+@pytest.mark.parametrize("mesh_name,routing,capacity_factor", [
+    ("ep4", "zipf", 0.5), ("ep4", "all_to_one", 1.0), ("data2xep4", "zipf", 0.75), ("ep8", "uniform", 0.3),
+    ("ep2", "uniform", None)])
+def test_capacity_drops_are_counted_exactly(mesh_name, routing, capacity_factor):
+    check_capacity(mesh_name, routing, capacity_factor, backend="xla")
+
+
+def test_bitwise_deterministic():
+    args, dy = make_problem(rng_for("determinism"), TOKENS, "zipf")
+    first = ep_value_and_grads("ep8")(args, dy)
+    fresh = jax.jit(functools.partial(value_and_grads, ep_function(make_mesh("ep8"))))  # a fresh trace and compile
+    for again in (ep_value_and_grads("ep8")(args, dy), fresh(args, dy)):
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def check_named_sharding(mesh: Mesh):
+    args, dy = make_problem(rng_for("named"), TOKENS, "uniform")
+    specs = (P(mesh.axis_names),) * 3 + (P("expert"),) * 2
+    sharded = tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(args, specs))
+    dy_sharded = jax.device_put(dy, NamedSharding(mesh, P(mesh.axis_names)))
+    fn = jitted_value_and_grads(ep_function(mesh))
+    y, grads = fn(sharded, dy_sharded)
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(mesh.axis_names)), y.ndim)
+    assert grads[2].sharding.is_equivalent_to(NamedSharding(mesh, P("expert")), 3)  # weight grads stay sharded
+    assert_matches_reference(fn, sharded, dy, reference_args=args)  # the reference on unsharded inputs
+
+
+def test_jit_with_named_sharding_inputs():
+    check_named_sharding(make_mesh("data2xep4"))
+
+
+def test_jit_with_explicit_axes_mesh():
+    """`jax.make_mesh` gives Explicit axes by default; jit then runs under `jax.set_mesh`."""
+    mesh = jax.make_mesh(*MESHES["data2xep4"])
+    with jax.set_mesh(mesh):
+        check_named_sharding(mesh)
+
+
+def test_under_checkpoint():
+    args, dy = make_problem(rng_for("remat"), TOKENS, "zipf")
+    outside = jitted_value_and_grads(jax.checkpoint(ep_function(make_mesh("data2xep4"))))
+    assert_matches_reference(outside, args, dy)
+    tokens, experts = P("expert"), P("expert")
+    inside = jax.shard_map(jax.checkpoint(lambda *a: moe_ffn_ep(*a)), mesh=make_mesh("ep4"),
+                           in_specs=(tokens,) * 3 + (experts,) * 2, out_specs=tokens)
+    assert_matches_reference(jitted_value_and_grads(inside), args, dy)
+
+
+def test_public_export_and_stats_type():
+    assert jmm.moe_ffn_ep is moe_ffn_ep
+    args, _ = make_problem(rng_for("stats type"), TOKENS, "uniform")
+
+    def body(*a):
+        y, stats = moe_ffn_ep(*a, return_stats=True)
+        assert isinstance(stats, EPStats)
+        assert stats.expert_counts.shape == (EXPERTS // 2,) and stats.pairs_dropped.shape == ()
+        assert stats.pairs_received.dtype == jnp.int32
+        return y
+
+    jax.jit(jax.shard_map(body, mesh=make_mesh("ep2"), in_specs=(P("expert"),) * 5, out_specs=P("expert")))(*args)
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name, axis_index_groups=None):
+    """`jax.lax.ragged_all_to_all` built from `all_to_all` (XLA:CPU lacks the op), for the ragged path's logic."""
+    ep = jax.lax.axis_size(axis_name)
+    rows = jnp.arange(operand.shape[0])
+    live = rows[None, :] < send_sizes[:, None]                                       # [ep, n]
+    source = operand.at[input_offsets[:, None] + rows[None, :]].get(mode="fill", fill_value=0)
+    blocks = jnp.where(live.reshape(live.shape + (1,) * (operand.ndim - 1)), source, 0)
+    received = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)
+    offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    for s in range(ep):
+        target = jnp.where(rows < recv_sizes[s], offsets[s] + rows, output.shape[0])
+        output = output.at[target].set(received[s], mode="drop")
+    return output
+
+
+def test_ragged_path_with_emulated_collective(monkeypatch):
+    monkeypatch.setattr(transport, "ragged_supported", lambda: True)
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    check_capacity("data2xep4", "zipf", None, backend="ragged")
+    check_capacity("ep4", "zipf", 0.5, backend="ragged")
+
+
+def test_ragged_path_lowers_with_the_real_collective(monkeypatch):
+    """XLA:CPU cannot compile ragged-all-to-all, but forward and backward must trace and lower."""
+    monkeypatch.setattr(transport, "ragged_supported", lambda: True)
+    args, dy = make_problem(rng_for("ragged lower"), TOKENS, "uniform")
+    fn = functools.partial(value_and_grads, ep_function(make_mesh("ep4"), backend="ragged"))
+    text = jax.jit(fn).lower(args, dy).as_text()
+    assert text.count("ragged_all_to_all") >= 6  # x, ids, weights there; y back; x, weights, y transposed
+
+
+def test_ragged_probe_and_auto_on_cpu():
+    assert transport.probe_ragged() is False
+    assert transport.ragged_supported() is False
+    args, dy = make_problem(rng_for("auto"), TOKENS, "uniform")
+    with pytest.raises(ValueError, match="backend='ragged'.*GPU"):
+        jax.jit(ep_function(make_mesh("ep2"), backend="ragged"))(*args)
+    assert_matches_reference(ep_value_and_grads("ep2", backend="auto"), args, dy)
+
+
+def test_local_backend_is_passed_through():
+    args, dy = make_problem(rng_for("local reference"), TOKENS, "zipf")
+    assert_matches_reference(ep_value_and_grads("ep2", local_backend="reference"), args, dy)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        jax.jit(ep_function(make_mesh("ep2"), local_backend="fast"))(*args)
+
+
+def call_on_ep4(args, **options):
+    return jax.jit(ep_function(make_mesh("ep4"), **options))(*args)
+
+
+@pytest.mark.parametrize("options,error,match", [
+    ({"backend": "nccl"}, ValueError, "backend must be one of"),
+    ({"capacity_factor": 0}, ValueError, "capacity_factor must be a finite number > 0"),
+    ({"capacity_factor": -1.5}, ValueError, "capacity_factor must be a finite number > 0"),
+    ({"capacity_factor": float("nan")}, ValueError, "capacity_factor must be a finite number > 0"),
+    ({"capacity_factor": float("inf")}, ValueError, "capacity_factor must be a finite number > 0"),
+    ({"capacity_factor": "1.0"}, TypeError, "capacity_factor must be None or a positive number"),
+    ({"num_experts": 18}, ValueError, "num_experts=18 is not divisible by the expert-axis size 4"),
+    ({"num_experts": 32}, ValueError, r"leading dimension num_experts / axis size = 32 / 4 = 8, got 4"),
+    ({"axis_name": "experts"}, ValueError, "axis_name 'experts' is not bound"),
+    ({"axis_name": ("expert",)}, TypeError, "axis_name must be a mesh axis name"),
+])
+def test_bad_options(options, error, match):
+    args, _ = make_problem(rng_for("bad"), TOKENS, "uniform")
+    with pytest.raises(error, match=match):
+        call_on_ep4(args, **options)
+
+
+def test_bad_arrays():
+    (x, weights, ids, w_gate_up, w_down), _ = make_problem(rng_for("bad arrays"), TOKENS, "uniform")
+    with pytest.raises(ValueError, match="weights must have shape"):
+        call_on_ep4((x, weights[:, :2], ids, w_gate_up, w_down))
+    with pytest.raises(ValueError, match="w_down must have shape"):
+        call_on_ep4((x, weights, ids, w_gate_up, w_down[:, :, :-1]))
+    with pytest.raises(ValueError, match="w_gate_up_local must have rank 3"):
+        call_on_ep4((x, weights, ids, w_gate_up[0], w_down))
+    with pytest.raises(TypeError, match="experts must hold integer"):
+        call_on_ep4((x, weights, ids.astype(jnp.float32), w_gate_up, w_down))
+    wide_ids, wide_weights = jnp.tile(ids, (1, 5))[:, :17], jnp.tile(weights, (1, 5))[:, :17]
+    with pytest.raises(ValueError, match="top_k must be in"):  # K = 17 > E = 16
+        call_on_ep4((x, wide_weights, wide_ids, w_gate_up, w_down))
+
+
+def test_unbound_axis_outside_shard_map():
+    args, _ = make_problem(rng_for("unbound"), 8, "uniform")
+    with pytest.raises(ValueError, match="axis_name 'expert' is not bound.*shard_map"):
+        moe_ffn_ep(*args)
