@@ -1,9 +1,9 @@
 """Flax NNX Mixture-of-Experts layer (Qwen3-MoE semantics) on `jax_megamoe`'s kernels.
 
 `MoE` owns the parameters; `moe_block` is the functional core it calls (shared with `jax_megamoe.linen`):
-router logits in float32 -> `route` -> optional capacity drop -> `moe_ffn` (one device) or
-`moe_ffn_ep` inside `jax.shard_map` (expert parallelism, when the layer's `expert_axis` is an axis of
-the active mesh).
+router logits in float32 -> `route` -> optional capacity drop -> `moe_ffn` on one device, or
+per shard inside `jax.shard_map` under an active multi-device mesh: `moe_ffn_ep` (expert parallelism)
+when the layer has an `expert_axis`, else `moe_ffn` on each shard's tokens.
 """
 
 from __future__ import annotations
@@ -33,12 +33,10 @@ class MoEAux(NamedTuple):
     dropped_pairs: jax.Array        # [] int32, pairs dropped by the capacity limit (0 when dropless)
 
 
-def expert_mesh_axis(expert_axis: str | None):
-    """Returns the active mesh when `expert_axis` names one of its axes with more than one device, else None."""
-    if expert_axis is None:
-        return None
+def active_mesh():
+    """The mesh set with `jax.set_mesh` when it spans more than one device, else None."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or expert_axis not in mesh.axis_names or mesh.shape[expert_axis] == 1:
+    if mesh.empty or math.prod(mesh.shape.values()) == 1:
         return None
     return mesh
 
@@ -59,25 +57,48 @@ def apply_capacity(experts: jax.Array, num_experts: int, capacity_factor: float)
     return jnp.where(keep, flat, -1).reshape(experts.shape), jnp.sum(~keep, dtype=jnp.int32)
 
 
-def _expert_parallel_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, backend, ep_backend,
-                         capacity_factor):
-    """`moe_ffn_ep` under `shard_map`: tokens split over every mesh axis, experts over `expert_axis`."""
-    from jax_megamoe.parallel import moe_ffn_ep  # imported where used: plain single-device use skips it
+def local_ffn(x, weights, experts, w_gate_up, w_down, *, backend, capacity_factor):
+    """The experts on one device: capacity drop (if any), then `moe_ffn`. Returns `(y, dropped_pairs)`."""
+    dropped = jnp.zeros((), jnp.int32)
+    if capacity_factor is not None:
+        experts, dropped = apply_capacity(experts, w_gate_up.shape[0], capacity_factor)
+    expert_fn = backend if callable(backend) else functools.partial(moe_ffn, backend=backend)
+    return expert_fn(x, weights, experts, w_gate_up, w_down), dropped
 
+
+def sharded_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, backend, ep_backend,
+                capacity_factor):
+    """The experts under `shard_map` over `mesh`: tokens split over every mesh axis; the experts split
+    over `expert_axis` (`moe_ffn_ep`), or replicated when it is None (`moe_ffn` per shard).
+
+    Per-shard kernels instead of one jit-partitioned custom call, which XLA could only run replicated.
+    """
     num_shards = math.prod(mesh.shape.values())
     if x.shape[0] % num_shards:
-        raise ValueError(f"expert parallelism splits the {x.shape[0]} tokens over all {num_shards} devices of the "
+        raise ValueError(f"the MoE layer splits its {x.shape[0]} tokens over all {num_shards} devices of the "
                          f"mesh {dict(mesh.shape)}; the token count must be divisible by {num_shards}")
+    if expert_axis is not None and expert_axis not in mesh.axis_names:
+        raise ValueError(f"expert_axis={expert_axis!r} is not an axis of the active mesh {mesh.axis_names}")
+    if expert_axis is not None and callable(backend):
+        raise ValueError("a callable backend computes the experts of one device; it cannot take expert_axis")
     all_axes = tuple(mesh.axis_names)
     tokens = P(all_axes)
 
     def shard_fn(x, weights, experts, w_gate_up, w_down):
-        y, stats = moe_ffn_ep(x, weights, experts, w_gate_up, w_down, axis_name=expert_axis, backend=ep_backend,
-                              local_backend=backend, capacity_factor=capacity_factor, return_stats=True,
-                              num_experts=w_gate_up.shape[0] * mesh.shape[expert_axis])
-        return y, jax.lax.psum(stats.pairs_dropped, all_axes)
+        if expert_axis is None:
+            y, dropped = local_ffn(x, weights, experts, w_gate_up, w_down, backend=backend,
+                                   capacity_factor=capacity_factor)
+        else:
+            from jax_megamoe.parallel import moe_ffn_ep  # only expert-parallel use needs it
 
-    return jax.shard_map(shard_fn, mesh=mesh, in_specs=(tokens, tokens, tokens, P(expert_axis), P(expert_axis)),
+            y, stats = moe_ffn_ep(x, weights, experts, w_gate_up, w_down, axis_name=expert_axis,
+                                  backend=ep_backend, local_backend=backend, capacity_factor=capacity_factor,
+                                  return_stats=True, num_experts=w_gate_up.shape[0] * mesh.shape[expert_axis])
+            dropped = stats.pairs_dropped
+        return y, jax.lax.psum(dropped, all_axes)
+
+    experts_spec = P(expert_axis)
+    return jax.shard_map(shard_fn, mesh=mesh, in_specs=(tokens, tokens, tokens, experts_spec, experts_spec),
                          out_specs=(tokens, P()))(x, weights, experts, w_gate_up, w_down)
 
 
@@ -89,25 +110,19 @@ def moe_block(x: jax.Array, router_logits: jax.Array, w_gate_up: jax.Array, w_do
 
     `w_gate_up [E, H, 2I]` and `w_down [E, I, H]` must already be in x's dtype. `backend` is a
     `moe_ffn` backend name, or a function with `moe_ffn`'s positional signature (a baseline to compare
-    against; single-device only). Expert parallelism is used when `expert_axis` is an axis of the active
-    mesh (`jax.set_mesh`) with more than one device; `ep_backend` is then `moe_ffn_ep`'s transport.
+    against; it cannot be combined with `expert_axis`). Under an active multi-device mesh
+    (`jax.set_mesh`) the experts run per shard in `shard_map` (see `sharded_ffn`); with `expert_axis`
+    that is expert parallelism through `moe_ffn_ep`, whose transport is `ep_backend`.
     """
     num_experts = router_logits.shape[-1]
     weights, experts = route(router_logits, top_k, norm_topk_prob)
     aux_losses = (load_balancing_loss(router_logits, experts), router_z_loss(router_logits),
                   reference.expert_counts(experts, num_experts))
-    mesh = expert_mesh_axis(expert_axis)
-    if mesh is not None:
-        if callable(backend):
-            raise ValueError("a callable backend runs on one device only; use a backend name with expert_axis")
-        y, dropped = _expert_parallel_ffn(mesh, x, weights, experts, w_gate_up, w_down, expert_axis=expert_axis,
-                                          backend=backend, ep_backend=ep_backend, capacity_factor=capacity_factor)
-        return y, MoEAux(*aux_losses, dropped)
-    dropped = jnp.zeros((), jnp.int32)
-    if capacity_factor is not None:
-        experts, dropped = apply_capacity(experts, num_experts, capacity_factor)
-    expert_fn = backend if callable(backend) else functools.partial(moe_ffn, backend=backend)
-    return expert_fn(x, weights, experts, w_gate_up, w_down), MoEAux(*aux_losses, dropped)
+    mesh = active_mesh()
+    run = local_ffn if mesh is None else functools.partial(sharded_ffn, mesh, expert_axis=expert_axis,
+                                                          ep_backend=ep_backend)
+    y, dropped = run(x, weights, experts, w_gate_up, w_down, backend=backend, capacity_factor=capacity_factor)
+    return y, MoEAux(*aux_losses, dropped)
 
 
 def check_layer_args(hidden_size, intermediate_size, num_experts, top_k, capacity_factor) -> None:
@@ -139,9 +154,10 @@ class MoE(nnx.Module):
       capacity_factor: None for dropless; else each expert takes at most
         `ceil(capacity_factor * T * K / E)` pairs and the rest are dropped and counted in `aux.dropped_pairs`.
       backend: `moe_ffn` backend (`"auto"`, `"cpu"`, `"cuda"`, `"reference"`), or a function with
-        `moe_ffn`'s positional signature (single device).
-      expert_axis: mesh axis that holds the experts; under an active mesh (`jax.set_mesh`) with that axis,
-        the layer runs `moe_ffn_ep` inside `shard_map` (tokens split over all mesh axes).
+        `moe_ffn`'s positional signature (not with expert_axis).
+      expert_axis: mesh axis that holds the experts. Under an active multi-device mesh (`jax.set_mesh`)
+        the layer runs inside `shard_map` with its tokens split over all mesh axes: `moe_ffn_ep` over
+        `expert_axis` when set (it must be a mesh axis), else `moe_ffn` per shard with replicated experts.
       ep_backend: `moe_ffn_ep`'s transport (`"auto"`, `"xla"`, `"ragged"`) under expert parallelism.
       dtype: compute dtype (x and the expert weights are cast to it); None keeps x's dtype.
       param_dtype: parameter storage dtype.

@@ -182,3 +182,54 @@ def test_bad_arguments(kwargs, match):
     args = dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K) | kwargs
     with pytest.raises(ValueError, match=match):
         jmnn.MoE(**args, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("shape, expert_axis, capacity_factor", [
+    ((2, 4), "expert", None),
+    ((1, 8), "expert", None),
+    ((2, 4), "expert", 8.0),
+    ((8, 1), None, None),
+])
+def test_under_a_mesh_matches_one_device(shape, expert_axis, capacity_factor):
+    """Under `jax.set_mesh` the layer runs per shard (expert-parallel with `expert_axis`); same result."""
+    mesh = jax.make_mesh(shape, ("data", "expert"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    single = jmnn.MoE(H, I, 8, K, capacity_factor=capacity_factor, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(9), (8, 4, H))
+
+    def loss(layer, x):
+        y, aux = layer(x)
+        return jnp.sum(jnp.sin(y)) + aux.load_balancing_loss, (y, aux)
+
+    (_, (want_y, want_aux)), want_grads = nnx.value_and_grad(loss, has_aux=True)(single, x)
+    with jax.set_mesh(mesh):
+        layer = jmnn.MoE(H, I, 8, K, capacity_factor=capacity_factor, expert_axis=expert_axis, rngs=nnx.Rngs(0))
+        x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P(("data", "expert"))))
+        (_, (y, aux)), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, x_sharded)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(aux.expert_counts, want_aux.expert_counts)
+    assert int(aux.dropped_pairs) == 0
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_expert_parallel_capacity_drops_are_counted():
+    """EP capacity is per (source, destination) shard pair, so compare against dropless: the dropped
+    pairs are reported and only the tokens that lost a pair change."""
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    x = jax.random.normal(jax.random.key(10), (64, H))
+    with jax.set_mesh(mesh):
+        x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P(("data", "expert"))))
+        outputs = {}
+        for factor in (None, 0.5):
+            layer = jmnn.MoE(H, I, 8, K, capacity_factor=factor, expert_axis="expert", rngs=nnx.Rngs(0))
+            outputs[factor] = nnx.jit(lambda m, x: m(x))(layer, x)
+    (full, _), (capped, aux) = outputs[None], outputs[0.5]
+    changed_tokens = int(np.sum(np.any(np.asarray(full) != np.asarray(capped), axis=-1)))
+    assert 0 < changed_tokens <= int(aux.dropped_pairs) <= 64 * K
+
+
+def test_expert_axis_must_be_a_mesh_axis():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    layer = make_layer(expert_axis="expert")
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="expert_axis"):
+        layer(jnp.zeros((8, H)))
