@@ -34,21 +34,21 @@ using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
 using LayoutD = cutlass::layout::RowMajor;
 constexpr int kAlignment = 8;  // 16 bytes of bf16, what TMA needs
 
-// bf16 output, no source operand (beta = 0). Declared outside the template below: host compilers fail to
-// parse this builder in a dependent context.
+// bf16 output, no source operand (beta = 0). Declared outside the template below, with its shared memory
+// size as a plain constant: nvcc's host pass emits the expanded builder type otherwise, which g++ rejects.
 using CollectiveEpilogue = cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignment, Bf16, LayoutD*,
     kAlignment, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
     cutlass::epilogue::fusion::LinearCombination<Bf16, float, void, float>>::CollectiveOp;
+constexpr int kEpilogueSmemBytes = static_cast<int>(sizeof(CollectiveEpilogue::SharedStorage));
 
 template <class LayoutA, class LayoutB>
 struct Bf16GroupedGemm {
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA*, kAlignment, Bf16, LayoutB*,
       kAlignment, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmemBytes>,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;

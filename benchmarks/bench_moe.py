@@ -1,0 +1,333 @@
+"""MoE layer benchmark on one GPU: jax_megamoe's CUDA kernels against the peers, in one run.
+
+Implementations: `ours` (jax_megamoe.moe_ffn, backend="cuda"), `torch_grouped_mm` (torchtitan style:
+stable sort + torch._grouped_mm + index_add scatter), `ragged_dot` (sort + jax.lax.ragged_dot),
+`gshard` (capacity-factor-1.0 dispatch/combine einsums), `tokamax` (tokamax.ragged_dot, only if importable).
+Configs (bf16, router excluded): q30 (T=16384, H=2048, I=768, E=128, K=8), q235 (H=4096, I=1536), q30s
+(T=2048); uniform and Zipf-skewed routing. Reports forward and forward+backward time (median over samples
+of back-to-back calls, after warm-up; each sample is synchronised once, so the time is device time whenever
+the device is the bottleneck), peak device memory, effective TF/s (6*T*K*H*I per forward, 3x that for
+forward+backward) and the fraction of a bf16 matmul measured in the same run.
+
+Each implementation runs in its own subprocess (configs in ascending size), so peak memory is its own.
+Usage: python benchmarks/bench_moe.py [--configs q30s,q30,q235] [--impls ...] [--json F] [--png F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = {  # name: (T, H, I, E, K), in ascending memory order
+    "q30s": (2048, 2048, 768, 128, 8),
+    "q30": (16384, 2048, 768, 128, 8),
+    "q235": (16384, 4096, 1536, 128, 8),
+}
+IMPLS = ("ours", "torch_grouped_mm", "ragged_dot", "gshard", "tokamax")
+ROUTINGS = ("uniform", "zipf")
+# Peers known to be hopeless at a size are not run there (DESIGN §7 anchors): recorded as skipped.
+SKIP = {("gshard", "q235"): "not run: dense capacity einsum at q235 takes minutes of device time"}
+
+
+def flops_forward(t, h, i, e, k):
+    return 6 * t * k * h * i
+
+
+# ----------------------------------------------------------------------------------------------- JAX side
+
+def jax_routing(t, e, k, routing, seed):
+    import jax
+    import jax.numpy as jnp
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    log_p = jnp.zeros(e) if routing == "uniform" else -1.2 * jnp.log1p(jnp.arange(e))
+    experts = jax.lax.top_k(log_p + jax.random.gumbel(k1, (t, e)), k)[1].astype(jnp.int32)
+    weights = jax.nn.softmax(jax.random.normal(k2, (t, k)), axis=-1)
+    return weights, experts
+
+
+def jax_impl(name):
+    import jax
+    import jax.numpy as jnp
+
+    if name == "ours":
+        import jax_megamoe as jmm
+        return lambda x, w, ids, gu, d: jmm.moe_ffn(x, w, ids, gu, d, backend="cuda")
+
+    def swiglu(z):
+        g, u = jnp.split(z, 2, axis=-1)
+        return jax.nn.silu(g) * u
+
+    if name in ("ragged_dot", "tokamax"):
+        if name == "tokamax":
+            import tokamax
+            ragged = lambda a, b, s: tokamax.ragged_dot(a, b, s)
+        else:
+            ragged = lambda a, b, s: jax.lax.ragged_dot(a, b, s)
+
+        def moe(x, w, ids, gu, d):
+            t, k = ids.shape
+            e = gu.shape[0]
+            flat = ids.reshape(-1)
+            order = jnp.argsort(flat, stable=True)
+            sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+            xs = x[order // k]
+            out = ragged(swiglu(ragged(xs, gu, sizes)), d, sizes)
+            out = out.astype(jnp.float32) * w.reshape(-1)[order][:, None]
+            return jnp.zeros((t, x.shape[1]), jnp.float32).at[order // k].add(out).astype(x.dtype)
+        return moe
+
+    if name == "gshard":
+        def moe(x, w, ids, gu, d):
+            t, k = ids.shape
+            e = gu.shape[0]
+            cap = math.ceil(t * k / e)  # capacity factor 1.0
+            onehot = jax.nn.one_hot(ids, e, dtype=jnp.int32)                       # [T, K, E]
+            pos = jnp.cumsum(onehot.reshape(t * k, e), axis=0).reshape(t, k, e) - 1
+            pos = jnp.sum(pos * onehot, axis=-1)                                   # [T, K]
+            keep = (pos < cap).astype(x.dtype)
+            dispatch = sum(jax.nn.one_hot(ids[:, j], e, dtype=x.dtype)[:, :, None]
+                           * (jax.nn.one_hot(pos[:, j], cap, dtype=x.dtype) * keep[:, j, None])[:, None, :]
+                           for j in range(k))                                       # [T, E, C]
+            combine = sum(jax.nn.one_hot(ids[:, j], e, dtype=x.dtype)[:, :, None]
+                          * (jax.nn.one_hot(pos[:, j], cap, dtype=x.dtype)
+                             * (keep[:, j] * w[:, j]).astype(x.dtype)[:, None])[:, None, :]
+                          for j in range(k))
+            xe = jnp.einsum("tec,th->ech", dispatch, x)
+            he = swiglu(jnp.einsum("ech,ehi->eci", xe, gu))
+            oe = jnp.einsum("eci,eih->ech", he, d)
+            return jnp.einsum("tec,ech->th", combine, oe)
+        return moe
+    raise ValueError(name)
+
+
+def time_calls(fn, args, sync, samples, inner):
+    """Median per-call ms over `samples` syncs of `inner` back-to-back calls, after warm-up."""
+    for _ in range(3):
+        sync(fn(*args))
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        sync(out)
+        times.append((time.perf_counter() - start) * 1e3 / inner)
+    return statistics.median(times), min(times)
+
+
+def run_jax(name, configs, routings, samples, inner):
+    import jax
+    import jax.numpy as jnp
+    if name == "tokamax":
+        try:
+            import tokamax  # noqa: F401
+        except Exception as err:  # noqa: BLE001 - any import failure means the peer is unavailable
+            return [dict(impl=name, config=c, routing=r, status=f"skipped: tokamax not importable ({err!r})")
+                    for c in configs for r in routings]
+    moe = jax_impl(name)
+    device = jax.devices()[0]
+    rows = []
+    for cname in configs:
+        t, h, i, e, k = CONFIGS[cname]
+        for routing in routings:
+            row = dict(impl=name, config=cname, routing=routing)
+            rows.append(row)
+            if (name, cname) in SKIP:
+                row["status"] = SKIP[(name, cname)]
+                continue
+            try:
+                keys = jax.random.split(jax.random.PRNGKey(7), 4)
+                x = jax.random.normal(keys[0], (t, h), jnp.bfloat16)
+                gu = (jax.random.normal(keys[1], (e, h, 2 * i), jnp.bfloat16) / math.sqrt(h)).astype(jnp.bfloat16)
+                d = (jax.random.normal(keys[2], (e, i, h), jnp.bfloat16) / math.sqrt(i)).astype(jnp.bfloat16)
+                dy = jax.random.normal(keys[3], (t, h), jnp.bfloat16)
+                w, ids = jax_routing(t, e, k, routing, seed=11)
+                fwd = jax.jit(moe)
+                fwd_bwd = jax.jit(lambda x, w, ids, gu, d, dy: jax.vjp(
+                    lambda a, b, c, f: moe(a, b, ids, c, f), x, w, gu, d)[1](dy))
+                sync = lambda out: jax.block_until_ready(out)
+                row["fwd_ms"], row["fwd_min_ms"] = time_calls(fwd, (x, w, ids, gu, d), sync, samples, inner)
+                row["fwd_bwd_ms"], row["fwd_bwd_min_ms"] = time_calls(fwd_bwd, (x, w, ids, gu, d, dy), sync,
+                                                                      samples, inner)
+                row["peak_gib"] = device.memory_stats().get("peak_bytes_in_use", float("nan")) / 2**30
+                row["status"] = "ok"
+            except Exception as err:  # noqa: BLE001 - OOM and compile failures are results here
+                msg = str(err).splitlines()[0][:200]
+                row["status"] = ("OOM: " if "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower()
+                                 else "error: ") + msg
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- torch side
+
+def run_torch(configs, routings, samples, inner):
+    import torch
+    import torch.nn.functional as F
+    dev = torch.device("cuda")
+
+    def moe(x, w, ids, gu, d):
+        t, k = ids.shape
+        e = gu.shape[0]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+        token = order // k
+        z = torch._grouped_mm(x[token], gu, offs=offs)
+        g, u = z.chunk(2, dim=-1)
+        out = torch._grouped_mm(F.silu(g) * u, d, offs=offs)
+        out = out * w.reshape(-1)[order].to(out.dtype)[:, None]
+        return torch.zeros_like(x).index_add_(0, token, out)
+
+    def sync(_):
+        torch.cuda.synchronize()
+
+    # bf16 matmul ceiling measured in this run
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    mm_ms, _ = time_calls(torch.matmul, (a, b), sync, 10, 10)
+    matmul_tfs = 2 * 8192**3 / mm_ms / 1e9
+    del a, b
+    rows = [dict(impl="bf16_matmul_8192", status="ok", tflops=matmul_tfs, ms=mm_ms)]
+    for cname in configs:
+        t, h, i, e, k = CONFIGS[cname]
+        for routing in routings:
+            row = dict(impl="torch_grouped_mm", config=cname, routing=routing)
+            rows.append(row)
+            try:
+                gen = torch.Generator(device=dev).manual_seed(3)
+                x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
+                gu = torch.randn(e, h, 2 * i, device=dev, dtype=torch.bfloat16, generator=gen) / math.sqrt(h)
+                d = torch.randn(e, i, h, device=dev, dtype=torch.bfloat16, generator=gen) / math.sqrt(i)
+                dy = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
+                log_p = torch.zeros(e, device=dev) if routing == "uniform" else \
+                    -1.2 * torch.log1p(torch.arange(e, device=dev, dtype=torch.float32))
+                gumbel = -torch.log(-torch.log(torch.rand(t, e, device=dev, generator=gen)))
+                ids = torch.topk(log_p + gumbel, k, dim=-1).indices
+                w = torch.softmax(torch.randn(t, k, device=dev, generator=gen), dim=-1)
+                params = [p.requires_grad_() for p in (x, w, gu, d)]
+
+                def fwd(x, w, gu, d):
+                    with torch.no_grad():
+                        return moe(x, w, ids, gu, d)
+
+                def fwd_bwd(x, w, gu, d):
+                    y = moe(x, w, ids, gu, d)
+                    return torch.autograd.grad(y, (x, w, gu, d), dy)
+
+                torch.cuda.reset_peak_memory_stats()
+                row["fwd_ms"], row["fwd_min_ms"] = time_calls(fwd, params, sync, samples, inner)
+                row["fwd_bwd_ms"], row["fwd_bwd_min_ms"] = time_calls(fwd_bwd, params, sync, samples, inner)
+                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                row["status"] = "ok"
+                del x, w, gu, d, dy, params
+            except Exception as err:  # noqa: BLE001
+                msg = str(err).splitlines()[0][:200]
+                row["status"] = ("OOM: " if "out of memory" in msg.lower() else "error: ") + msg
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+def child(args):
+    configs, routings = args.configs.split(","), args.routings.split(",")
+    if args.child == "torch_grouped_mm":
+        rows = run_torch(configs, routings, args.samples, args.inner)
+    else:
+        rows = run_jax(args.child, configs, routings, args.samples, args.inner)
+    print("JMM_BENCH_ROWS " + json.dumps(rows))
+
+
+def table(rows, matmul_tfs):
+    lines = [f"bf16 matmul (8192^3, torch) in this run: {matmul_tfs:.0f} TF/s",
+             f"{'impl':<18}{'config':<7}{'routing':<9}{'fwd ms':>9}{'TF/s':>7}{'%mm':>6}"
+             f"{'f+b ms':>9}{'TF/s':>7}{'%mm':>6}{'peak GiB':>10}  status"]
+    for r in rows:
+        if "config" not in r:
+            continue
+        if r.get("status") != "ok":
+            lines.append(f"{r['impl']:<18}{r['config']:<7}{r['routing']:<9}{'':>54}  {r.get('status')}")
+            continue
+        lines.append(f"{r['impl']:<18}{r['config']:<7}{r['routing']:<9}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>7.0f}"
+                     f"{r['fwd_pct_matmul']:>6.0f}{r['fwd_bwd_ms']:>9.3f}{r['fwd_bwd_tflops']:>7.0f}"
+                     f"{r['fwd_bwd_pct_matmul']:>6.0f}{r['peak_gib']:>10.2f}  ok")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no chart")
+        return
+    ok = [r for r in rows if r.get("status") == "ok" and "config" in r]
+    groups = sorted({(r["config"], r["routing"]) for r in ok}, key=lambda g: (list(CONFIGS).index(g[0]), g[1]))
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in ok)]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    for ax, key, title in ((axes[0], "fwd_tflops", "forward"), (axes[1], "fwd_bwd_tflops", "forward+backward")):
+        width = 0.8 / max(len(impls), 1)
+        for j, impl in enumerate(impls):
+            vals = [next((r[key] for r in ok if r["impl"] == impl and (r["config"], r["routing"]) == g), 0)
+                    for g in groups]
+            ax.bar([x + j * width for x in range(len(groups))], vals, width, label=impl)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))], [f"{c}\n{r}" for c, r in groups])
+        ax.set_ylabel("effective TF/s (bf16)")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="q30s,q30,q235")
+    parser.add_argument("--routings", default="uniform,zipf")
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--inner", type=int, default=5)
+    parser.add_argument("--json", default="bench_moe.json")
+    parser.add_argument("--png", default="bench_moe.png")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+
+    rows = []
+    for impl in args.impls.split(","):
+        cmd = [sys.executable, __file__, "--child", impl, "--configs", args.configs, "--routings", args.routings,
+               "--samples", str(args.samples), "--inner", str(args.inner)]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+        found = [line for line in proc.stdout.splitlines() if line.startswith("JMM_BENCH_ROWS ")]
+        if found:
+            rows += json.loads(found[-1][len("JMM_BENCH_ROWS "):])
+        else:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            rows.append(dict(impl=impl, config="all", routing="all", status=f"crashed rc={proc.returncode}: "
+                             + " | ".join(tail)[:300]))
+        print(f"[{impl}: {time.perf_counter() - start:.0f} s]", flush=True)
+
+    matmul = next((r for r in rows if r.get("impl") == "bf16_matmul_8192"), None)
+    matmul_tfs = matmul["tflops"] if matmul else float("nan")
+    for r in rows:
+        if r.get("status") == "ok" and "config" in r:
+            fl = flops_forward(*CONFIGS[r["config"]])
+            r["fwd_tflops"] = fl / r["fwd_ms"] / 1e9
+            r["fwd_bwd_tflops"] = 3 * fl / r["fwd_bwd_ms"] / 1e9
+            r["fwd_pct_matmul"] = 100 * r["fwd_tflops"] / matmul_tfs
+            r["fwd_bwd_pct_matmul"] = 100 * r["fwd_bwd_tflops"] / matmul_tfs
+    with open(args.json, "w") as f:
+        json.dump(dict(rows=rows, matmul_tflops=matmul_tfs, configs=CONFIGS, argv=sys.argv), f, indent=1)
+    plot(rows, args.png)
+    print(table(rows, matmul_tfs))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU check harness: build jax_megamoe from source (CUDA kernels included), run the GPU tests, a
+# compute-sanitizer memcheck of the CUDA op on small cases, the CPU MoE tests, and the layer benchmark.
+# Works offline (no package registry needed) when the build requirements are installed; a wheel of
+# nvidia-cutlass found in .whl/ is installed into /tmp/site first (the H200 machine has none).
+#
+# Usage: scripts/gpu_check.sh OUTDIR
+#   env STEPS="build test memcheck cputest bench" (default: all), BENCH_ARGS="..." (passed to bench_moe.py)
+# Writes gpu.txt, build.log, gpu_tests.log, memcheck.log, cpu_tests.log, bench.log, bench.json,
+# bench.png into OUTDIR; exits non-zero if any step failed.
+set -uo pipefail
+OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR}
+mkdir -p "$OUTDIR"
+cd "$(dirname "$0")/.."
+STEPS=${STEPS:-"build test memcheck cputest bench"}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+failed=()
+
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+step() {  # step NAME LOG CMD...: runs CMD, tees its output into LOG, records failure
+  local name=$1 log=$2; shift 2
+  echo "=== $name ($(date -u +%FT%TZ))"
+  local start=$SECONDS
+  "$@" 2>&1 | tee "$OUTDIR/$log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc in $((SECONDS - start)) s"
+  [[ $rc == 0 ]] || failed+=("$name")
+}
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv 2>&1 | tee "$OUTDIR/gpu.txt"
+git log -1 --format='commit %H %cd' 2>/dev/null | tee -a "$OUTDIR/gpu.txt"
+
+build() {
+  export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+  $PY -m pip install --no-build-isolation --no-deps -e . -v ||
+    $PY -m pip install --no-build-isolation --no-deps --break-system-packages -e . -v
+}
+want build && step build build.log build
+
+want test && step gpu-tests gpu_tests.log $PY -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_moe_gpu.py
+
+cat > /tmp/jmm_memcheck.py <<'PYEOF'
+import jax, jax.numpy as jnp, numpy as np
+import jax_megamoe as jmm
+for (t, h, i, e, k, dtype) in [(37, 64, 32, 5, 2, jnp.bfloat16), (19, 20, 12, 3, 3, jnp.float32),
+                               (40, 24, 16, 4, 2, jnp.bfloat16)]:
+    ks = jax.random.split(jax.random.PRNGKey(t), 4)
+    x = jax.random.normal(ks[0], (t, h)).astype(dtype)
+    experts = jax.random.randint(ks[1], (t, k), -1, e + 1)  # includes dropped ids
+    weights = jax.random.uniform(ks[2], (t, k))
+    wgu = (jax.random.normal(ks[3], (e, h, 2 * i)) * 0.1).astype(dtype)
+    wd = (jax.random.normal(ks[3], (e, i, h)) * 0.1).astype(dtype)
+    f = lambda x, w, g, d: jmm.moe_ffn(x, w, experts, g, d, backend="cuda").astype(jnp.float32).sum()
+    val, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(x, weights, wgu, wd)
+    assert all(np.isfinite(np.asarray(v, np.float32)).all() for v in (val, *grads))
+    print("memcheck case", (t, h, i, e, k, jnp.dtype(dtype).name), "ok")
+PYEOF
+want memcheck && step memcheck memcheck.log timeout 420 compute-sanitizer --tool memcheck --error-exitcode 7 \
+  --print-limit 20 $PY /tmp/jmm_memcheck.py
+
+cpu_tests=$(ls tests/test_moe*.py 2>/dev/null | grep -v _gpu || true)
+if want cputest && [[ -n $cpu_tests ]]; then
+  step cpu-tests cpu_tests.log env JAX_PLATFORMS=cpu $PY -m pytest -q -p no:cacheprovider $cpu_tests
+fi
+
+want bench && step bench bench.log $PY benchmarks/bench_moe.py --json "$OUTDIR/bench.json" \
+  --png "$OUTDIR/bench.png" ${BENCH_ARGS:-}
+
+echo "=== summary: ${#failed[@]} failed step(s): ${failed[*]:-none}"
+[[ ${#failed[@]} == 0 ]]
