@@ -133,6 +133,15 @@ def test_repeated_and_out_of_range_ids(mesh_name):
     assert_matches_reference(ep_value_and_grads(mesh_name, backend="xla"), (x, weights, ids, w_gate_up, w_down), dy)
 
 
+def test_one_shard_is_bitwise_moe_ffn():
+    """With one expert shard nothing moves: same rows, same kernels, same bits as moe_ffn."""
+    args, dy = make_problem(rng_for("ep1 bitwise"), TOKENS, "zipf")
+    got = ep_value_and_grads("ep1")(args, dy)
+    want = jitted_value_and_grads(jmm.moe_ffn)(args, dy)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_bfloat16_close_to_float32_reference():
     args, dy = make_problem(rng_for("bf16"), TOKENS, "zipf", dtype=jnp.bfloat16)
     args32 = tuple(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args)
