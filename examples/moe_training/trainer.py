@@ -1,0 +1,228 @@
+"""The training loop: a `data` x `expert` mesh, sharded Qwen3-MoE parameters, a jitted AdamW step,
+periodic eval, orbax checkpoints, metrics. Called by examples/train_qwen3_moe.py after JAX is configured."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
+
+from jax_megamoe.models.qwen3_moe import Qwen3MoeForCausalLM
+from jax_megamoe.ops.moe import resolve_backend
+from moe_training import data, metrics
+from moe_training.baseline import ragged_dot_ffn
+
+BATCH_AXES = ("data", "expert")  # the batch is split over the whole mesh; experts over "expert"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    params: nnx.State
+    opt_state: optax.OptState
+
+
+def make_mesh(data_size: int, expert_size: int) -> jax.sharding.Mesh:
+    """A `data` x `expert` mesh over all devices (Auto axes: jit propagates the shardings)."""
+    return jax.make_mesh((data_size, expert_size), ("data", "expert"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def build_model(config, args, mesh):
+    """Creates the model with its parameters born sharded; returns `(graphdef, params)`."""
+    backend = ragged_dot_ffn if args.backend == "ragged_dot" else args.backend
+    expert_axis = None if callable(backend) else "expert"  # the baseline runs per data shard
+
+    def create():
+        return Qwen3MoeForCausalLM(config, dtype=jnp.dtype(args.dtype), param_dtype=jnp.float32, backend=backend,
+                                   expert_axis=expert_axis, ep_backend=args.ep_backend, remat=args.remat,
+                                   attention_impl=args.attention_impl, rngs=nnx.Rngs(args.seed))
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(create))
+    shardings = nnx.get_named_sharding(abstract, mesh)
+    params = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)()
+    return graphdef, params
+
+
+def make_optimizer(args) -> optax.GradientTransformation:
+    """AdamW (weight decay on matrices only) after global-norm clipping; warmup then cosine decay."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.lr_decay_steps, args.warmup + 1),
+                                                  end_value=args.lr * 0.1)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    return optax.chain(optax.clip_by_global_norm(args.grad_clip),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay_mask))
+
+
+def make_steps(graphdef, tx, aux_coef: float, z_coef: float, state_shardings, batch_sharding):
+    """The jitted train step (donating its state; the state keeps its shardings step to step, so one
+    compilation serves the whole run) and eval step."""
+
+    def lm_loss(params, tokens):
+        logits, aux = nnx.merge(graphdef, params)(tokens[:, :-1])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
+        return loss, aux
+
+    def loss_fn(params, tokens):
+        loss, aux = lm_loss(params, tokens)
+        return loss + aux_coef * aux.load_balancing_loss + z_coef * aux.router_z_loss, (loss, aux)
+
+    def train_step(state: TrainState, tokens):
+        (loss, (lm, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, tokens)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        stats = {"loss": loss, "lm_loss": lm, "load_balancing_loss": aux.load_balancing_loss,
+                 "router_z_loss": aux.router_z_loss, "dropped_pairs": aux.dropped_pairs,
+                 "grad_norm": optax.global_norm(grads)}
+        return TrainState(optax.apply_updates(state.params, updates), opt_state), stats
+
+    @jax.jit
+    def eval_step(params, tokens):
+        return lm_loss(params, tokens)[0]
+
+    train_step = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                         out_shardings=(state_shardings, None), donate_argnums=0)
+    return train_step, eval_step
+
+
+def global_batch(tokens: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """The host batch as one global array split over the mesh (each process supplies its own shards)."""
+    return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
+
+
+def restore_or_init(manager, state: TrainState, resume: bool) -> tuple[TrainState, int]:
+    """Restores the latest checkpoint into `state`'s shardings when resuming; returns `(state, step)`."""
+    latest = manager.latest_step() if manager else None
+    if not resume:
+        if latest is not None:
+            raise SystemExit(f"error: --ckpt-dir {manager.directory} already holds checkpoints up to step "
+                             f"{latest}; pass --resume to continue, or choose a fresh directory")
+        return state, 0
+    if latest is None:
+        raise SystemExit(f"error: --resume found no checkpoint in {manager.directory}")
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    return manager.restore(latest, args=ocp.args.StandardRestore(target)), latest
+
+
+def evaluate(eval_step, params, eval_tokens, args, sharding) -> float:
+    """Mean LM loss over `--eval-batches` fixed batches of the held-out split."""
+    losses = [eval_step(params, global_batch(data.batch_at(eval_tokens, i, args.batch, args.seq, args.seed + 1),
+                                                 sharding)) for i in range(args.eval_batches)]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def peak_memory_bytes() -> int | None:
+    """Peak bytes in use on the first local device, where the platform reports it (GPUs do)."""
+    stats = jax.local_devices()[0].memory_stats()
+    return stats.get("peak_bytes_in_use") if stats else None
+
+
+def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> dict:
+    """Runs the training; writes metrics.jsonl, loss_curve.png and summary.json to `args.out_dir`."""
+    mesh = make_mesh(args.mesh_data, args.mesh_expert)
+    batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
+    with jax.set_mesh(mesh):
+        graphdef, params = build_model(config, args, mesh)
+        tx = make_optimizer(args)
+        state = TrainState(params, jax.jit(tx.init)(params))
+        state_shardings = jax.tree.map(lambda x: x.sharding, state)
+        train_step, eval_step = make_steps(graphdef, tx, args.aux_loss_coef, args.z_loss_coef, state_shardings,
+                                           batch_sharding)
+        manager = (ocp.CheckpointManager(os.path.abspath(args.ckpt_dir), options=ocp.CheckpointManagerOptions(
+            max_to_keep=2, save_interval_steps=args.ckpt_every)) if args.ckpt_dir else None)
+        state, start = restore_or_init(manager, state, args.resume)
+
+        tokens_per_step = args.batch * args.seq
+        flops_per_step = metrics.train_flops_per_token(config, args.seq) * tokens_per_step
+        peak = metrics.peak_flops(jax.devices()[0].device_kind, args.peak_tflops)
+        peak = peak * jax.device_count() if peak else None
+        is_main = jax.process_index() == 0
+        log = metrics.MetricsLog(args.out_dir, fresh=start == 0) if is_main else None
+        if is_main:
+            print(describe_run(config, args, mesh, params, flops_per_step / tokens_per_step, start), flush=True)
+
+        step_times, last_eval = [], None
+        bar = tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps, disable=not is_main,
+                   dynamic_ncols=True)
+        for step in bar:
+            batch = global_batch(data.batch_at(train_tokens, step, args.batch, args.seq, args.seed), batch_sharding)
+            began = time.perf_counter()
+            state, stats = train_step(state, batch)
+            stats = {k: v.item() for k, v in jax.device_get(stats).items()}
+            seconds = time.perf_counter() - began
+            if step > start + 2:  # skip compilation and warm-up steps in the throughput figures
+                step_times.append(seconds)
+            record = {"step": step, **stats, "step_time_s": seconds, "tokens_per_s": tokens_per_step / seconds}
+            if peak:
+                record["mfu"] = flops_per_step / seconds / peak
+            if step % args.eval_every == 0 or step == args.steps:
+                last_eval = record["eval_loss"] = evaluate(eval_step, state.params, eval_tokens, args,
+                                                           batch_sharding)
+            if not math.isfinite(stats["loss"]):
+                raise FloatingPointError(f"loss became {stats['loss']} at step {step}")
+            if manager:
+                manager.save(step, args=ocp.args.StandardSave(state), force=step == args.steps)
+            if is_main:
+                log.write(record)
+                bar.set_postfix(progress_fields(record, last_eval), refresh=False)
+        if manager:
+            manager.wait_until_finished()
+
+    if not is_main:
+        return {}
+    log.close()
+    summary = summarize(args, config, log.path, step_times, tokens_per_step, flops_per_step, peak)
+    metrics.plot_loss_curves({args.backend: metrics.read_metrics(log.path)},
+                             os.path.join(args.out_dir, "loss_curve.png"))
+    with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def progress_fields(record: dict, last_eval: float | None) -> dict:
+    fields = {"loss": f"{record['lm_loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+    if "mfu" in record:
+        fields["MFU"] = f"{100 * record['mfu']:.1f}%"
+    if last_eval is not None:
+        fields["eval"] = f"{last_eval:.3f}"
+    return fields
+
+
+def describe_run(config, args, mesh, params, flops_per_token: float, start: int) -> str:
+    num_params = sum(x.size for x in jax.tree.leaves(params))
+    backend = "ragged_dot baseline" if args.backend == "ragged_dot" else resolve_backend(args.backend)
+    return (f"Qwen3-MoE {args.preset}: {num_params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers, "
+            f"{config.num_experts} experts top-{config.num_experts_per_tok}\n"
+            f"mesh data={mesh.shape['data']} x expert={mesh.shape['expert']} on {jax.device_count()} "
+            f"{jax.devices()[0].platform} device(s); MoE backend {backend}; compute {args.dtype}; "
+            f"batch {args.batch} x seq {args.seq}; {flops_per_token / 1e6:.1f} MFLOP/token"
+            + (f"; resuming after step {start}" if start else ""))
+
+
+def summarize(args, config, metrics_path, step_times, tokens_per_step, flops_per_step, peak) -> dict:
+    records = metrics.read_metrics(metrics_path)
+    median = float(np.median(step_times)) if step_times else None
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    return {
+        "preset": args.preset, "backend": args.backend, "dtype": args.dtype, "steps": args.steps,
+        "batch": args.batch, "seq": args.seq, "mesh": {"data": args.mesh_data, "expert": args.mesh_expert},
+        "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
+        "median_step_time_s": median,
+        "tokens_per_s": tokens_per_step / median if median else None,
+        "mfu": flops_per_step / median / peak if (median and peak) else None,
+        "peak_memory_bytes": peak_memory_bytes(),
+        "first_loss": records[0]["lm_loss"] if records else None,
+        "final_loss": records[-1]["lm_loss"] if records else None,
+        "final_eval_loss": evals[-1] if evals else None,
+        "config": config.to_dict(),
+    }

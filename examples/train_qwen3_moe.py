@@ -1,0 +1,169 @@
+"""Train a Qwen3-MoE language model with jax_megamoe's MoE kernels on a `data` x `expert` device mesh.
+
+With no arguments it trains a tiny byte-level model on the Python standard library's sources, on the GPU
+when there is one, else on 8 host CPU devices (a 2 x 4 mesh), in a few minutes:
+
+    python examples/train_qwen3_moe.py
+    python examples/train_qwen3_moe.py --preset qwen3-30b-a3b-4layer --batch 4 --seq 4096   # one H200
+
+Writes metrics.jsonl, loss_curve.png and summary.json to --out-dir; --ckpt-dir/--resume checkpoint with
+orbax. Under SLURM / Open MPI / JAX_COORDINATOR_ADDRESS it calls `jax.distributed.initialize()` first.
+`--help` lists every flag. Docs: docs/models.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+PRESETS = {  # name -> training defaults; the model configs are built after JAX starts
+    "tiny": dict(batch=16, seq=128, steps=200, lr=3e-3, warmup=20, eval_every=50, eval_batches=4),
+    "qwen3-30b-a3b-4layer": dict(batch=4, seq=4096, steps=300, lr=3e-4, warmup=30, eval_every=100,
+                                 eval_batches=2),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    model = parser.add_argument_group("model")
+    model.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                       help="tiny: byte-level 2-layer model; qwen3-30b-a3b-4layer: Qwen3-30B-A3B widths, 4 layers")
+    model.add_argument("--backend", choices=["auto", "cpu", "cuda", "reference", "ragged_dot"], default="auto",
+                       help="MoE expert compute; ragged_dot is the pure-JAX sort + jax.lax.ragged_dot baseline")
+    model.add_argument("--ep-backend", choices=["auto", "xla", "ragged"], default="auto",
+                       help="expert-parallel transport (moe_ffn_ep) when the expert axis spans devices")
+    model.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
+    model.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
+    model.add_argument("--attention-impl", choices=["xla", "cudnn"], default=None,
+                       help="jax.nn.dot_product_attention implementation (default: JAX's choice)")
+    run = parser.add_argument_group("training")
+    run.add_argument("--steps", type=int, help="total optimizer steps (preset default)")
+    run.add_argument("--batch", type=int, help="global batch size in sequences (preset default)")
+    run.add_argument("--seq", type=int, help="sequence length in tokens (preset default)")
+    run.add_argument("--lr", type=float, help="peak learning rate (preset default)")
+    run.add_argument("--warmup", type=int, help="linear warm-up steps (preset default)")
+    run.add_argument("--lr-decay-steps", type=int, help="cosine decay horizon (default: --steps)")
+    run.add_argument("--weight-decay", type=float, default=0.1)
+    run.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
+    run.add_argument("--aux-loss-coef", type=float, help="load-balancing loss weight (default: the config's "
+                                                          "router_aux_loss_coef)")
+    run.add_argument("--z-loss-coef", type=float, default=0.0, help="router z-loss weight")
+    run.add_argument("--seed", type=int, default=0)
+    mesh = parser.add_argument_group("devices")
+    mesh.add_argument("--mesh-data", type=int, help="data-parallel mesh size (default: devices / expert size)")
+    mesh.add_argument("--mesh-expert", type=int,
+                      help="expert-parallel mesh size (default: the largest divisor of the device count and "
+                           "the expert count that leaves data parallelism >= 2 where possible)")
+    mesh.add_argument("--host-devices", type=int, default=8,
+                      help="CPU devices to emulate when JAX runs on the host (sets XLA_FLAGS before JAX starts)")
+    mesh.add_argument("--peak-tflops", type=float, help="per-device peak for MFU (default: known for H200)")
+    io = parser.add_argument_group("data and outputs")
+    io.add_argument("--data", help="token file (.npy, or raw .bin of --bin-dtype); default: stdlib bytes")
+    io.add_argument("--bin-dtype", default="uint16", help="dtype of a raw .bin token file")
+    io.add_argument("--corpus-bytes", type=int, default=8 << 20, help="bytes of stdlib source to train on")
+    io.add_argument("--eval-every", type=int, help="steps between eval-loss measurements (preset default)")
+    io.add_argument("--eval-batches", type=int, help="held-out batches per eval (preset default)")
+    io.add_argument("--out-dir", default="runs/train_qwen3_moe", help="metrics.jsonl, loss_curve.png, summary.json")
+    io.add_argument("--ckpt-dir", help="orbax checkpoint directory (no checkpoints without it)")
+    io.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints (the last always)")
+    io.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    args = parser.parse_args(argv)
+
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.lr_decay_steps = args.lr_decay_steps or args.steps
+    for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "ckpt_every", "host_devices", "lr_decay_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("mesh_data", "mesh_expert"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.data and not os.path.isfile(args.data):
+        parser.error(f"--data: no such file: {args.data}")
+    if args.resume and not args.ckpt_dir:
+        parser.error("--resume needs --ckpt-dir")
+    args.fail = parser.error
+    return args
+
+
+def configure_jax_environment(host_devices: int) -> None:
+    """Gives the host platform `host_devices` devices (before JAX starts), so a CPU-only machine still gets
+    a data x expert mesh. Harmless where there is a GPU: the flag only concerns the CPU platform."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={host_devices}".strip()
+
+
+def multi_process_launch() -> bool:
+    """Whether the environment launched several processes that must join one JAX job."""
+    counts = (os.environ.get("SLURM_NTASKS"), os.environ.get("OMPI_COMM_WORLD_SIZE"))
+    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or any(c and int(c) > 1 for c in counts)
+
+
+def model_config(preset: str):
+    from jax_megamoe.models import qwen3_moe
+
+    if preset == "tiny":
+        return qwen3_moe.tiny()
+    return dataclasses.replace(qwen3_moe.qwen3_30b_a3b(), num_hidden_layers=4)
+
+
+def choose_mesh(args, num_devices: int, num_experts: int) -> None:
+    """Fills in --mesh-data / --mesh-expert and checks them against the devices, experts and batch."""
+    if args.mesh_expert is None:
+        if args.mesh_data is not None:
+            args.mesh_expert = num_devices // args.mesh_data
+        else:
+            fits = [d for d in range(1, num_devices + 1) if num_devices % d == 0 and num_experts % d == 0]
+            args.mesh_expert = max([d for d in fits if num_devices // d >= 2] or fits)
+    if args.mesh_data is None:
+        args.mesh_data = num_devices // args.mesh_expert
+    if args.mesh_data * args.mesh_expert != num_devices:
+        args.fail(f"--mesh-data {args.mesh_data} x --mesh-expert {args.mesh_expert} must use all {num_devices} devices")
+    if num_experts % args.mesh_expert:
+        args.fail(f"--mesh-expert {args.mesh_expert} must divide the {num_experts} experts")
+    if args.batch % num_devices:
+        args.fail(f"--batch {args.batch} must be divisible by the {num_devices} devices of the mesh")
+    if args.backend == "ragged_dot" and args.mesh_expert > 1:
+        args.fail("--backend ragged_dot computes the experts of one device: use --mesh-expert 1")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    configure_jax_environment(args.host_devices)
+    import jax  # after XLA_FLAGS is set
+
+    if multi_process_launch():
+        jax.distributed.initialize()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from moe_training import data, trainer
+
+    config = model_config(args.preset)
+    choose_mesh(args, jax.device_count(), config.num_experts)
+    if args.aux_loss_coef is None:
+        args.aux_loss_coef = config.router_aux_loss_coef
+    if args.data:
+        try:
+            tokens = data.load_token_file(args.data, args.bin_dtype)
+        except ValueError as error:
+            args.fail(f"--data: {error}")
+        if int(tokens.max()) >= config.vocab_size:
+            args.fail(f"--data holds token id {int(tokens.max())} >= the model's vocab_size {config.vocab_size}")
+    else:
+        tokens = data.stdlib_corpus(args.corpus_bytes)
+    try:
+        train_tokens, eval_tokens = data.split(tokens, 0.05, args.seq)
+    except ValueError as error:
+        args.fail(str(error))
+    summary = trainer.train(args, config, train_tokens, eval_tokens)
+    if summary:
+        print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (eval {summary['final_eval_loss']:.3f}); "
+              f"{summary['tokens_per_s'] or 0:,.0f} tokens/s; outputs in {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
