@@ -221,7 +221,7 @@ def check_capacity(mesh_name, routing, capacity_factor, **options):
 
 @pytest.mark.parametrize("mesh_name,routing,capacity_factor", [
     ("ep4", "zipf", 0.5), ("ep4", "all_to_one", 1.0), ("data2xep4", "zipf", 0.75), ("ep8", "uniform", 0.3),
-    ("ep2", "uniform", None)])
+    ("ep2", "uniform", None), ("ep1", "zipf", 0.5)])
 def test_capacity_drops_are_counted_exactly(mesh_name, routing, capacity_factor):
     check_capacity(mesh_name, routing, capacity_factor, backend="xla")
 

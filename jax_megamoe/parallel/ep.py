@@ -5,7 +5,8 @@ Per shard: plan where each token goes (`plan.py`), gather token rows into per-de
 with this shard's experts (the routing weights travel with the rows, so each row comes back already
 summed over its pairs), exchange the results back, and sum each token's returned rows in shard order.
 Every step is linear in the floating-point data or is `moe_ffn`, so JAX's transposes give the exact
-gradient; expert-weight gradients are computed where the weights live.
+gradient; expert-weight gradients are computed where the weights live. With one shard nothing moves
+and `moe_ffn` runs on the tokens directly.
 """
 
 from __future__ import annotations
@@ -124,37 +125,42 @@ def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_l
     check_rank("w_gate_up_local", w_gate_up_local, 3, "[E_local, H, 2I]")
     local_experts = w_gate_up_local.shape[0]
     _check_num_experts(num_experts, ep, local_experts)
-    tokens, hidden, _, local_experts, top_k = check_moe_args(
+    tokens, _, _, local_experts, top_k = check_moe_args(
         x, weights, experts, w_gate_up_local, w_down_local, num_experts=local_experts * ep)
 
     pair_capacity, row_capacity = capacities(tokens, top_k, ep, capacity_factor)
     plan = make_plan(experts, ep, local_experts, pair_capacity, row_capacity)
-    row_ids, row_weights = row_routing(plan, weights, local_experts)
-    send_x = dispatch_rows(x, plan.token, plan.slot)
-    send_ids = _gather_rows(row_ids, plan.token, INVALID_EXPERT)
-    send_weights = _gather_rows(row_weights, plan.token, 0)
-
-    if ep > 1:
-        recv_counts = transport.all_to_all_blocks(plan.row_counts, axis_name)
-
-        def there(buffer, fill_value=0):
-            return transport.exchange(buffer, plan.row_counts, recv_counts, axis_name, transport_name, fill_value)
-
-        def back(buffer):
-            return transport.exchange(buffer, recv_counts, plan.row_counts, axis_name, transport_name)
-    else:  # one shard: nothing to move
-        def there(buffer, fill_value=0):
-            return buffer
-
-        back = there
-
-    recv_x, recv_ids, recv_weights = there(send_x), there(send_ids, INVALID_EXPERT), there(send_weights)
-    rows = ep * row_capacity
-    recv_y = moe_ffn(recv_x.reshape(rows, hidden), recv_weights.reshape(rows, -1), recv_ids.reshape(rows, -1),
-                     w_gate_up_local, w_down_local, backend=local_backend)
-    y = combine_rows(back(recv_y.reshape(ep, row_capacity, hidden)), plan.slot, plan.token)
+    if ep == 1:  # nothing moves: moe_ffn itself, bit for bit, minus the pairs over capacity
+        kept_ids = experts if capacity_factor is None else jnp.where(plan.pair_mask[..., 0], experts, INVALID_EXPERT)
+        y = moe_ffn(x, weights, kept_ids, w_gate_up_local, w_down_local, backend=local_backend)
+    else:
+        y = _exchange_and_compute(x, weights, plan, w_gate_up_local, w_down_local, axis_name, transport_name,
+                                  local_backend)
     if not return_stats:
         return y
     counts = jnp.stack([plan.kept_counts, plan.dropped_counts], axis=1)              # [ep, 2, E_local]
     counts = jnp.sum(transport.all_to_all_blocks(counts, axis_name), axis=0) if ep > 1 else counts[0]
     return y, EPStats(expert_counts=counts[0], pairs_received=jnp.sum(counts[0]), pairs_dropped=jnp.sum(counts[1]))
+
+
+def _exchange_and_compute(x, weights, plan, w_gate_up_local, w_down_local, axis_name, transport_name,
+                          local_backend):
+    """Rows out to their expert shards, the local experts on what arrives, results back, summed per token."""
+    ep, row_capacity = plan.token.shape
+    local_experts = w_gate_up_local.shape[0]
+    row_ids, row_weights = row_routing(plan, weights, local_experts)
+    recv_counts = transport.all_to_all_blocks(plan.row_counts, axis_name)
+
+    def there(buffer, fill_value=0):
+        return transport.exchange(buffer, plan.row_counts, recv_counts, axis_name, transport_name, fill_value)
+
+    def back(buffer):
+        return transport.exchange(buffer, recv_counts, plan.row_counts, axis_name, transport_name)
+
+    recv_x = there(dispatch_rows(x, plan.token, plan.slot))
+    recv_ids = there(_gather_rows(row_ids, plan.token, INVALID_EXPERT), INVALID_EXPERT)
+    recv_weights = there(_gather_rows(row_weights, plan.token, 0))
+    rows = ep * row_capacity
+    recv_y = moe_ffn(recv_x.reshape(rows, -1), recv_weights.reshape(rows, -1), recv_ids.reshape(rows, -1),
+                     w_gate_up_local, w_down_local, backend=local_backend)
+    return combine_rows(back(recv_y.reshape(ep, row_capacity, -1)), plan.slot, plan.token)

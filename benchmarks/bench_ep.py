@@ -1,0 +1,157 @@
+"""Overhead of expert parallelism: `moe_ffn_ep` (under shard_map) against `moe_ffn` on the same per-device work.
+
+At `--ep 1` (one GPU, the default) the difference is pure overhead: routing plan, row gather and combine
+(no communication); the target is <= 5% at q30 (T=16384, H=2048, I=768, E=128, K=8, bf16). With
+`--ep N` the mesh spans N devices, each holding T tokens and E/N experts, and the baseline is `moe_ffn`
+with T tokens and E/N experts on one device: the column then reads as the cost of the all-to-alls.
+
+Times are medians over samples of back-to-back calls after warm-up, each sample synchronised once (so
+they are device time whenever the device is the bottleneck). Forward, and forward+backward (all four
+gradients). Prints a table and writes JSON.
+
+Usage: python benchmarks/bench_ep.py OUT.json [--config q30] [--ep 1] [--backend auto] [--routing uniform,zipf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import statistics
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_megamoe as jmm
+
+CONFIGS = {  # name: (T per device, H, I, E, K)
+    "q30": (16384, 2048, 768, 128, 8),
+    "q30s": (2048, 2048, 768, 128, 8),
+    "tiny": (256, 64, 32, 16, 4),  # a CPU smoke run of the script
+}
+TARGET_OVERHEAD = 0.05
+
+
+def make_inputs(tokens, hidden, inter, experts, top_k, routing, seed=0):
+    """bf16 tokens and weights; uniform or Zipf-skewed (p_e ~ 1/(e+1)^1.2) distinct experts per token."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), 6)
+    log_p = jnp.zeros(experts) if routing == "uniform" else -1.2 * jnp.log1p(jnp.arange(experts))
+    ids = jax.lax.top_k(log_p + jax.random.gumbel(keys[0], (tokens, experts)), top_k)[1].astype(jnp.int32)
+    weights = jax.nn.softmax(jax.random.normal(keys[1], (tokens, top_k)), axis=-1)
+    x = jax.random.normal(keys[2], (tokens, hidden), jnp.bfloat16)
+    w_gate_up = (jax.random.normal(keys[3], (experts, hidden, 2 * inter)) / hidden ** 0.5).astype(jnp.bfloat16)
+    w_down = (jax.random.normal(keys[4], (experts, inter, hidden)) / inter ** 0.5).astype(jnp.bfloat16)
+    dy = jax.random.normal(keys[5], (tokens, hidden), jnp.bfloat16)
+    return (x, weights, ids, w_gate_up, w_down), dy
+
+
+def forward_backward(fn):
+    """`(x, weights, ids, w_gate_up, w_down), dy -> (y, dx, d_weights, d_w_gate_up, d_w_down)`."""
+    def run(args, dy):
+        x, weights, ids, w_gate_up, w_down = args
+        y, vjp = jax.vjp(lambda a, w, g, d: fn(a, w, ids, g, d), x, weights, w_gate_up, w_down)
+        return (y, *vjp(dy))
+    return run
+
+
+def median_ms(fn, *args, calls=10, samples=15, warmup=3):
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls * 1e3)
+    return statistics.median(times)
+
+
+def measure(name, fn, args, dy):
+    forward = jax.jit(lambda a: fn(*a))
+    both = jax.jit(forward_backward(fn))
+    return {"impl": name, "forward_ms": median_ms(forward, args), "forward_backward_ms": median_ms(both, args, dy)}
+
+
+def run_config(config, ep, backend, routing):
+    tokens, hidden, inter, experts, top_k = CONFIGS[config]
+    local_experts = experts // ep
+    devices = jax.devices()[:ep]
+    if len(devices) < ep:
+        raise SystemExit(f"--ep {ep} needs {ep} devices, found {len(jax.devices())}")
+
+    # Baseline: one device, T tokens, this device's E/ep experts (ids drawn among them).
+    args, dy = make_inputs(tokens, hidden, inter, local_experts, min(top_k, local_experts), routing)
+    baseline = measure("moe_ffn", jmm.moe_ffn, args, dy)
+
+    # moe_ffn_ep: T tokens per device, E experts over ep devices.
+    args, dy = make_inputs(tokens * ep, hidden, inter, experts, top_k, routing)
+    mesh = Mesh(np.array(devices), ("expert",))
+    spec = P("expert")
+    args = tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a in args)
+    dy = jax.device_put(dy, NamedSharding(mesh, spec))
+    ep_fn = jax.shard_map(functools.partial(jmm.moe_ffn_ep, backend=backend), mesh=mesh, in_specs=(spec,) * 5,
+                          out_specs=spec)
+    ours = measure(f"moe_ffn_ep(ep={ep}, backend={backend})", ep_fn, args, dy)
+    for key in ("forward", "forward_backward"):
+        ours[f"{key}_overhead"] = ours[f"{key}_ms"] / baseline[f"{key}_ms"] - 1
+    return [dict(row, config=config, routing=routing) for row in (baseline, ours)]
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def print_table(rows):
+    print(f"{'config':7} {'routing':8} {'impl':38} {'fwd ms':>9} {'fwd+bwd ms':>11} {'fwd ovh':>8} {'f+b ovh':>8}")
+    for r in rows:
+        overheads = [f"{r[k] * 100:+7.1f}%" if k in r else f"{'':8}" for k in
+                     ("forward_overhead", "forward_backward_overhead")]
+        print(f"{r['config']:7} {r['routing']:8} {r['impl']:38} {r['forward_ms']:9.3f} "
+              f"{r['forward_backward_ms']:11.3f} {overheads[0]} {overheads[1]}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("json_path", help="where to write the results (JSON)")
+    parser.add_argument("--config", default="q30", choices=sorted(CONFIGS))
+    parser.add_argument("--ep", type=int, default=1, help="expert-axis size (devices)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "xla", "ragged"))
+    parser.add_argument("--routing", default="uniform,zipf")
+    opts = parser.parse_args()
+
+    rows = []
+    for routing in opts.routing.split(","):
+        rows += run_config(opts.config, opts.ep, opts.backend, routing)
+    print_table(rows)
+    ep_rows = [r for r in rows if "forward_overhead" in r]
+    result = {
+        "benchmark": "moe_ffn_ep overhead vs moe_ffn",
+        "device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "timing": "median over 15 samples of 10 back-to-back calls, one sync per sample, after 3 warm-up calls",
+        "config": dict(zip(("tokens_per_device", "hidden", "inter", "experts", "top_k"), CONFIGS[opts.config]),
+                       name=opts.config, dtype="bfloat16", ep=opts.ep, backend=opts.backend),
+        "target_overhead": TARGET_OVERHEAD,
+        "meets_target": all(r["forward_overhead"] <= TARGET_OVERHEAD and
+                            r["forward_backward_overhead"] <= TARGET_OVERHEAD for r in ep_rows),
+        "rows": rows,
+    }
+    with open(opts.json_path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {opts.json_path}; overhead target <= {TARGET_OVERHEAD:.0%}: "
+          f"{'met' if result['meets_target'] else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
