@@ -309,9 +309,22 @@ def test_ragged_path_lowers_with_the_real_collective(monkeypatch):
     """XLA:CPU cannot compile ragged-all-to-all, but forward and backward must trace and lower."""
     monkeypatch.setattr(transport, "ragged_supported", lambda: True)
     args, dy = make_problem(rng_for("ragged lower"), TOKENS, "uniform")
-    fn = functools.partial(value_and_grads, ep_function(make_mesh("ep4"), backend="ragged"))
+    fn = functools.partial(value_and_grads, ep_function(make_mesh("data2xep4"), backend="ragged"))
     text = jax.jit(fn).lower(args, dy).as_text()
     assert text.count("ragged_all_to_all") >= 6  # x, ids, weights there; y back; x, weights, y transposed
+
+
+def test_ragged_probe_runs_outside_the_callers_trace(monkeypatch):
+    """The probe compiles and runs its own one-device program even while a shard_map body is traced."""
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    seen = []
+
+    def body(x):
+        seen.append(transport.probe_ragged())
+        return x
+
+    jax.jit(jax.shard_map(body, mesh=make_mesh("ep2"), in_specs=P("expert"), out_specs=P("expert")))(jnp.ones(4))
+    assert seen == [True]
 
 
 def test_ragged_probe_and_auto_on_cpu():

@@ -8,6 +8,7 @@ transposes them exactly (an all-to-all is transposed by the reverse all-to-all).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 
 import jax
@@ -57,6 +58,12 @@ def ragged_supported() -> bool:
 
 def probe_ragged() -> bool:
     """Compiles and runs a one-device `ragged_blocks`; False on any failure. Safe to call while tracing."""
+    # A fresh thread starts outside the caller's trace and mesh context (both are thread-local).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(_run_ragged_probe).result()
+
+
+def _run_ragged_probe() -> bool:
     mesh = jax.sharding.Mesh(jax.devices()[:1], ("probe",))
     spec = PartitionSpec("probe")
 
@@ -64,10 +71,8 @@ def probe_ragged() -> bool:
         return ragged_blocks(x, jnp.ones((1,), jnp.int32), jnp.ones((1,), jnp.int32), "probe", 0)
 
     try:
-        # Evaluate now, even when called while tracing the caller's function.
-        with jax.ensure_compile_time_eval():
-            x = jnp.arange(4, dtype=jnp.float32).reshape(1, 2, 2)
-            out = jax.jit(jax.shard_map(probe, mesh=mesh, in_specs=spec, out_specs=spec))(x)
-            return bool(jnp.array_equal(out, jnp.array([[[0.0, 1.0], [0.0, 0.0]]])))
+        x = jnp.arange(4, dtype=jnp.float32).reshape(1, 2, 2)
+        out = jax.jit(jax.shard_map(probe, mesh=mesh, in_specs=spec, out_specs=spec))(x)
+        return bool(jnp.array_equal(out, jnp.array([[[0.0, 1.0], [0.0, 0.0]]])))
     except Exception:  # any failure means "not usable here": the caller falls back to all_to_all
         return False
