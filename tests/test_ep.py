@@ -354,6 +354,7 @@ def call_on_ep4(args, **options):
     ({"capacity_factor": float("nan")}, ValueError, "capacity_factor must be a finite number > 0"),
     ({"capacity_factor": float("inf")}, ValueError, "capacity_factor must be a finite number > 0"),
     ({"capacity_factor": "1.0"}, TypeError, "capacity_factor must be None or a positive number"),
+    ({"num_experts": 16.0}, TypeError, "num_experts must be None or an int"),
     ({"num_experts": 18}, ValueError, "num_experts=18 is not divisible by the expert-axis size 4"),
     ({"num_experts": 32}, ValueError, r"leading dimension num_experts / axis size = 32 / 4 = 8, got 4"),
     ({"axis_name": "experts"}, ValueError, "axis_name 'experts' is not bound"),

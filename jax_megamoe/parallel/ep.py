@@ -72,6 +72,8 @@ def _resolve_transport(backend: str) -> str:
 def _check_num_experts(num_experts, ep: int, local_experts: int) -> None:
     if num_experts is None:
         return
+    if isinstance(num_experts, bool) or not isinstance(num_experts, numbers.Integral):
+        raise TypeError(f"num_experts must be None or an int (the global expert count), got {num_experts!r}")
     if num_experts % ep:
         raise ValueError(f"num_experts={num_experts} is not divisible by the expert-axis size {ep}")
     if local_experts != num_experts // ep:
