@@ -182,7 +182,7 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
         return {}
     log.close()
     summary = summarize(args, config, log.path, step_times, tokens_per_step, flops_per_step, peak)
-    metrics.plot_loss_curves({args.backend: metrics.read_metrics(log.path)},
+    metrics.plot_loss_curves({backend_label(args): metrics.read_metrics(log.path)},
                              os.path.join(args.out_dir, "loss_curve.png"))
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -198,9 +198,14 @@ def progress_fields(record: dict, last_eval: float | None) -> dict:
     return fields
 
 
+def backend_label(args) -> str:
+    """The MoE backend that actually runs (`auto` resolved)."""
+    return "ragged_dot baseline" if args.backend == "ragged_dot" else resolve_backend(args.backend)
+
+
 def describe_run(config, args, mesh, params, flops_per_token: float, start: int) -> str:
     num_params = sum(x.size for x in jax.tree.leaves(params))
-    backend = "ragged_dot baseline" if args.backend == "ragged_dot" else resolve_backend(args.backend)
+    backend = backend_label(args)
     return (f"Qwen3-MoE {args.preset}: {num_params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers, "
             f"{config.num_experts} experts top-{config.num_experts_per_tok}\n"
             f"mesh data={mesh.shape['data']} x expert={mesh.shape['expert']} on {jax.device_count()} "
