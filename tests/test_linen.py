@@ -66,3 +66,18 @@ def test_bf16_compute_dtype():
     assert y.dtype == jnp.bfloat16
     want, _ = nnx_twin(params)(x)
     assert np.linalg.norm(np.asarray(y, np.float32) - want) <= 1e-2 * np.linalg.norm(want)
+
+
+def test_expert_parallel_under_a_mesh_matches_one_device():
+    module = jmlinen.MoE(I, 8, K, expert_axis="expert")
+    x = jax.random.normal(jax.random.key(4), (16, H))
+    variables = module.init(jax.random.key(5), x)
+    want, _ = module.apply(variables, x)
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        shardings = nn.get_sharding(variables, mesh)
+        variables = jax.device_put(variables, shardings)
+        got, aux = jax.jit(module.apply)(variables, x)
+    assert variables["params"]["w_gate_up"].value.sharding.spec == jax.sharding.PartitionSpec("expert", None, None)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert int(aux.dropped_pairs) == 0

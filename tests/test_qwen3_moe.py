@@ -116,7 +116,11 @@ def test_loads_onto_a_mesh_with_experts_sharded(hf_checkpoint):
     assert ours.layers[0].mlp.w_gate_up[...].sharding.spec == jax.sharding.PartitionSpec("expert", None, None)
     assert ours.embed_tokens.embedding[...].sharding.is_fully_replicated
     ids = token_ids(5, shape=(8, 6))
-    assert_logits_close(ours(jnp.asarray(ids))[0], hf_logits(model, ids))
+    want = hf_logits(model, ids)
+    assert_logits_close(ours(jnp.asarray(ids))[0], want)
+    with jax.set_mesh(mesh):  # now the MoE layers run expert-parallel (moe_ffn_ep over "expert")
+        sharded_ids = jax.device_put(ids, jax.sharding.NamedSharding(mesh, jax.P(("data", "expert"))))
+        assert_logits_close(nnx.jit(lambda m, x: m(x)[0])(ours, sharded_ids), want)
 
 
 def test_remat_matches():
