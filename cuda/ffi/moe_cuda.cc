@@ -21,7 +21,8 @@ ffi::Error Internal(const std::string& stage, const std::string& message) {
 
 cuda::Scratch ScratchFrom(ffi::ScratchAllocator& allocator) {
   return [&allocator](size_t bytes) -> void* {
-    auto ptr = allocator.Allocate(bytes == 0 ? 1 : bytes, 256);
+    // XLA accepts alignments up to 16; its device allocations are 256-byte aligned regardless.
+    auto ptr = allocator.Allocate(bytes == 0 ? 1 : bytes, 16);
     return ptr.has_value() ? *ptr : nullptr;
   };
 }
