@@ -19,7 +19,7 @@ import os
 import sys
 
 PRESETS = {  # name -> training defaults; the model configs are built after JAX starts
-    "tiny": dict(batch=16, seq=256, steps=300, lr=3e-3, warmup=20, eval_every=50, eval_batches=4),
+    "tiny": dict(batch=16, seq=128, steps=300, lr=3e-3, warmup=20, eval_every=50, eval_batches=4),
     "qwen3-30b-a3b-4layer": dict(batch=4, seq=4096, steps=300, lr=3e-4, warmup=30, eval_every=100,
                                  eval_batches=2),
 }

@@ -25,6 +25,7 @@ from moe_training import data, metrics
 from moe_training.baseline import ragged_dot_ffn
 
 BATCH_AXES = ("data", "expert")  # the batch is split over the whole mesh; experts over "expert"
+FINAL_WINDOW = 10  # summary.json's final_loss: mean LM loss of the last steps (single steps are noisy)
 
 
 @jax.tree_util.register_dataclass
@@ -60,7 +61,10 @@ def make_optimizer(args) -> optax.GradientTransformation:
     """AdamW (weight decay on matrices only) after global-norm clipping; warmup then cosine decay."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.lr_decay_steps, args.warmup + 1),
                                                   end_value=args.lr * 0.1)
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+
+    def decay_mask(params):
+        return jax.tree.map(lambda p: p.ndim >= 2, params)
+
     return optax.chain(optax.clip_by_global_norm(args.grad_clip),
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay_mask))
 
@@ -227,7 +231,7 @@ def summarize(args, config, metrics_path, step_times, tokens_per_step, flops_per
         "mfu": flops_per_step / median / peak if (median and peak) else None,
         "peak_memory_bytes": peak_memory_bytes(),
         "first_loss": records[0]["lm_loss"] if records else None,
-        "final_loss": records[-1]["lm_loss"] if records else None,
+        "final_loss": float(np.mean([r["lm_loss"] for r in records[-FINAL_WINDOW:]])) if records else None,
         "final_eval_loss": evals[-1] if evals else None,
         "config": config.to_dict(),
     }
