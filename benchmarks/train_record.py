@@ -32,7 +32,8 @@ def run_backend(backend: str, args, out_dir: Path) -> dict:
     command = [sys.executable, str(ROOT / "examples" / "train_qwen3_moe.py"), "--preset", "qwen3-30b-a3b-4layer",
                "--backend", backend, "--dtype", "bfloat16", "--steps", str(args.steps), "--batch", str(args.batch),
                "--seq", str(args.seq), "--seed", str(args.seed), "--eval-every", str(args.steps),
-               "--mesh-data", "1", "--mesh-expert", "1", "--out-dir", str(out_dir), *args.extra]
+               "--attention-impl", args.attention_impl, "--mesh-data", "1", "--mesh-expert", "1",
+               "--out-dir", str(out_dir), *args.extra]
     print("+", " ".join(command), flush=True)
     subprocess.run(command, check=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=args.device))
     return json.loads((out_dir / "summary.json").read_text())
@@ -46,6 +47,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="0", help="CUDA_VISIBLE_DEVICES for the runs (one GPU)")
+    parser.add_argument("--attention-impl", choices=["cudnn", "xla"], default="cudnn",
+                        help="attention for both runs (DESIGN.md's end-to-end anchors used cuDNN)")
     parser.add_argument("extra", nargs="*", help="more train_qwen3_moe.py flags, after `--`")
     args = parser.parse_args()
     if args.steps < 20:
