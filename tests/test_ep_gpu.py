@@ -1,7 +1,7 @@
 """moe_ffn_ep on GPUs (marker `gpu`): one expert shard on one GPU against moe_ffn, and the ragged transport.
 
 With one shard nothing crosses devices, so `moe_ffn_ep` must give moe_ffn's bits exactly (forward and
-all gradients). Every check also compares against the float32 reference (float32: normwise relative
+all gradients). The multi-shard path (with the real `ragged_all_to_all`) also runs on a one-GPU axis. Every check also compares against the float32 reference (float32: normwise relative
 error <= 1e-5, 3e-4 if the kernels use tf32-class math; bf16: <= 1e-2) and rejects non-finite values.
 Tests that need two GPUs run only where there are two.
 """
@@ -19,7 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 import jax_megamoe as jmm
 from jax_megamoe import reference
+from jax_megamoe.parallel import ep as ep_module
 from jax_megamoe.parallel import transport
+from jax_megamoe.parallel.plan import make_plan
 
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason="needs an NVIDIA GPU")]
@@ -101,6 +103,24 @@ def test_one_gpu_deterministic_and_capacity_counted():
 
 def test_ragged_all_to_all_is_usable_here():
     assert transport.ragged_supported(), "jax.lax.ragged_all_to_all failed its one-GPU probe"
+
+
+@pytest.mark.parametrize("transport_name", ["xla", "ragged"])
+def test_exchange_path_on_one_gpu(transport_name):
+    """The multi-shard path (plan, row gather, collectives, local kernels on padded rows, combine), run on
+    a one-GPU axis: moe_ffn_ep takes a shortcut at ep=1, so this is where one GPU exercises it, and the
+    real ragged_all_to_all with its transpose."""
+    tokens, experts, top_k = 1024, 16, 4
+    args, dy = make_problem(17, tokens, 256, 128, experts, top_k, jnp.bfloat16, "zipf")
+
+    def exchange_path(x, weights, ids, w_gate_up, w_down):
+        plan = make_plan(ids, 1, experts, tokens * top_k, tokens)
+        return ep_module._exchange_and_compute(x, weights, plan, w_gate_up, w_down, "expert", transport_name, "auto")
+
+    spec = P("expert")
+    fn = jax.shard_map(exchange_path, mesh=Mesh(np.array(GPUS[:1]), ("expert",)), in_specs=(spec,) * 5,
+                       out_specs=spec)
+    assert_close_to_reference(jax.jit(functools.partial(value_and_grads, fn))(args, dy), args, dy, jnp.bfloat16)
 
 
 @pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs")
