@@ -5,14 +5,15 @@
 # nvidia-cutlass found in .whl/ is installed into /tmp/site first (the H200 machine has none).
 #
 # Usage: scripts/gpu_check.sh OUTDIR
-#   env STEPS="build test memcheck cputest bench" (default: all), BENCH_ARGS="..." (passed to bench_moe.py)
-# Writes gpu.txt, build.log, gpu_tests.log, memcheck.log, cpu_tests.log, bench.log, bench.json,
-# bench.png into OUTDIR; exits non-zero if any step failed.
+#   env STEPS="build test memcheck cputest profile bench" (default: all),
+#       BENCH_ARGS="..." (passed to benchmarks/bench_moe.py)
+# Writes gpu.txt, build.log, gpu_tests.log, memcheck.log, cpu_tests.log, profile.log (ncu per-kernel
+# times), bench.log, bench.json, bench.png into OUTDIR; exits non-zero if any step failed.
 set -uo pipefail
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUTDIR"
 cd "$(dirname "$0")/.."
-STEPS=${STEPS:-"build test memcheck cputest bench"}
+STEPS=${STEPS:-"build test memcheck cputest profile bench"}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 failed=()
@@ -67,6 +68,44 @@ cpu_tests=$(ls tests/test_moe*.py 2>/dev/null | grep -v _gpu || true)
 if want cputest && [[ -n $cpu_tests ]]; then
   step cpu-tests cpu_tests.log env JAX_PLATFORMS=cpu $PY -m pytest -q -p no:cacheprovider $cpu_tests
 fi
+
+# Per-kernel device time of one q30 forward+backward (bf16, uniform routing), read by Nsight Compute.
+cat > /tmp/jmm_profile.py <<'PYEOF'
+import math, jax, jax.numpy as jnp, torch
+import jax_megamoe as jmm
+t, h, i, e, k = 16384, 2048, 768, 128, 8
+ks = jax.random.split(jax.random.PRNGKey(0), 6)
+x = jax.random.normal(ks[0], (t, h), jnp.bfloat16)
+gu = (jax.random.normal(ks[1], (e, h, 2 * i)) / math.sqrt(h)).astype(jnp.bfloat16)
+d = (jax.random.normal(ks[2], (e, i, h)) / math.sqrt(i)).astype(jnp.bfloat16)
+dy = jax.random.normal(ks[3], (t, h), jnp.bfloat16)
+ids = jax.lax.top_k(jax.random.gumbel(ks[4], (t, e)), k)[1].astype(jnp.int32)
+w = jax.nn.softmax(jax.random.normal(ks[5], (t, k)), axis=-1)
+f = jax.jit(lambda *a: jax.vjp(lambda x, w, gu, d: jmm.moe_ffn(x, w, ids, gu, d, backend="cuda"), *a[:4])[1](a[4]))
+for _ in range(2):
+    jax.block_until_ready(f(x, w, gu, d, dy))
+torch.cuda.profiler.start()
+jax.block_until_ready(f(x, w, gu, d, dy))
+torch.cuda.profiler.stop()
+PYEOF
+profile() {
+  ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+    $PY /tmp/jmm_profile.py > /tmp/jmm_ncu_q30.csv || return 1
+  $PY - /tmp/jmm_ncu_q30.csv <<'PYEOF'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head, body = rows[0], rows[1:]
+name, unit, value = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
+total = 0.0
+for r in body:
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[r[unit]]
+    us = float(r[value].replace(",", "")) * scale
+    total += us
+    print(f"{us:10.1f} us  {r[name][:110]}")
+print(f"{total:10.1f} us  total of {len(body)} kernels")
+PYEOF
+}
+want profile && step profile profile.log profile
 
 want bench && step bench bench.log $PY benchmarks/bench_moe.py --json "$OUTDIR/bench.json" \
   --png "$OUTDIR/bench.png" ${BENCH_ARGS:-}

@@ -77,7 +77,7 @@ ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
   void* row_out = x_perm;
 
   JMM_CUDA_TRY("forward gather", cuda::GatherRows(dtype, x.untyped_data(), H, pair_of_row.typed_data(), offsets,
-                                                  E, rows, d.top_k, nullptr, x_perm, stream));
+                                                  E, rows, d.top_k, x_perm, nullptr, nullptr, stream));
   JMM_CUDA_TRY("forward gate_up GEMM", cuda::RowsGemm(dtype, tc, x_perm, w_gate_up.untyped_data(),
                                                       gate_up->untyped_data(), offsets, E, rows, 2 * I, H,
                                                       /*b_transposed=*/false, alloc, stream));
@@ -120,10 +120,8 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
   void* dz = alloc(rows * 2 * I * bytes);
   if (!rows_h || !wdy || !g || !h || !dz) return Internal("backward", "out of scratch memory");
 
-  JMM_CUDA_TRY("backward gather dy",
-               cuda::GatherRows(dtype, dy.untyped_data(), H, pairs, offsets, E, rows, K, nullptr, rows_h, stream));
-  JMM_CUDA_TRY("backward gather w*dy",
-               cuda::GatherRows(dtype, dy.untyped_data(), H, pairs, offsets, E, rows, K, w, wdy, stream));
+  JMM_CUDA_TRY("backward gather dy and w*dy",
+               cuda::GatherRows(dtype, dy.untyped_data(), H, pairs, offsets, E, rows, K, rows_h, w, wdy, stream));
   JMM_CUDA_TRY("backward dy @ W_down^T GEMM", cuda::RowsGemm(dtype, tc, rows_h, w_down.untyped_data(), g,
                                                              offsets, E, rows, I, H, /*b_transposed=*/true,
                                                              alloc, stream));
@@ -136,7 +134,8 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
   JMM_CUDA_TRY("backward dx combine", cuda::CombineRows(dtype, rows_h, row_of_pair.typed_data(), nullptr,
                                                         d.tokens, K, H, dx->untyped_data(), stream));
   JMM_CUDA_TRY("backward gather x",
-               cuda::GatherRows(dtype, x.untyped_data(), H, pairs, offsets, E, rows, K, nullptr, rows_h, stream));
+               cuda::GatherRows(dtype, x.untyped_data(), H, pairs, offsets, E, rows, K, rows_h, nullptr, nullptr,
+                                stream));
   JMM_CUDA_TRY("backward d_w_gate_up GEMM", cuda::WeightGemm(dtype, tc, rows_h, dz, d_w_gate_up->untyped_data(),
                                                              offsets, E, rows, H, 2 * I, alloc, stream));
   JMM_CUDA_TRY("backward d_w_down GEMM", cuda::WeightGemm(dtype, tc, h, wdy, d_w_down->untyped_data(), offsets,

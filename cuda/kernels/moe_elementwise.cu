@@ -45,36 +45,50 @@ Status LaunchStatus(const char* what) {
   return {};
 }
 
-template <typename T, int V, bool kScaled>
+// One read of each source row feeds both outputs: the plain copy and the copy scaled by the pair's weight.
+template <typename T, int V, bool kPlain, bool kScaled>
 __global__ void GatherRowsKernel(const T* src, int64_t width, const int32_t* pair_of_row,
-                                 const int32_t* kept_rows, int top_k, const float* scale, T* dst) {
+                                 const int32_t* kept_rows, int top_k, T* dst, const float* scale, T* dst_scaled) {
   const int64_t r = blockIdx.x;
   if (r >= *kept_rows) return;
   const int32_t pair = pair_of_row[r];
   const auto* in = reinterpret_cast<const Vec<T, V>*>(src + static_cast<int64_t>(pair / top_k) * width);
   auto* out = reinterpret_cast<Vec<T, V>*>(dst + r * width);
+  auto* out_scaled = reinterpret_cast<Vec<T, V>*>(dst_scaled + r * width);
   const float w = kScaled ? scale[pair] : 1.0f;
   for (int64_t i = threadIdx.x; i < width / V; i += blockDim.x) {
     Vec<T, V> v = in[i];
+    if constexpr (kPlain) out[i] = v;
     if constexpr (kScaled) {
 #pragma unroll
       for (int j = 0; j < V; ++j) v.v[j] = FromFloat<T>(w * ToFloat(v.v[j]));
+      out_scaled[i] = v;
     }
-    out[i] = v;
   }
 }
 
-template <typename T>
+template <typename T, int V>
 __global__ void SwigluForwardKernel(T* gate_up, T* h, const int32_t* kept_rows, int64_t intermediate) {
   const int64_t r = blockIdx.x;
-  T* z = gate_up + r * 2 * intermediate;
+  auto* z = reinterpret_cast<Vec<T, V>*>(gate_up + r * 2 * intermediate);
+  const int64_t n = intermediate / V;
   if (r >= *kept_rows) {
-    for (int64_t i = threadIdx.x; i < 2 * intermediate; i += blockDim.x) z[i] = FromFloat<T>(0.0f);
+    Vec<T, V> zero;
+#pragma unroll
+    for (int j = 0; j < V; ++j) zero.v[j] = FromFloat<T>(0.0f);
+    for (int64_t i = threadIdx.x; i < 2 * n; i += blockDim.x) z[i] = zero;
     return;
   }
-  for (int64_t i = threadIdx.x; i < intermediate; i += blockDim.x) {
-    const float g = ToFloat(z[i]), u = ToFloat(z[intermediate + i]);
-    h[r * intermediate + i] = FromFloat<T>(g * Sigmoid(g) * u);
+  auto* out = reinterpret_cast<Vec<T, V>*>(h + r * intermediate);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const Vec<T, V> gate = z[i], up = z[n + i];
+    Vec<T, V> o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float g = ToFloat(gate.v[j]);
+      o.v[j] = FromFloat<T>(g * Sigmoid(g) * ToFloat(up.v[j]));
+    }
+    out[i] = o;
   }
 }
 
@@ -115,7 +129,7 @@ __device__ float BlockSum(float v) {
   return total;
 }
 
-template <typename T>
+template <typename T, int V>
 __global__ void __launch_bounds__(kRowThreads) SwigluBackwardKernel(
     const T* gate_up, const T* g, const float* weights, const int32_t* pair_of_row, const int32_t* kept_rows,
     int64_t intermediate, T* h, T* dz, float* d_weights) {
@@ -123,18 +137,29 @@ __global__ void __launch_bounds__(kRowThreads) SwigluBackwardKernel(
   if (r >= *kept_rows) return;  // uniform per block, so BlockSum's barrier is safe
   const int32_t pair = pair_of_row[r];
   const float w = weights[pair];
-  const T* z = gate_up + r * 2 * intermediate;
+  const int64_t n = intermediate / V;
+  const auto* z = reinterpret_cast<const Vec<T, V>*>(gate_up + r * 2 * intermediate);
+  const auto* grad_row = reinterpret_cast<const Vec<T, V>*>(g + r * intermediate);
+  auto* h_row = reinterpret_cast<Vec<T, V>*>(h + r * intermediate);
+  auto* dz_row = reinterpret_cast<Vec<T, V>*>(dz + r * 2 * intermediate);
   float dw = 0.0f;
-  for (int64_t i = threadIdx.x; i < intermediate; i += blockDim.x) {
-    const float zg = ToFloat(z[i]), zu = ToFloat(z[intermediate + i]);
-    const float grad = ToFloat(g[r * intermediate + i]);
-    const float sig = Sigmoid(zg), silu = zg * sig;
-    const float act = Round<T>(silu * zu);
-    h[r * intermediate + i] = FromFloat<T>(act);
-    dw += grad * act;
-    const float dact = w * grad;
-    dz[r * 2 * intermediate + i] = FromFloat<T>(dact * zu * sig * (1.0f + zg * (1.0f - sig)));
-    dz[r * 2 * intermediate + intermediate + i] = FromFloat<T>(dact * silu);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const Vec<T, V> gate = z[i], up = z[n + i], grad = grad_row[i];
+    Vec<T, V> act_out, dgate, dup;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float zg = ToFloat(gate.v[j]), zu = ToFloat(up.v[j]), gr = ToFloat(grad.v[j]);
+      const float sig = Sigmoid(zg), silu = zg * sig;
+      const float act = Round<T>(silu * zu);
+      act_out.v[j] = FromFloat<T>(act);
+      dw += gr * act;
+      const float dact = w * gr;
+      dgate.v[j] = FromFloat<T>(dact * zu * sig * (1.0f + zg * (1.0f - sig)));
+      dup.v[j] = FromFloat<T>(dact * silu);
+    }
+    h_row[i] = act_out;
+    dz_row[i] = dgate;
+    dz_row[n + i] = dup;
   }
   dw = BlockSum(dw);
   if (threadIdx.x == 0) d_weights[pair] = dw;
@@ -165,8 +190,8 @@ Status WithType(Dtype dtype, Fn&& fn) {
 }  // namespace
 
 Status GatherRows(Dtype dtype, const void* src, int64_t width, const int32_t* pair_of_row,
-                  const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t top_k,
-                  const float* scale, void* dst, cudaStream_t stream) {
+                  const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t top_k, void* dst,
+                  const float* scale, void* dst_scaled, cudaStream_t stream) {
   if (rows == 0) return {};
   return WithType(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -174,11 +199,17 @@ Status GatherRows(Dtype dtype, const void* src, int64_t width, const int32_t* pa
       constexpr int V = decltype(v)::value;
       const T* s = static_cast<const T*>(src);
       T* d = static_cast<T*>(dst);
+      T* ds = static_cast<T*>(dst_scaled);
       const int32_t* kept = expert_offsets + num_experts;
-      if (scale) {
-        GatherRowsKernel<T, V, true><<<rows, 128, 0, stream>>>(s, width, pair_of_row, kept, top_k, scale, d);
+      if (d && scale) {
+        GatherRowsKernel<T, V, true, true><<<rows, 128, 0, stream>>>(s, width, pair_of_row, kept, top_k, d, scale,
+                                                                    ds);
+      } else if (scale) {
+        GatherRowsKernel<T, V, false, true><<<rows, 128, 0, stream>>>(s, width, pair_of_row, kept, top_k, d,
+                                                                     scale, ds);
       } else {
-        GatherRowsKernel<T, V, false><<<rows, 128, 0, stream>>>(s, width, pair_of_row, kept, top_k, scale, d);
+        GatherRowsKernel<T, V, true, false><<<rows, 128, 0, stream>>>(s, width, pair_of_row, kept, top_k, d,
+                                                                     scale, ds);
       }
       return LaunchStatus("gather rows");
     });
@@ -190,9 +221,12 @@ Status SwigluForward(Dtype dtype, void* gate_up, void* h, const int32_t* expert_
   if (rows == 0) return {};
   return WithType(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    SwigluForwardKernel<T><<<rows, 128, 0, stream>>>(static_cast<T*>(gate_up), static_cast<T*>(h),
-                                                     expert_offsets + num_experts, intermediate);
-    return LaunchStatus("swiglu forward");
+    return WithVectorWidth<T>(intermediate, [&](auto v) {
+      constexpr int V = decltype(v)::value;
+      SwigluForwardKernel<T, V><<<rows, 128, 0, stream>>>(static_cast<T*>(gate_up), static_cast<T*>(h),
+                                                          expert_offsets + num_experts, intermediate);
+      return LaunchStatus("swiglu forward");
+    });
   });
 }
 
@@ -220,10 +254,13 @@ Status SwigluBackward(Dtype dtype, const void* gate_up, const void* g, const flo
   if (Status s = LaunchStatus("zero dropped weights"); !s.empty()) return s;
   return WithType(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    SwigluBackwardKernel<T><<<rows, kRowThreads, 0, stream>>>(
-        static_cast<const T*>(gate_up), static_cast<const T*>(g), weights, pair_of_row,
-        expert_offsets + num_experts, intermediate, static_cast<T*>(h), static_cast<T*>(dz), d_weights);
-    return LaunchStatus("swiglu backward");
+    return WithVectorWidth<T>(intermediate, [&](auto v) {
+      constexpr int V = decltype(v)::value;
+      SwigluBackwardKernel<T, V><<<rows, kRowThreads, 0, stream>>>(
+          static_cast<const T*>(gate_up), static_cast<const T*>(g), weights, pair_of_row,
+          expert_offsets + num_experts, intermediate, static_cast<T*>(h), static_cast<T*>(dz), d_weights);
+      return LaunchStatus("swiglu backward");
+    });
   });
 }
 

@@ -28,11 +28,12 @@ Status SortPairsByExpert(const int32_t* experts, int64_t num_pairs, int64_t num_
                          int32_t* row_of_pair, int32_t* pair_of_row, int32_t* expert_offsets,
                          const Scratch& scratch, cudaStream_t stream);
 
-// dst[r] = src[pair_of_row[r] / top_k] for every kept row r; with `scale`, the copy is multiplied by
-// scale[pair_of_row[r]] and rounded to the storage type.
+// dst[r] = src[pair_of_row[r] / top_k] for every kept row r, and with `scale`, dst_scaled[r] = that copy
+// times scale[pair_of_row[r]], rounded to the storage type. One read of src feeds both; dst may be null
+// when only the scaled copy is wanted.
 Status GatherRows(Dtype dtype, const void* src, int64_t width, const int32_t* pair_of_row,
-                  const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t top_k,
-                  const float* scale, void* dst, cudaStream_t stream);
+                  const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t top_k, void* dst,
+                  const float* scale, void* dst_scaled, cudaStream_t stream);
 
 // h[r] = round(silu(gate) * up) for kept rows; gate_up rows past the kept ones are set to zero.
 Status SwigluForward(Dtype dtype, void* gate_up, void* h, const int32_t* expert_offsets,
