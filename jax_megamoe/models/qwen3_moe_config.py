@@ -50,7 +50,7 @@ class Qwen3MoeConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
-        if self.num_experts_per_tok > self.num_experts:
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
 
     def is_moe_layer(self, layer_idx: int) -> bool:
