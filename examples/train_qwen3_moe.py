@@ -161,8 +161,9 @@ def main(argv=None) -> None:
         args.fail(str(error))
     summary = trainer.train(args, config, train_tokens, eval_tokens)
     if summary:
-        print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (eval {summary['final_eval_loss']:.3f}); "
-              f"{summary['tokens_per_s'] or 0:,.0f} tokens/s; outputs in {args.out_dir}")
+        print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (mean of the last steps; eval "
+              f"{summary['final_eval_loss']:.3f}); {summary['tokens_per_s'] or 0:,.0f} tokens/s; outputs in "
+              f"{args.out_dir}")
 
 
 if __name__ == "__main__":

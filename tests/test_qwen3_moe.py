@@ -18,8 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 HF_CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                 norm_topk_prob=True, mlp_only_layers=[1], rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-                 initializer_range=0.3)
+                 norm_topk_prob=True, mlp_only_layers=[1], initializer_range=0.3,
+                 rope_parameters={"rope_type": "default", "rope_theta": 500.0})
 
 
 def hf_model(seed=0, **overrides):
