@@ -47,7 +47,7 @@ def test_trains_and_resume_reproduces_the_loss(tmp_path):
 def test_token_file_and_expert_only_mesh(tmp_path):
     tokens = np.random.default_rng(0).integers(0, 200, 20000).astype(np.uint16)
     tokens.tofile(tmp_path / "tokens.bin")
-    run("--steps", "2", "--data", str(tmp_path / "tokens.bin"), "--mesh-expert", "8", "--dtype", "float32",
+    run("--steps", "1", "--data", str(tmp_path / "tokens.bin"), "--mesh-expert", "8", "--dtype", "float32",
         "--out-dir", str(tmp_path / "out"))
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["mesh"] == {"data": 1, "expert": 8}
 
