@@ -20,7 +20,9 @@ from jax_megamoe.ops.validation import check_moe_args
 
 BACKENDS = ("auto", "cpu", "cuda", "reference")
 
-# dtypes each kernel platform implements; "reference" takes any float dtype.
+# dtypes each kernel platform implements; "reference" takes any float dtype. On "cuda", bf16 with H and I
+# multiples of 8 runs on tensor cores (CUTLASS sm90 grouped GEMMs); float32 and other bf16 shapes run an
+# exact float32-FMA SIMT path (no tf32), correct but slow.
 KERNEL_DTYPES = {
     "cpu": (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64),
     "cuda": (jnp.bfloat16, jnp.float32),
