@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # The GPU check harness: build jax_megamoe from source (CUDA kernels included), run the GPU tests, a
-# compute-sanitizer memcheck of the CUDA op on small cases, the CPU MoE tests, and the layer benchmark.
+# compute-sanitizer memcheck of the CUDA op on small cases, the CPU MoE tests, the layer benchmark, the
+# expert-parallel overhead benchmark and the training record.
 # Works offline (no package registry needed) when the build requirements are installed; a wheel of
 # nvidia-cutlass found in .whl/ is installed into /tmp/site first (the H200 machine has none).
 #
 # Usage: scripts/gpu_check.sh OUTDIR
-#   env STEPS="build test memcheck cputest profile bench" (default: all),
-#       BENCH_ARGS="..." (passed to benchmarks/bench_moe.py)
+#   env STEPS="build test memcheck cputest profile bench epbench trainrecord" (default: all),
+#       GPU_TESTS="..." (pytest selection, default: tests/ — every test marked gpu),
+#       BENCH_ARGS="..." (passed to benchmarks/bench_moe.py),
+#       TRAIN_RECORD_ARGS="..." (passed to benchmarks/train_record.py)
 # Writes gpu.txt, build.log, gpu_tests.log, memcheck.log, cpu_tests.log, profile.log (ncu per-kernel
-# times), bench.log, bench.json, bench.png into OUTDIR; exits non-zero if any step failed.
+# times), bench.log, bench.json, bench.png, bench_ep.{log,json}, train_record.{log,json,png} into OUTDIR
+# (the device tool returns at most 8 files: choose STEPS accordingly); exits non-zero if any step failed.
 set -uo pipefail
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUTDIR"
 cd "$(dirname "$0")/.."
-STEPS=${STEPS:-"build test memcheck cputest profile bench"}
+STEPS=${STEPS:-"build test memcheck cputest profile bench epbench trainrecord"}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 failed=()
@@ -43,7 +47,7 @@ build() {
 }
 want build && step build build.log build
 
-want test && step gpu-tests gpu_tests.log $PY -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_moe_gpu.py
+want test && step gpu-tests gpu_tests.log $PY -m pytest -m gpu -q -rA -p no:cacheprovider ${GPU_TESTS:-tests/}
 
 cat > /tmp/jmm_memcheck.py <<'PYEOF'
 import jax, jax.numpy as jnp, numpy as np
@@ -109,6 +113,15 @@ want profile && step profile profile.log profile
 
 want bench && step bench bench.log $PY benchmarks/bench_moe.py --json "$OUTDIR/bench.json" \
   --png "$OUTDIR/bench.png" ${BENCH_ARGS:-}
+
+want epbench && step bench-ep bench_ep.log $PY benchmarks/bench_ep.py "$OUTDIR/bench_ep.json" --config q30
+
+train_record() {
+  $PY benchmarks/train_record.py /tmp/jmm_train_record ${TRAIN_RECORD_ARGS:-} || return 1
+  cp /tmp/jmm_train_record/summary.json "$OUTDIR/train_record.json"
+  cp /tmp/jmm_train_record/loss_curves.png "$OUTDIR/train_record.png"
+}
+want trainrecord && step train-record train_record.log train_record
 
 echo "=== summary: ${#failed[@]} failed step(s): ${failed[*]:-none}"
 [[ ${#failed[@]} == 0 ]]
