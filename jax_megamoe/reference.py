@@ -1,8 +1,8 @@
 """Pure-JAX reference of every op: the semantics all kernels are tested against.
 
 Written for clarity, not speed: per-expert dense masks instead of sorting. Everything runs in the
-inputs' dtype promoted to at least float32 (float64 stays float64), so the reference is exact to that
-precision and differentiable with `jax.grad`.
+inputs' dtype promoted to at least float32 (float64 stays float64), with full-precision matmuls on every
+platform, so the reference is exact to that precision and differentiable with `jax.grad`.
 """
 
 from __future__ import annotations
@@ -34,9 +34,14 @@ def swiglu(gate_up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    # HIGHEST: GPUs otherwise run float32 products in tf32, which would make the reference inexact.
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
 def expert_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """One expert's SwiGLU MLP: `(silu(x @ Wg) * (x @ Wu)) @ Wd`."""
-    return swiglu(x @ w_gate_up) @ w_down
+    """One expert's SwiGLU MLP: `(silu(x @ Wg) * (x @ Wu)) @ Wd`, at full matmul precision."""
+    return _matmul(swiglu(_matmul(x, w_gate_up)), w_down)
 
 
 def moe_ffn(x, weights, experts, w_gate_up, w_down):
