@@ -35,7 +35,9 @@ def run_backend(backend: str, args, out_dir: Path) -> dict:
                "--attention-impl", args.attention_impl, "--mesh-data", "1", "--mesh-expert", "1",
                "--out-dir", str(out_dir), *args.extra]
     print("+", " ".join(command), flush=True)
-    subprocess.run(command, check=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=args.device))
+    result = subprocess.run(command, env=dict(os.environ, CUDA_VISIBLE_DEVICES=args.device))
+    if result.returncode:  # e.g. the ragged_dot baseline running out of memory: a result, not a crash
+        return {"failed": True, "returncode": result.returncode}
     return json.loads((out_dir / "summary.json").read_text())
 
 
@@ -55,25 +57,33 @@ def main() -> None:
         parser.error("--steps must be >= 20 (the final loss averages the last 10 steps)")
 
     summaries = {backend: run_backend(backend, args, args.out_dir / backend) for backend in BACKENDS}
-    finals = {backend: summary["final_loss"] for backend, summary in summaries.items()}
-    relative_gap = abs(finals["cuda"] - finals["ragged_dot"]) / finals["ragged_dot"]
-    record = {"runs": summaries, "final_loss_mean_last_10_steps": finals, "final_loss_relative_gap": relative_gap,
-              "within_1pct": relative_gap <= 0.01,
-              "speedup_tokens_per_s": summaries["cuda"]["tokens_per_s"] / summaries["ragged_dot"]["tokens_per_s"]}
+    done = [b for b in BACKENDS if not summaries[b].get("failed")]
+    record = {"runs": summaries, "final_loss_mean_last_10_steps": {b: summaries[b]["final_loss"] for b in done}}
+    if len(done) == len(BACKENDS):
+        finals = record["final_loss_mean_last_10_steps"]
+        gap = abs(finals["cuda"] - finals["ragged_dot"]) / finals["ragged_dot"]
+        record.update(final_loss_relative_gap=gap, within_1pct=gap <= 0.01,
+                      speedup_tokens_per_s=summaries["cuda"]["tokens_per_s"] / summaries["ragged_dot"]["tokens_per_s"])
     (args.out_dir / "summary.json").write_text(json.dumps(record, indent=2))
-    metrics.plot_loss_curves({b: metrics.read_metrics(str(args.out_dir / b / "metrics.jsonl")) for b in BACKENDS},
+    metrics.plot_loss_curves({b: metrics.read_metrics(str(args.out_dir / b / "metrics.jsonl")) for b in done},
                              str(args.out_dir / "loss_curves.png"))
 
     print("| backend | tokens/s | MFU | step ms | peak GiB | final loss |")
     print("|---|---|---|---|---|---|")
     for backend, s in summaries.items():
+        if s.get("failed"):
+            print(f"| {backend} | failed (exit code {s['returncode']}) | | | | |")
+            continue
         mfu = f"{100 * s['mfu']:.1f}%" if s["mfu"] else "-"
         peak = f"{s['peak_memory_bytes'] / 2**30:.1f}" if s["peak_memory_bytes"] else "-"
         print(f"| {backend} | {s['tokens_per_s']:,.0f} | {mfu} | {1e3 * s['median_step_time_s']:.1f} | {peak} "
-              f"| {finals[backend]:.4f} |")
-    print(f"final-loss gap {100 * relative_gap:.2f}% (within 1%: {record['within_1pct']}); "
-          f"speedup {record['speedup_tokens_per_s']:.2f}x; outputs in {args.out_dir}")
-
+              f"| {s['final_loss']:.4f} |")
+    if "final_loss_relative_gap" in record:
+        print(f"final-loss gap {100 * record['final_loss_relative_gap']:.2f}% (within 1%: {record['within_1pct']}); "
+              f"speedup {record['speedup_tokens_per_s']:.2f}x")
+    print(f"outputs in {args.out_dir}")
+    if summaries["cuda"].get("failed"):
+        sys.exit("the CUDA run failed")
 
 if __name__ == "__main__":
     main()
