@@ -37,6 +37,25 @@ A Sigmoid(A v) {
   return A(1) / (A(1) + std::exp(-v));
 }
 
+// out[t] = sum_k scale(t*K + k) * rows[row_of_pair[t*K + k]], in k order (deterministic); dropped
+// pairs are skipped. The forward's combine and the backward's dx reduction.
+template <typename T, typename A, typename Scale>
+void CombineRows(const MoeDims& d, const A* rows, const int32_t* row_of_pair, Scale scale, T* out) {
+  const int64_t H = d.hidden, K = d.top_k;
+  std::vector<A> sum(H);
+  for (int64_t t = 0; t < d.tokens; ++t) {
+    std::fill(sum.begin(), sum.end(), A(0));
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t r = row_of_pair[t * K + k];
+      if (r < 0) continue;
+      const A w = scale(t * K + k);
+      const A* row = rows + r * H;
+      for (int64_t h = 0; h < H; ++h) sum[h] += w * row[h];
+    }
+    for (int64_t h = 0; h < H; ++h) out[t * H + h] = Store<T>(sum[h]);
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -73,18 +92,7 @@ void MoeForward(const MoeDims& d, const T* x, const typename Acc<T>::type* weigh
       }
     }
   }
-  std::vector<A> sum(H);
-  for (int64_t t = 0; t < d.tokens; ++t) {
-    std::fill(sum.begin(), sum.end(), A(0));
-    for (int64_t k = 0; k < K; ++k) {
-      const int32_t r = row_of_pair[t * K + k];
-      if (r < 0) continue;
-      const A w = weights[t * K + k];
-      const A* o = out.data() + r * H;
-      for (int64_t h = 0; h < H; ++h) sum[h] += w * o[h];
-    }
-    for (int64_t h = 0; h < H; ++h) y[t * H + h] = Store<T>(sum[h]);
-  }
+  CombineRows<T>(d, out.data(), row_of_pair, [&](int64_t pair) { return weights[pair]; }, y);
 }
 
 template <typename T>
@@ -143,17 +151,7 @@ void MoeBackward(const MoeDims& d, const T* dy, const T* x, const typename Acc<T
     for (int64_t j = 0; j < 2 * I * H; ++j) d_w_gate_up[e * 2 * I * H + j] = Store<T>(dwgu[j]);
     for (int64_t j = 0; j < I * H; ++j) d_w_down[e * I * H + j] = Store<T>(dwdn[j]);
   }
-  std::vector<A> sum(H);
-  for (int64_t t = 0; t < d.tokens; ++t) {
-    std::fill(sum.begin(), sum.end(), A(0));
-    for (int64_t k = 0; k < K; ++k) {
-      const int32_t r = row_of_pair[t * K + k];
-      if (r < 0) continue;
-      const A* dxr = dx_rows.data() + r * H;
-      for (int64_t h = 0; h < H; ++h) sum[h] += dxr[h];
-    }
-    for (int64_t h = 0; h < H; ++h) dx[t * H + h] = Store<T>(sum[h]);
-  }
+  CombineRows<T>(d, dx_rows.data(), row_of_pair, [](int64_t) { return A(1); }, dx);
 }
 
 #define JMM_INSTANTIATE(T)                                                                              \

@@ -3,6 +3,7 @@
 
 #include "../cpu/scalar.h"
 #include "jmm/ffi_common.h"
+#include "jmm/moe_bindings.h"
 #include "jmm/handlers.h"
 
 namespace jmm {
@@ -73,37 +74,10 @@ ffi::Error MoeBackwardCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer we
 }  // namespace jmm
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_layout, jmm::MoeLayoutCpu,
-                              jmm::ffi::Ffi::Bind()
-                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Ret<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Ret<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Ret<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Attr<int64_t>("num_experts"));
+                              jmm::BindMoeLayout(jmm::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_forward, jmm::MoeForwardCpu,
-                              jmm::ffi::Ffi::Bind()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Ret<jmm::ffi::AnyBuffer>()
-                                  .Ret<jmm::ffi::AnyBuffer>());
+                              jmm::BindMoeForward(jmm::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_backward, jmm::MoeBackwardCpu,
-                              jmm::ffi::Ffi::Bind()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Ret<jmm::ffi::AnyBuffer>()
-                                  .Ret<jmm::ffi::AnyBuffer>()
-                                  .Ret<jmm::ffi::AnyBuffer>()
-                                  .Ret<jmm::ffi::AnyBuffer>());
+                              jmm::BindMoeBackward(jmm::ffi::Ffi::Bind()));

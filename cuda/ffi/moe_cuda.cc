@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "jmm/ffi_common.h"
+#include "jmm/moe_bindings.h"
 #include "jmm/handlers.h"
 #include "jmm/moe_cuda.h"
 
@@ -145,47 +146,19 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
 
 #undef JMM_CUDA_TRY
 
+// Every CUDA handler runs on XLA's stream and takes its temporaries from XLA's scratch allocator.
+auto CudaBinding() {
+  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>();
+}
+
 }  // namespace
 }  // namespace jmm
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_moe_layout, jmm::MoeLayoutCuda,
-                              jmm::ffi::Ffi::Bind()
-                                  .Ctx<jmm::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<jmm::ffi::ScratchAllocator>()
-                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Ret<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Ret<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Ret<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Attr<int64_t>("num_experts"));
+                              jmm::BindMoeLayout(jmm::CudaBinding()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_moe_forward, jmm::MoeForwardCuda,
-                              jmm::ffi::Ffi::Bind()
-                                  .Ctx<jmm::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<jmm::ffi::ScratchAllocator>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Ret<jmm::ffi::AnyBuffer>()
-                                  .Ret<jmm::ffi::AnyBuffer>());
+                              jmm::BindMoeForward(jmm::CudaBinding()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_moe_backward, jmm::MoeBackwardCuda,
-                              jmm::ffi::Ffi::Bind()
-                                  .Ctx<jmm::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<jmm::ffi::ScratchAllocator>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::AnyBuffer>()
-                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Arg<jmm::ffi::Buffer<jmm::ffi::S32>>()
-                                  .Ret<jmm::ffi::AnyBuffer>()
-                                  .Ret<jmm::ffi::AnyBuffer>()
-                                  .Ret<jmm::ffi::AnyBuffer>()
-                                  .Ret<jmm::ffi::AnyBuffer>());
+                              jmm::BindMoeBackward(jmm::CudaBinding()));
