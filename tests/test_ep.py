@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import jax_megamoe as jmm
 from jax_megamoe import reference
 from jax_megamoe.parallel import EPStats, moe_ffn_ep, transport
+from moe_cases import rel_error
 
 # One gathered problem size for every mesh, so each jitted function compiles once per mesh (CI has 2 cores).
 TOKENS, HIDDEN, INTER, EXPERTS, TOP_K = 64, 16, 8, 16, 4
@@ -98,14 +99,6 @@ def jitted_value_and_grads(fn):
 def ep_value_and_grads(mesh_name: str, **options):
     """Jitted forward and gradients of `moe_ffn_ep` on a named mesh, compiled once per options."""
     return jitted_value_and_grads(ep_function(make_mesh(mesh_name), **options))
-
-
-def rel_error(actual, expected) -> float:
-    """Normwise relative error in float64; inf if anything is not finite."""
-    a, b = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    if not (np.isfinite(a).all() and np.isfinite(b).all()):
-        return float("inf")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def assert_matches_reference(value_and_grads_fn, args, dy, tol=1e-5, reference_args=None):

@@ -22,6 +22,7 @@ from jax_megamoe import reference
 from jax_megamoe.parallel import ep as ep_module
 from jax_megamoe.parallel import transport
 from jax_megamoe.parallel.plan import make_plan
+from moe_cases import rel_error
 
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason="needs an NVIDIA GPU")]
@@ -53,13 +54,6 @@ def ep_function(devices, **options):
     spec = P("expert")
     return jax.shard_map(functools.partial(jmm.moe_ffn_ep, **options), mesh=mesh, in_specs=(spec,) * 5,
                          out_specs=spec)
-
-
-def rel_error(actual, expected) -> float:
-    a, b = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    if not (np.isfinite(a).all() and np.isfinite(b).all()):
-        return float("inf")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def assert_close_to_reference(results, args, dy, dtype):

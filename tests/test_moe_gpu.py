@@ -15,6 +15,7 @@ import pytest
 import jax_megamoe as jmm
 from jax_megamoe import _ffi, reference
 from jax_megamoe.ops import moe as moe_ops
+from moe_cases import rel_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -67,15 +68,10 @@ def reference_with_grads(x, weights, experts, w_gate_up, w_down, dy):
         return run_with_grads(reference.moe_ffn, f32(x), weights, experts, f32(w_gate_up), f32(w_down), f32(dy))
 
 
-def rel_err(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-
-
 def assert_close(name, got, want, dtype):
     got = np.asarray(jnp.asarray(got, jnp.float32))
     assert np.all(np.isfinite(got)), f"{name}: non-finite values (unwritten or NaN output)"
-    err = rel_err(got, want)
+    err = rel_error(got, want)
     assert err <= TOLERANCE[dtype], f"{name}: normwise relative error {err:.3g} > {TOLERANCE[dtype]}"
 
 
