@@ -7,6 +7,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_megamoe import reference
+
 
 def ragged_dot_ffn(x, weights, experts, w_gate_up, w_down):
     """`y[t] = sum_k weights[t, k] * f_{experts[t, k]}(x[t])` with `jax.lax.ragged_dot`; ids outside
@@ -20,8 +22,7 @@ def ragged_dot_ffn(x, weights, experts, w_gate_up, w_down):
     group_sizes = jnp.bincount(jnp.where(valid, flat, 0), weights=valid.astype(jnp.int32),
                                length=num_experts)
     gate_up = jax.lax.ragged_dot(x[token_of_row], w_gate_up, group_sizes)
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    rows = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
+    rows = jax.lax.ragged_dot(reference.swiglu(gate_up), w_down, group_sizes)
     row_weights = jnp.where(valid, weights.reshape(-1), 0)[order].astype(jnp.float32)
     y = jnp.zeros(x.shape, jnp.float32).at[token_of_row].add(rows.astype(jnp.float32) * row_weights[:, None])
     return y.astype(x.dtype)
