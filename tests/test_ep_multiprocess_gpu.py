@@ -1,0 +1,114 @@
+"""moe_ffn_ep across processes: two `jax.distributed` processes, one device each, one global "expert" mesh.
+
+Each test starts two workers (tests/ep_multiprocess_worker.py) that build the same problem, run
+`moe_ffn_ep` forward and all gradients over the global mesh, and check the shards they hold against the
+float32 reference on the gathered problem (float32 <= 1e-5, bf16 <= 2e-2 normwise). The GPU test (marker
+`gpu`) gives each worker one GPU through CUDA_VISIBLE_DEVICES and runs the xla and ragged transports over
+NCCL; the CPU test runs the xla transport over gloo, so CI covers the multi-process plumbing. This file
+never initialises JAX in the pytest process (that could take GPUs the workers need): GPUs are counted
+with `nvidia-smi -L`. A worker that hangs fails the test after WORKER_TIMEOUT_S.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("ep_multiprocess_worker.py")
+WORKER_TIMEOUT_S = 300
+NUM_PROCESSES = 2
+
+
+def visible_gpus() -> list[str]:
+    """CUDA_VISIBLE_DEVICES entries for the GPUs this process may use (empty without nvidia-smi)."""
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if listing.returncode != 0:
+        return []
+    count = sum(line.startswith("GPU ") for line in listing.stdout.splitlines())
+    restricted = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if restricted is not None:
+        return [entry for entry in restricted.split(",") if entry.strip()][:count]
+    return [str(index) for index in range(count)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def worker_env(process_id: int, platform: str, gpus: list[str]) -> dict[str, str]:
+    """The parent's environment, with one device per worker and no forced host-device count (conftest's)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0")
+    flags = [flag for flag in shlex.split(env.get("XLA_FLAGS", ""))
+             if not flag.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags)
+    if platform == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[process_id]
+        env.pop("JAX_PLATFORMS", None)
+    return env
+
+
+def run_workers(tmp_path: Path, platform: str, backends: str, gpus: list[str] = ()) -> list[str]:
+    """Runs the workers to completion; fails the test if any exits non-zero or all take too long."""
+    coordinator = f"localhost:{free_port()}"
+    logs = [tmp_path / f"worker{i}.log" for i in range(NUM_PROCESSES)]
+    procs = []
+    for process_id, log in enumerate(logs):
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), "--process-id", str(process_id), "--num-processes", str(NUM_PROCESSES),
+                 "--coordinator", coordinator, "--backends", backends],
+                stdout=out, stderr=subprocess.STDOUT, env=worker_env(process_id, platform, list(gpus))))
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    # Poll all workers: if one dies, the other would wait on its collectives until the deadline.
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
+    reason = f"hung past {WORKER_TIMEOUT_S} s" if time.monotonic() >= deadline else "a peer failed"
+    hung = [i for i, p in enumerate(procs) if p.poll() is None]
+    for i in hung:
+        procs[i].kill()
+        procs[i].wait()
+    outputs = [log.read_text() for log in logs]
+    report = "\n".join(f"--- worker {i} (rc={p.returncode}) ---\n{text[-6000:]}"
+                       for i, (p, text) in enumerate(zip(procs, outputs)))
+    assert not hung, f"workers {hung} killed: {reason}\n{report}"
+    assert all(p.returncode == 0 for p in procs), f"a worker failed\n{report}"
+    return outputs
+
+
+def assert_all_checked(outputs: list[str], backends: str) -> None:
+    """Every worker ran and passed every case: 2 dtypes x 3 routings x 5 outputs per backend, one shard each."""
+    expected_lines = len(backends.split(",")) * 2 * 3 * 5
+    for process_id, text in enumerate(outputs):
+        passed = [line for line in text.splitlines() if line.startswith(f"ok   process {process_id} ")]
+        assert len(passed) == expected_lines, (f"worker {process_id}: {len(passed)} checks passed, expected "
+                                               f"{expected_lines}\n{text[-6000:]}")
+
+
+def test_two_cpu_processes_match_reference(tmp_path):
+    outputs = run_workers(tmp_path, "cpu", "xla")
+    assert_all_checked(outputs, "xla")
+
+
+@pytest.mark.gpu
+def test_two_gpu_processes_match_reference(tmp_path):
+    gpus = visible_gpus()
+    if len(gpus) < NUM_PROCESSES:
+        pytest.skip(f"needs {NUM_PROCESSES} GPUs, nvidia-smi shows {len(gpus)}")
+    outputs = run_workers(tmp_path, "gpu", "xla,ragged", gpus)
+    assert_all_checked(outputs, "xla,ragged")
