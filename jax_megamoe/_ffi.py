@@ -55,8 +55,10 @@ def vary_alike(*values):
     return tuple(_mark_varying(v, axes) for v in values)
 
 
-def call(platform: str, op: str, result_shapes, *args, **attrs):
+def call(platform: str, op: str, result_shapes, *args, vmap_method: str = "sequential", **attrs):
     """Calls FFI target `jmm_{platform}_{op}` on operands made alike by `vary_alike`.
+
+    Under `jax.vmap` the op runs once per batch element (`vmap_method`, see `jax.ffi.ffi_call`).
 
     FFI results come back typed as invariant inside `shard_map`; each device computes its own local
     result, so they are marked varying like the operands.
@@ -64,5 +66,5 @@ def call(platform: str, op: str, result_shapes, *args, **attrs):
     if extension() is None:
         raise RuntimeError("jax_megamoe's compiled extension is missing: reinstall with `pip install .`")
     axes = frozenset().union(*(_varying_axes(a) for a in args))
-    results = jax.ffi.ffi_call(f"jmm_{platform}_{op}", result_shapes)(*args, **attrs)
+    results = jax.ffi.ffi_call(f"jmm_{platform}_{op}", result_shapes, vmap_method=vmap_method)(*args, **attrs)
     return type(results)(_mark_varying(r, axes) for r in results)

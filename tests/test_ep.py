@@ -378,3 +378,17 @@ def test_unbound_axis_outside_shard_map():
     args, _ = make_problem(rng_for("unbound"), 8, "uniform")
     with pytest.raises(ValueError, match="axis_name 'expert' is not bound.*shard_map"):
         moe_ffn_ep(*args)
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+def test_under_vmap_over_the_expert_axis(shards):
+    """`jax.vmap(axis_name=...)` over shards (how the nvlink transport is emulated on one GPU) gives the
+    same result as shard_map over that many devices, forward and gradients."""
+    args, dy = make_problem(rng_for("vmap", shards), TOKENS, "zipf")
+    split = lambda a: a.reshape((shards, -1) + a.shape[1:])
+    emulated = jax.vmap(functools.partial(moe_ffn_ep, axis_name="expert", backend="xla"), axis_name="expert")
+    y, grads = jitted_value_and_grads(emulated)(tuple(split(a) for a in args), split(dy))
+    y_mesh, grads_mesh = ep_value_and_grads(f"ep{shards}", backend="xla")(args, dy)
+    merge = lambda a: a.reshape((-1,) + a.shape[2:])
+    for name, got, want in zip(("y", "dx", "d_weights", "d_w_gate_up", "d_w_down"), (y, *grads), (y_mesh, *grads_mesh)):
+        np.testing.assert_array_equal(np.asarray(merge(got)), np.asarray(want), err_msg=name)

@@ -1,7 +1,11 @@
 // The Python extension: one registration table mapping FFI target names to handler capsules.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include "jmm/handlers.h"
+#ifdef JMM_WITH_CUDA
+#include "jmm/nvlink_cuda.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -21,6 +25,7 @@ nb::dict Registrations() {
   table["jmm_cuda_moe_layout"] = Capsule(jmm_cuda_moe_layout);
   table["jmm_cuda_moe_forward"] = Capsule(jmm_cuda_moe_forward);
   table["jmm_cuda_moe_backward"] = Capsule(jmm_cuda_moe_backward);
+  table["jmm_cuda_nvlink_exchange"] = Capsule(jmm_cuda_nvlink_exchange);
 #endif
   return table;
 }
@@ -31,6 +36,11 @@ NB_MODULE(_ext, m) {
   m.def("registrations", &Registrations, "FFI target name -> handler capsule.");
 #ifdef JMM_WITH_CUDA
   m.attr("with_cuda") = true;
+  m.def("nvlink_create", &jmm::nvlink::CreateWorkspace, nb::arg("groups"), nb::arg("emulated"),
+        nb::arg("block_bytes"), nb::arg("timeout_ms"),
+        "Allocates an NVLink exchange workspace over groups of CUDA devices; returns its id.");
+  m.def("nvlink_destroy", &jmm::nvlink::DestroyWorkspace, nb::arg("workspace"),
+        "Waits for the workspace's devices, then frees its memory.");
 #else
   m.attr("with_cuda") = false;
 #endif

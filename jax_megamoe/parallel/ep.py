@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jax_megamoe.ops.moe import moe_ffn
 from jax_megamoe.ops.validation import check_moe_args, check_rank
-from jax_megamoe.parallel import transport
+from jax_megamoe.parallel import nvlink, transport
 from jax_megamoe.parallel.plan import INVALID_EXPERT, capacities, make_plan, row_routing
 from jax_megamoe.parallel.rows import combine_rows, dispatch_rows
 
@@ -58,9 +58,18 @@ def _check_capacity_factor(capacity_factor) -> None:
         raise ValueError(f"capacity_factor must be a finite number > 0 (or None for dropless), got {capacity_factor}")
 
 
-def _resolve_transport(backend: str) -> str:
+def _resolve_transport(backend: str, workspace, ep: int) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "nvlink":
+        if not isinstance(workspace, nvlink.NvlinkWorkspace):
+            raise ValueError(f"backend='nvlink' needs workspace=NvlinkWorkspace(mesh, axis_name, ...) created "
+                             f"once outside jit, got workspace={workspace!r}")
+        if workspace.ranks != ep:
+            raise ValueError(f"the nvlink workspace spans {workspace.ranks} shards, the expert axis has {ep}")
+        return backend
+    if workspace is not None:
+        raise ValueError(f"workspace is only used by backend='nvlink', got backend={backend!r}")
     if backend == "auto":
         return "ragged" if transport.ragged_supported() else "xla"
     if backend == "ragged" and not transport.ragged_supported():
@@ -91,7 +100,7 @@ def _gather_rows(per_dest: jax.Array, token: jax.Array, fill_value) -> jax.Array
 def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_local: jax.Array,
                w_down_local: jax.Array, *, axis_name: str = "expert", backend: str = "auto",
                capacity_factor: float | None = None, return_stats: bool = False, num_experts: int | None = None,
-               local_backend: str = "auto"):
+               local_backend: str = "auto", workspace: nvlink.NvlinkWorkspace | None = None):
     """Expert-parallel `moe_ffn`; call inside `jax.shard_map` with the experts sharded over `axis_name`.
 
     Shard r of `axis_name` (of size ep) owns global experts `[r * E_local, (r + 1) * E_local)`, with
@@ -108,8 +117,9 @@ def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_l
       w_down_local: `[E_local, I, H]`, same dtype as `x`.
       axis_name: the mesh axis the experts are sharded over.
       backend: `"xla"` (`jax.lax.all_to_all`, fixed per-peer capacity, any platform), `"ragged"`
-        (`jax.lax.ragged_all_to_all`: moves only the live rows; GPU only) or `"auto"` (ragged where it
-        works, else xla).
+        (`jax.lax.ragged_all_to_all`: moves only the live rows; GPU only), `"nvlink"` (the live rows by
+        direct stores into the peers' memory; GPUs of one process, needs `workspace`) or `"auto"`
+        (ragged where it works, else xla).
       capacity_factor: None for dropless. Otherwise each shard accepts at most
         `ceil(capacity_factor * T * K / ep)` pairs from each source shard, in (token, k) order; the
         pairs beyond contribute zero (and get zero gradient) and are counted in the stats.
@@ -118,12 +128,14 @@ def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_l
         weights hold E / ep experts (catches unsharded weights).
       local_backend: `moe_ffn`'s backend for the local expert compute (`"auto"`, `"cuda"`, `"cpu"`,
         `"reference"`).
+      workspace: the `NvlinkWorkspace` of `backend="nvlink"`, created once for the mesh axis (or
+        `NvlinkWorkspace.emulated(R, ...)` with this function under `jax.vmap(axis_name=...)` over R).
 
     Returns `y [T, H]` in x's dtype, or `(y, EPStats)` with `return_stats=True`.
     """
-    transport_name = _resolve_transport(backend)
     _check_capacity_factor(capacity_factor)
     ep = _axis_size(axis_name)
+    transport_name = _resolve_transport(backend, workspace, ep)
     check_rank("w_gate_up_local", w_gate_up_local, 3, "[E_local, H, 2I]")
     local_experts = w_gate_up_local.shape[0]
     _check_num_experts(num_experts, ep, local_experts)
@@ -137,7 +149,7 @@ def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_l
         y = moe_ffn(x, weights, kept_ids, w_gate_up_local, w_down_local, backend=local_backend)
     else:
         y = _exchange_and_compute(x, weights, plan, w_gate_up_local, w_down_local, axis_name, transport_name,
-                                  local_backend)
+                                  local_backend, workspace)
     if not return_stats:
         return y
     counts = jnp.stack([plan.kept_counts, plan.dropped_counts], axis=1)              # [ep, 2, E_local]
@@ -146,7 +158,7 @@ def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_l
 
 
 def _exchange_and_compute(x, weights, plan, w_gate_up_local, w_down_local, axis_name, transport_name,
-                          local_backend):
+                          local_backend, workspace):
     """Rows out to their expert shards, the local experts on what arrives, results back, summed per token."""
     ep, row_capacity = plan.token.shape
     local_experts = w_gate_up_local.shape[0]
@@ -154,10 +166,12 @@ def _exchange_and_compute(x, weights, plan, w_gate_up_local, w_down_local, axis_
     recv_counts = transport.all_to_all_blocks(plan.row_counts, axis_name)
 
     def there(buffer, fill_value=0):
-        return transport.exchange(buffer, plan.row_counts, recv_counts, axis_name, transport_name, fill_value)
+        return transport.exchange(buffer, plan.row_counts, recv_counts, axis_name, transport_name, fill_value,
+                                  workspace)
 
     def back(buffer):
-        return transport.exchange(buffer, recv_counts, plan.row_counts, axis_name, transport_name)
+        return transport.exchange(buffer, recv_counts, plan.row_counts, axis_name, transport_name,
+                                  workspace=workspace)
 
     recv_x = there(dispatch_rows(x, plan.token, plan.slot))
     recv_ids = there(_gather_rows(row_ids, plan.token, INVALID_EXPERT), INVALID_EXPERT)

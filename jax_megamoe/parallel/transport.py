@@ -1,9 +1,10 @@
-"""Exchanging per-destination buffers `[ep, C, ...]` across the expert axis, with XLA collectives.
+"""Exchanging per-destination buffers `[ep, C, ...]` across the expert axis.
 
-Both transports move the same buffer layout: slot block d of the sender lands in block `sender` of
+Every transport moves the same buffer layout: slot block d of the sender lands in block `sender` of
 shard d. `"xla"` moves whole blocks (`all_to_all`, fixed capacity); `"ragged"` moves only the first
-`send_counts[d]` rows of each block (`ragged_all_to_all`, GPU only). Both are linear, and JAX
-transposes them exactly (an all-to-all is transposed by the reverse all-to-all).
+`send_counts[d]` rows of each block (`ragged_all_to_all`, GPU only); `"nvlink"` moves the same rows as
+`"ragged"` by direct stores into the peers' memory (`nvlink.py`, GPU only, needs a workspace). All are
+linear and transposed exactly by the reverse exchange.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-TRANSPORTS = ("xla", "ragged")
+from jax_megamoe.parallel import nvlink
+
+TRANSPORTS = ("xla", "ragged", "nvlink")
 
 
 def all_to_all_blocks(buffer: jax.Array, axis_name: str) -> jax.Array:
@@ -40,8 +43,13 @@ def ragged_blocks(buffer: jax.Array, send_counts: jax.Array, recv_counts: jax.Ar
 
 
 def exchange(buffer: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, axis_name: str,
-             transport: str, fill_value=0) -> jax.Array:
-    """Sends block d of `buffer [ep, C, ...]` (its first `send_counts[d]` rows are live) to shard d."""
+             transport: str, fill_value=0, workspace=None) -> jax.Array:
+    """Sends block d of `buffer [ep, C, ...]` (its first `send_counts[d]` rows are live) to shard d.
+
+    `workspace` is the `nvlink.NvlinkWorkspace` of the `"nvlink"` transport (unused by the others).
+    """
+    if transport == "nvlink":
+        return nvlink.exchange(buffer, send_counts, recv_counts, workspace, fill_value)
     if transport == "ragged":
         return ragged_blocks(buffer, send_counts, recv_counts, axis_name, fill_value)
     return all_to_all_blocks(buffer, axis_name)

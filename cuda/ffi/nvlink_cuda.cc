@@ -1,0 +1,249 @@
+// The NVLink transport's workspaces (memory outside XLA, shared across the GPUs of an expert group) and
+// its FFI handler `jmm_cuda_nvlink_exchange`. Protocol and kernels: jmm/nvlink_cuda.h.
+#include <cuda_runtime.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "jmm/ffi_common.h"
+#include "jmm/handlers.h"
+#include "jmm/nvlink_cuda.h"
+
+namespace jmm::nvlink {
+namespace {
+
+struct Group {
+  std::vector<int> devices;  // device of each rank
+  Peers peers{};             // staging and signals of each rank
+};
+
+struct Workspace {
+  bool emulated = false;
+  int ranks = 0;
+  int64_t block_bytes = 0;
+  uint64_t timeout_ns = 0;
+  std::vector<Group> groups;
+};
+
+std::mutex registry_mutex;
+std::map<int64_t, std::unique_ptr<Workspace>> registry;
+int64_t next_id = 1;
+
+void Check(cudaError_t status, const std::string& what) {
+  if (status != cudaSuccess) {
+    throw std::runtime_error("jax_megamoe nvlink workspace: " + what + ": " + cudaGetErrorString(status));
+  }
+}
+
+// Restores the calling thread's current device on scope exit (XLA's threads keep their own).
+class DeviceGuard {
+ public:
+  DeviceGuard() { cudaGetDevice(&saved_); }
+  ~DeviceGuard() { cudaSetDevice(saved_); }
+
+ private:
+  int saved_ = 0;
+};
+
+void EnablePeerAccess(const std::vector<int>& devices) {
+  for (int a : devices) {
+    for (int b : devices) {
+      if (a == b) continue;
+      int can = 0;
+      Check(cudaDeviceCanAccessPeer(&can, a, b), "cudaDeviceCanAccessPeer");
+      if (!can) {
+        throw std::runtime_error("jax_megamoe nvlink workspace: GPU " + std::to_string(a) + " cannot access GPU " +
+                                 std::to_string(b) + " directly (no NVLink/PCIe peer access); use "
+                                 "moe_ffn_ep backend 'ragged' or 'xla' for this expert axis");
+      }
+      Check(cudaSetDevice(a), "cudaSetDevice");
+      const cudaError_t status = cudaDeviceEnablePeerAccess(b, 0);
+      if (status == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();  // XLA may have enabled it already; clear the sticky-free error
+      } else {
+        Check(status, "cudaDeviceEnablePeerAccess(" + std::to_string(a) + " -> " + std::to_string(b) + ")");
+      }
+    }
+  }
+}
+
+void FreeGroup(Group& group, int ranks) {
+  for (int r = 0; r < ranks; ++r) {
+    cudaSetDevice(group.devices[r]);
+    cudaFree(group.peers.staging[r]);
+    cudaFree(group.peers.signals[r]);
+    group.peers.staging[r] = nullptr;
+    group.peers.signals[r] = nullptr;
+  }
+}
+
+void Allocate(Group& group, int ranks, int64_t block_bytes) {
+  for (int r = 0; r < ranks; ++r) {
+    Check(cudaSetDevice(group.devices[r]), "cudaSetDevice");
+    Check(cudaMalloc(reinterpret_cast<void**>(&group.peers.staging[r]), ranks * block_bytes),
+          "allocating " + std::to_string(ranks * block_bytes) + " staging bytes on GPU " +
+              std::to_string(group.devices[r]));
+    Check(cudaMalloc(reinterpret_cast<void**>(&group.peers.signals[r]), SignalBytes(ranks)), "allocating signals");
+    Check(cudaMemset(group.peers.signals[r], 0, SignalBytes(ranks)), "zeroing signals");
+  }
+  for (int r = 0; r < ranks; ++r) {
+    Check(cudaSetDevice(group.devices[r]), "cudaSetDevice");
+    Check(cudaDeviceSynchronize(), "initialising the workspace");
+  }
+}
+
+ffi::Error Invalid(const std::string& message) { return InvalidArgument("nvlink exchange: " + message); }
+
+}  // namespace
+
+int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulated, int64_t block_bytes,
+                        int64_t timeout_ms) {
+  if (groups.empty()) throw std::runtime_error("jax_megamoe nvlink workspace: no device groups given");
+  const int ranks = static_cast<int>(groups[0].size());
+  if (ranks < 1 || ranks > kMaxRanks) {
+    throw std::runtime_error("jax_megamoe nvlink workspace: an expert group must have 1 to " +
+                             std::to_string(kMaxRanks) + " GPUs, got " + std::to_string(ranks));
+  }
+  if (block_bytes <= 0 || timeout_ms <= 0) {
+    throw std::runtime_error("jax_megamoe nvlink workspace: block_bytes and timeout_ms must be positive");
+  }
+  if (emulated && groups.size() != 1) {
+    throw std::runtime_error("jax_megamoe nvlink workspace: an emulated workspace has exactly one group");
+  }
+  auto workspace = std::make_unique<Workspace>();
+  workspace->emulated = emulated;
+  workspace->ranks = ranks;
+  workspace->block_bytes = (block_bytes + 255) / 256 * 256;  // keeps every staging block 16-byte aligned
+  workspace->timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
+  DeviceGuard guard;
+  try {
+    for (const auto& devices : groups) {
+      if (static_cast<int>(devices.size()) != ranks) {
+        throw std::runtime_error("jax_megamoe nvlink workspace: every group must have the same number of GPUs");
+      }
+      if (!emulated) EnablePeerAccess(devices);
+      Group group;
+      group.devices = devices;
+      workspace->groups.push_back(group);
+      Allocate(workspace->groups.back(), ranks, workspace->block_bytes);
+    }
+  } catch (...) {
+    for (auto& group : workspace->groups) FreeGroup(group, ranks);
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  const int64_t id = next_id++;
+  registry[id] = std::move(workspace);
+  return id;
+}
+
+void DestroyWorkspace(int64_t id) {
+  std::unique_ptr<Workspace> workspace;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto it = registry.find(id);
+    if (it == registry.end()) return;
+    workspace = std::move(it->second);
+    registry.erase(it);
+  }
+  DeviceGuard guard;
+  for (auto& group : workspace->groups) {
+    for (int device : group.devices) {
+      cudaSetDevice(device);
+      cudaDeviceSynchronize();
+    }
+    FreeGroup(group, workspace->ranks);
+  }
+}
+
+namespace {
+
+ffi::Error NvlinkExchange(cudaStream_t stream, int32_t device, ffi::AnyBuffer send,
+                          ffi::Buffer<ffi::S32> send_counts, ffi::Buffer<ffi::S32> recv_counts,
+                          ffi::Result<ffi::AnyBuffer> out, int64_t workspace_id, int64_t fill_byte) {
+  const Workspace* workspace = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto it = registry.find(workspace_id);
+    if (it != registry.end()) workspace = it->second.get();
+  }
+  if (workspace == nullptr) return Invalid("workspace " + std::to_string(workspace_id) + " is closed or unknown");
+  const int ranks = workspace->ranks;
+  const Group* group = nullptr;
+  int rank = 0;
+  for (const auto& candidate : workspace->groups) {
+    for (int r = 0; r < ranks && group == nullptr; ++r) {
+      if (candidate.devices[r] == device) {
+        group = &candidate;
+        rank = r;
+      }
+    }
+  }
+  if (group == nullptr) {
+    return Invalid("GPU " + std::to_string(device) + " is not part of this workspace's mesh axis");
+  }
+
+  // Emulated: [ranks (emulated shards), ranks (blocks), C, ...]; otherwise [ranks (blocks), C, ...].
+  const auto dims = send.dimensions();
+  const size_t lead = workspace->emulated ? 2 : 1;
+  const int calls_here = workspace->emulated ? ranks : 1;
+  if (dims.size() < lead + 1 || dims[0] != ranks || (workspace->emulated && dims[1] != ranks)) {
+    return Invalid(workspace->emulated
+                       ? "an emulated workspace of " + std::to_string(ranks) +
+                             " shards must be called under jax.vmap over that many shards, with buffers [shards, "
+                             "shards, C, ...]"
+                       : "the buffer must be [" + std::to_string(ranks) + ", C, ...] (one block per shard)");
+  }
+  if (out->element_type() != send.element_type() || out->size_bytes() != send.size_bytes()) {
+    return Invalid("the output must match the buffer");
+  }
+  if (send_counts.element_count() != static_cast<size_t>(ranks * calls_here) ||
+      recv_counts.element_count() != static_cast<size_t>(ranks * calls_here)) {
+    return Invalid("send_counts and recv_counts must hold one count per shard");
+  }
+  if (fill_byte < 0 || fill_byte > 255) return Invalid("fill_byte must be in [0, 255]");
+  const int64_t capacity = dims[lead];
+  const int64_t blocks = static_cast<int64_t>(ranks) * calls_here;
+  if (send.size_bytes() == 0) return ffi::Error::Success();  // same static shapes on every shard: all skip
+  const int64_t row_bytes = static_cast<int64_t>(send.size_bytes()) / (blocks * capacity);
+  if (capacity * row_bytes > workspace->block_bytes) {
+    return Invalid("a block of " + std::to_string(capacity) + " rows of " + std::to_string(row_bytes) +
+                   " bytes needs " + std::to_string(capacity * row_bytes) + " bytes, the workspace holds " +
+                   std::to_string(workspace->block_bytes) + " per block: create it with a larger max_tokens");
+  }
+  std::vector<Exchange> calls(calls_here);
+  for (int i = 0; i < calls_here; ++i) {
+    const int64_t offset = static_cast<int64_t>(i) * ranks * capacity * row_bytes;
+    calls[i] = Exchange{static_cast<const char*>(send.untyped_data()) + offset,
+                        send_counts.typed_data() + i * ranks,
+                        recv_counts.typed_data() + i * ranks,
+                        static_cast<char*>(out->untyped_data()) + offset,
+                        capacity,
+                        row_bytes,
+                        static_cast<unsigned char>(fill_byte)};
+  }
+  const std::string status = EnqueueExchange(group->peers, ranks, workspace->emulated ? 0 : rank, calls,
+                                             workspace->block_bytes, workspace->timeout_ns, stream);
+  if (!status.empty()) return ffi::Error(ffi::ErrorCode::kInternal, "jax_megamoe nvlink exchange: " + status);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jmm::nvlink
+
+// Not CUDA-graph compatible on purpose: the exchange must be enqueued on every call (its epochs advance on
+// the device, but a captured graph replayed out of step with the peers would break the lockstep).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_nvlink_exchange, jmm::nvlink::NvlinkExchange,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::AnyBuffer>()                   // send [ranks, C, ...]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()       // send_counts [ranks]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()       // recv_counts [ranks]
+                                  .Ret<xla::ffi::AnyBuffer>()                   // out [ranks, C, ...]
+                                  .Attr<int64_t>("workspace")
+                                  .Attr<int64_t>("fill_byte"));

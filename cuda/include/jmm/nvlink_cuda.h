@@ -1,0 +1,68 @@
+// The NVLink transport of expert parallelism (docs/nvlink_design.md): a block exchange across the GPUs
+// of one expert group done with direct stores into the peers' memory, plus the registry of the
+// symmetric workspaces those stores land in. Called by cuda/ffi/nvlink_cuda.cc and the Python module.
+//
+// Exchange semantics (those of `ragged_all_to_all` on `[ranks, C, row]` blocks): block d of rank s's
+// send buffer, first send_counts[d] rows, lands in block s of rank d's output; the rest of every output
+// block (rows past recv_counts[s]) is filled with `fill_byte`.
+//
+// Protocol of one exchange on rank r (epoch e, a per-rank device counter that only increases):
+//   advance   e = ++epoch[r]
+//   send      to each peer d: wait freed[r][d] >= (e-1)*G  (d has consumed r's block of the last epoch),
+//             store the rows into staging[d][r], fence, arrived[d][r] += 1 per block (G blocks per peer)
+//   receive   from each peer s: wait arrived[r][s] >= e*G, copy staging[r][s] to the output, fill the
+//             tail, then freed[s][r] += 1 per block
+// Every wait is bounded (`timeout_ns`): on expiry the kernel prints the rank, phase, peer and epoch and
+// traps, which fails the XLA computation instead of hanging it. No kernel waits on another block of its
+// own launch, so no launch needs all of its blocks resident (NCCL kernels may hold SMs meanwhile).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace jmm::nvlink {
+
+constexpr int kMaxRanks = 8;
+
+// Device pointers of every rank of a group, as seen from the calling rank's device.
+struct Peers {
+  char* staging[kMaxRanks];     // staging[d] + s * block_bytes: rows from rank s at rank d
+  uint64_t* signals[kMaxRanks];  // [0] epoch, [1 + s] arrived from s, [1 + ranks + d] freed by d
+};
+
+// One exchange call of one rank: where its data is and how big the blocks are.
+struct Exchange {
+  const char* send;            // [ranks, C, row_bytes]
+  const int32_t* send_counts;  // [ranks] rows live in each send block
+  const int32_t* recv_counts;  // [ranks] rows live in each received block
+  char* out;                   // [ranks, C, row_bytes]
+  int64_t capacity;            // C
+  int64_t row_bytes;
+  unsigned char fill_byte;
+};
+
+// Enqueues the three phases of one exchange for `rank` on `stream`. With `ranks_here` > 1 (emulation:
+// every rank's memory on this one device) `calls[i]` is rank i's call and the phases run rank by rank:
+// all advances, all sends, all receives, so every wait is on work already enqueued before it.
+std::string EnqueueExchange(const Peers& peers, int ranks, int first_rank, const std::vector<Exchange>& calls,
+                            int64_t block_bytes, uint64_t timeout_ns, cudaStream_t stream);
+
+// Bytes of one rank's signal array.
+inline size_t SignalBytes(int ranks) { return sizeof(uint64_t) * (1 + 2 * static_cast<size_t>(ranks)); }
+
+// Workspace registry (cuda/ffi/nvlink_cuda.cc). A workspace holds one or more groups (the expert axis
+// of each combination of the other mesh axes); `groups[g][r]` is the CUDA device of rank r of group g.
+// Emulated: one group whose ranks all live on one device (the exchange is then called under jax.vmap
+// with every rank's data in one call). Creating enables peer access and allocates, on every rank,
+// `ranks * block_bytes` of staging and the signal array (zeroed). Throws std::runtime_error with a
+// message for the user (no peer access, out of memory, bad arguments).
+int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulated, int64_t block_bytes,
+                        int64_t timeout_ms);
+// Waits for the workspace's devices to finish their work, then frees its memory. Unknown ids are ignored.
+void DestroyWorkspace(int64_t id);
+
+}  // namespace jmm::nvlink

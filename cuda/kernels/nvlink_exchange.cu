@@ -1,0 +1,148 @@
+// Kernels of the NVLink block exchange; the protocol is described in jmm/nvlink_cuda.h.
+#include <cuda/atomic>
+
+#include <cstdio>
+
+#include "jmm/nvlink_cuda.h"
+
+namespace jmm::nvlink {
+namespace {
+
+// Blocks per peer in the send and receive phases; the signal targets count them, so it is fixed.
+constexpr int kBlocksPerPeer = 16;
+constexpr int kThreads = 512;
+
+using SystemCounter = cuda::atomic_ref<unsigned long long, cuda::thread_scope_system>;
+
+__device__ unsigned long long GlobalTimerNs() {
+  unsigned long long now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+
+// Spins until *counter >= target, for at most timeout_ns; then reports and traps (never hangs).
+__device__ void WaitAtLeast(uint64_t* counter, uint64_t target, uint64_t timeout_ns, const char* phase,
+                            int rank, int peer, uint64_t epoch) {
+  SystemCounter ref(*reinterpret_cast<unsigned long long*>(counter));
+  if (ref.load(cuda::memory_order_acquire) >= target) return;
+  const unsigned long long start = GlobalTimerNs();
+  while (ref.load(cuda::memory_order_acquire) < target) {
+    if (GlobalTimerNs() - start > timeout_ns) {
+      printf("jax_megamoe nvlink: shard %d timed out after %llu ms in phase '%s' waiting for shard %d "
+             "(epoch %llu, counter %llu < %llu)\n",
+             rank, static_cast<unsigned long long>(timeout_ns / 1000000), phase, peer,
+             static_cast<unsigned long long>(epoch), ref.load(cuda::memory_order_relaxed),
+             static_cast<unsigned long long>(target));
+      __trap();
+    }
+    __nanosleep(256);
+  }
+}
+
+__device__ void SignalAdd(uint64_t* counter) {
+  __threadfence_system();
+  SystemCounter(*reinterpret_cast<unsigned long long*>(counter)).fetch_add(1, cuda::memory_order_release);
+}
+
+__device__ void BadCount(const char* what, int rank, int peer, int count, int64_t capacity) {
+  printf("jax_megamoe nvlink: shard %d got %s %d for shard %d, outside [0, %lld]\n", rank, what, count, peer,
+         static_cast<long long>(capacity));
+  __trap();
+}
+
+// Copies `bytes` from src to dst with this block's share of `parts` equal parts, in the widest unit the
+// alignment allows. `Load` reads from L2 (.cg) when the source was written by another GPU.
+template <bool kFromPeer>
+__device__ void CopyShare(char* dst, const char* src, int64_t bytes, int part, int parts) {
+  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                          static_cast<uintptr_t>(bytes);
+  const int64_t stride = static_cast<int64_t>(parts) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(part) * blockDim.x + threadIdx.x;
+  if (align % 16 == 0) {
+    const int64_t n = bytes / 16;
+    auto* d = reinterpret_cast<uint4*>(dst);
+    const auto* s = reinterpret_cast<const uint4*>(src);
+    for (int64_t i = first; i < n; i += stride) d[i] = kFromPeer ? __ldcg(s + i) : s[i];
+  } else if (align % 4 == 0) {
+    const int64_t n = bytes / 4;
+    auto* d = reinterpret_cast<uint32_t*>(dst);
+    const auto* s = reinterpret_cast<const uint32_t*>(src);
+    for (int64_t i = first; i < n; i += stride) d[i] = kFromPeer ? __ldcg(s + i) : s[i];
+  } else {
+    for (int64_t i = first; i < bytes; i += stride) {
+      dst[i] = kFromPeer ? static_cast<char>(__ldcg(reinterpret_cast<const signed char*>(src) + i)) : src[i];
+    }
+  }
+}
+
+__device__ void FillShare(char* dst, int64_t bytes, unsigned char value, int part, int parts) {
+  const int64_t stride = static_cast<int64_t>(parts) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(part) * blockDim.x + threadIdx.x; i < bytes; i += stride) {
+    dst[i] = static_cast<char>(value);
+  }
+}
+
+__global__ void AdvanceEpochs(Peers peers, int first_rank, int count) {
+  const int rank = first_rank + threadIdx.x;
+  if (threadIdx.x < count) peers.signals[rank][0] += 1;
+}
+
+// grid (kBlocksPerPeer, ranks): blockIdx.y is the destination.
+__global__ void __launch_bounds__(kThreads) SendBlocks(Peers peers, int ranks, int rank, Exchange call,
+                                                       int64_t block_bytes, uint64_t timeout_ns) {
+  const int dest = blockIdx.y;
+  uint64_t* mine = peers.signals[rank];
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(mine);
+  const int count = call.send_counts[dest];
+  if (count < 0 || count > call.capacity) BadCount("send count", rank, dest, count, call.capacity);
+  if (threadIdx.x == 0) {
+    WaitAtLeast(mine + 1 + ranks + dest, (epoch - 1) * kBlocksPerPeer, timeout_ns, "send (peer frees staging)",
+                rank, dest, epoch);
+  }
+  __syncthreads();
+  CopyShare<false>(peers.staging[dest] + rank * block_bytes, call.send + dest * call.capacity * call.row_bytes,
+                   count * call.row_bytes, blockIdx.x, kBlocksPerPeer);
+  __syncthreads();
+  if (threadIdx.x == 0) SignalAdd(peers.signals[dest] + 1 + rank);
+}
+
+// grid (kBlocksPerPeer, ranks): blockIdx.y is the source.
+__global__ void __launch_bounds__(kThreads) ReceiveBlocks(Peers peers, int ranks, int rank, Exchange call,
+                                                          int64_t block_bytes, uint64_t timeout_ns) {
+  const int source = blockIdx.y;
+  uint64_t* mine = peers.signals[rank];
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(mine);
+  const int count = call.recv_counts[source];
+  if (count < 0 || count > call.capacity) BadCount("receive count", rank, source, count, call.capacity);
+  if (threadIdx.x == 0) {
+    WaitAtLeast(mine + 1 + source, epoch * kBlocksPerPeer, timeout_ns, "receive (rows arrive)", rank, source,
+                epoch);
+  }
+  __syncthreads();
+  const int64_t live = count * call.row_bytes;
+  const int64_t block = call.capacity * call.row_bytes;
+  char* out = call.out + source * block;
+  CopyShare<true>(out, peers.staging[rank] + source * block_bytes, live, blockIdx.x, kBlocksPerPeer);
+  FillShare(out + live, block - live, call.fill_byte, blockIdx.x, kBlocksPerPeer);
+  __syncthreads();
+  if (threadIdx.x == 0) SignalAdd(peers.signals[source] + 1 + ranks + rank);
+}
+
+}  // namespace
+
+std::string EnqueueExchange(const Peers& peers, int ranks, int first_rank, const std::vector<Exchange>& calls,
+                            int64_t block_bytes, uint64_t timeout_ns, cudaStream_t stream) {
+  const int count = static_cast<int>(calls.size());
+  const dim3 grid(kBlocksPerPeer, ranks);
+  AdvanceEpochs<<<1, kMaxRanks, 0, stream>>>(peers, first_rank, count);
+  for (int i = 0; i < count; ++i) {
+    SendBlocks<<<grid, kThreads, 0, stream>>>(peers, ranks, first_rank + i, calls[i], block_bytes, timeout_ns);
+  }
+  for (int i = 0; i < count; ++i) {
+    ReceiveBlocks<<<grid, kThreads, 0, stream>>>(peers, ranks, first_rank + i, calls[i], block_bytes, timeout_ns);
+  }
+  const cudaError_t status = cudaGetLastError();
+  return status == cudaSuccess ? std::string() : std::string(cudaGetErrorString(status));
+}
+
+}  // namespace jmm::nvlink

@@ -1,0 +1,173 @@
+"""The NVLink transport of `moe_ffn_ep`: block exchanges by direct stores into the peers' GPU memory.
+
+`NvlinkWorkspace` owns memory outside XLA on every GPU of the expert axis (staging blocks and signal
+counters, docs/nvlink_design.md); `exchange` moves `[ep, C, ...]` blocks through it with the semantics
+of `transport.ragged_blocks`. Only the live rows cross NVLink, with no NCCL call and no host
+synchronisation. Every wait on a peer is bounded: a peer that never arrives fails the computation with
+a message naming the shard and the phase instead of hanging it.
+
+Emulation: `NvlinkWorkspace.emulated(R, ...)` puts R shards' memory on one GPU; calling `moe_ffn_ep`
+under `jax.vmap(..., axis_name=...)` over R then runs the same kernels and the same protocol with all R
+shards in one call, which is how the transport is tested on one GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_megamoe import _ffi
+
+MAX_RANKS = 8  # kMaxRanks of jmm/nvlink_cuda.h
+DEFAULT_TIMEOUT_MS = 10_000  # far above any legitimate wait; JMM_NVLINK_TIMEOUT_MS overrides
+
+
+def block_bytes(max_tokens: int, hidden: int, top_k: int, dtype) -> int:
+    """Staging bytes per (source, destination) block for tokens of `hidden` features in `dtype`.
+
+    `moe_ffn_ep` sends at most one row per token to each shard (deduplicated over the shard's experts):
+    token rows (`hidden` elements), the local expert ids and routing weights (`top_k` 4-byte values each),
+    and in the backward their cotangents; the largest of these sets the block size. Each GPU holds
+    `ep * block_bytes` of staging (q30 at ep = 8, bf16: 8 * 16384 * 4096 B = 512 MiB).
+    """
+    for name, value in (("max_tokens", max_tokens), ("hidden", hidden), ("top_k", top_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return max_tokens * max(hidden * jnp.dtype(dtype).itemsize, top_k * 4)
+
+
+def _timeout_ms() -> int:
+    value = os.environ.get("JMM_NVLINK_TIMEOUT_MS", str(DEFAULT_TIMEOUT_MS))
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"JMM_NVLINK_TIMEOUT_MS must be a positive integer (milliseconds), got {value!r}")
+    return int(value)
+
+
+def _cuda_extension():
+    if not _ffi.has_cuda_kernels():
+        raise ValueError("the nvlink transport needs jax_megamoe built with its CUDA kernels (nvcc present at "
+                         "install time); use moe_ffn_ep backend 'xla' or 'ragged'")
+    return _ffi.extension()
+
+
+def _ordinal(device) -> int:
+    if device.platform != "gpu":
+        raise ValueError(f"the nvlink transport runs on GPUs, got a {device.platform!r} device ({device})")
+    if device.process_index != jax.process_index():
+        raise ValueError(f"device {device} belongs to process {device.process_index}: the nvlink transport needs "
+                         f"every GPU of the expert axis in this process (one process per GPU is not supported "
+                         f"yet); use backend 'ragged' or 'xla'")
+    return device.local_hardware_id
+
+
+class NvlinkWorkspace:
+    """Symmetric memory for `moe_ffn_ep(..., backend="nvlink", workspace=...)` on one mesh axis.
+
+    Create it once (outside `jit`), reuse it for every MoE layer and step, `close()` it when done (or use
+    it as a context manager). Sized by `block_bytes(max_tokens, hidden, top_k, dtype)`: a call with more
+    tokens per shard, or wider rows, fails with a message saying so.
+
+    Args:
+      mesh: the `jax.sharding.Mesh` that `shard_map` runs over; all its GPUs must be in this process.
+      axis_name: the expert axis; one exchange group is made per combination of the other axes.
+      max_tokens: the most tokens a shard passes to `moe_ffn_ep` (per call).
+      hidden, top_k, dtype: the token width, routing fan-out and compute dtype of the MoE layers.
+    """
+
+    def __init__(self, mesh, axis_name: str = "expert", *, max_tokens: int, hidden: int, top_k: int,
+                 dtype=jnp.bfloat16):
+        if axis_name not in mesh.axis_names:
+            raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+        devices = np.moveaxis(np.asarray(mesh.devices), mesh.axis_names.index(axis_name), -1)
+        groups = [[_ordinal(d) for d in row] for row in devices.reshape(-1, devices.shape[-1])]
+        self._create(groups, False, block_bytes(max_tokens, hidden, top_k, dtype))
+
+    @classmethod
+    def emulated(cls, ranks: int, *, max_tokens: int, hidden: int, top_k: int, dtype=jnp.bfloat16,
+                 device=None) -> "NvlinkWorkspace":
+        """R emulated shards on one GPU (`device`, default the first): for `moe_ffn_ep` under
+        `jax.vmap(..., axis_name=...)` over R, running the real kernels and protocol without NVLink."""
+        device = jax.devices()[0] if device is None else device
+        workspace = cls.__new__(cls)
+        workspace._create([[_ordinal(device)] * ranks], True, block_bytes(max_tokens, hidden, top_k, dtype))
+        return workspace
+
+    def _create(self, groups, emulated: bool, size: int) -> None:
+        ranks = len(groups[0])
+        if not 1 <= ranks <= MAX_RANKS:
+            raise ValueError(f"the nvlink transport supports expert axes of 1 to {MAX_RANKS} GPUs, got {ranks}")
+        ext = _cuda_extension()
+        try:
+            self.id = int(ext.nvlink_create(groups, emulated, size, _timeout_ms()))
+        except RuntimeError as err:
+            raise ValueError(str(err)) from None
+        self.ranks = ranks
+        self.emulated = emulated
+        self.block_bytes = size
+        self._finalizer = weakref.finalize(self, ext.nvlink_destroy, self.id)
+
+    def close(self) -> None:
+        """Frees the workspace after the GPUs finish their queued work; later calls with it fail."""
+        self._finalizer()
+
+    def __enter__(self) -> "NvlinkWorkspace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check_fits(self, capacity: int, row_bytes: int) -> None:
+        """Raises if blocks of `capacity` rows of `row_bytes` bytes do not fit the staging blocks."""
+        if capacity * row_bytes > self.block_bytes:
+            raise ValueError(f"nvlink workspace too small: blocks of {capacity} rows x {row_bytes} bytes need "
+                             f"{capacity * row_bytes} bytes, it holds {self.block_bytes} per block; create it with "
+                             f"max_tokens >= the tokens per shard and the layer's hidden size, top_k and dtype")
+
+
+def _fill_byte(dtype, fill_value) -> int:
+    """The byte whose repetition spells `fill_value` in `dtype` (0, or -1 for integers)."""
+    if fill_value == 0:
+        return 0
+    if fill_value == -1 and jnp.issubdtype(dtype, jnp.signedinteger):
+        return 0xFF
+    raise ValueError(f"the nvlink transport fills with 0 (or -1 for integers), got {fill_value!r} for {dtype}")
+
+
+def exchange(buffer: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, workspace: NvlinkWorkspace,
+             fill_value=0) -> jax.Array:
+    """`transport.ragged_blocks` through the workspace: the first `send_counts[d]` rows of block d go to
+    shard d; in the result, rows of block s past `recv_counts[s]` hold `fill_value`. Linear; its
+    transpose is the reverse exchange."""
+    row_bytes = math.prod(buffer.shape[2:]) * buffer.dtype.itemsize
+    workspace.check_fits(buffer.shape[1], row_bytes)
+    return _exchange(buffer, send_counts.astype(jnp.int32), recv_counts.astype(jnp.int32), workspace.id,
+                     _fill_byte(buffer.dtype, fill_value))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _exchange(buffer, send_counts, recv_counts, workspace_id: int, fill_byte: int):
+    (out,) = _ffi.call("cuda", "nvlink_exchange", (jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),),
+                       buffer, send_counts, recv_counts, vmap_method="broadcast_all",
+                       workspace=np.int64(workspace_id), fill_byte=np.int64(fill_byte))
+    return out
+
+
+def _exchange_fwd(buffer, send_counts, recv_counts, workspace_id, fill_byte):
+    return _exchange(buffer, send_counts, recv_counts, workspace_id, fill_byte), (send_counts, recv_counts)
+
+
+def _exchange_bwd(workspace_id, fill_byte, residuals, d_out):
+    send_counts, recv_counts = residuals
+    if d_out.dtype == jax.dtypes.float0:  # integer payload (expert ids): no cotangent
+        return None, None, None
+    # Rows past the counts were filled, not sent: their cotangent is zero, which the fill of 0 gives.
+    return _exchange(d_out, recv_counts, send_counts, workspace_id, 0), None, None
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
