@@ -91,8 +91,9 @@ def check(mesh: Mesh, backend: str, dtype_name: str, routing: str) -> bool:
             err = rel_error(np.asarray(shard.data, np.float32), want[shard.index])
             passed = err <= TOLERANCE[dtype_name]
             ok &= passed
+            rows = shard.index[0]
             print(f"{'ok  ' if passed else 'FAIL'} process {jax.process_index()} {backend} {dtype_name} {routing} "
-                  f"{name} [{shard.index[0].start}:{shard.index[0].stop}]: rel err {err:.2e} (tol {TOLERANCE[dtype_name]:.0e})", flush=True)
+                  f"{name} [{rows.start}:{rows.stop}]: rel err {err:.2e} (tol {TOLERANCE[dtype_name]:.0e})", flush=True)
     return ok
 
 
