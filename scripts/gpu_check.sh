@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
 # The GPU check harness: build jax_megamoe from source (CUDA kernels included), run the GPU tests, a
 # compute-sanitizer memcheck of the CUDA op on small cases, the CPU MoE tests, the layer benchmark, the
-# expert-parallel overhead benchmark and the training record.
+# expert-parallel overhead benchmark and the training record; on machines with 2+ GPUs, the multi-GPU
+# steps (not in the default STEPS): moe_ffn_ep across two jax.distributed processes, the NCCL-concurrency
+# deadlock test and the EP=2 backend comparison.
 # Works offline (no package registry needed) when the build requirements are installed; a wheel of
 # nvidia-cutlass found in .whl/ is installed into /tmp/site first (the H200 machine has none).
 #
 # Usage: scripts/gpu_check.sh OUTDIR
-#   env STEPS="build test memcheck cputest profile bench epbench trainrecord" (default: all),
+#   env STEPS="build test memcheck cputest profile bench epbench trainrecord" (the default),
+#             multi-GPU steps, named explicitly: "mpgpu concurrency ep2bench",
 #       GPU_TESTS="..." (pytest selection, default: tests/ — every test marked gpu),
 #       BENCH_ARGS="..." (passed to benchmarks/bench_moe.py),
-#       TRAIN_RECORD_ARGS="..." (passed to benchmarks/train_record.py)
+#       TRAIN_RECORD_ARGS="..." (passed to benchmarks/train_record.py),
+#       CONCURRENCY_ARGS="..." (passed to benchmarks/nccl_concurrency.py, e.g. "--iters 200 --backend xla"),
+#       CONCURRENCY_CTAS="unset 32" (one concurrency run per NCCL_MAX_CTAS value; "unset" leaves it unset),
+#       EP2BENCH_ARGS="..." (passed to benchmarks/bench_ep.py in ep2bench)
 # Writes gpu.txt, build.log, gpu_tests.log, memcheck.log, cpu_tests.log, profile.log (ncu per-kernel
-# times), bench.log, bench.json, bench.png, bench_ep.{log,json}, train_record.{log,json,png} into OUTDIR
+# times), bench.log, bench.json, bench.png, bench_ep.{log,json}, train_record.{log,json,png},
+# mp_gpu_tests.log, concurrency.{log,json} (all runs in one of each), bench_ep2.{log,json} into OUTDIR
 # (the device tool returns at most 8 files: choose STEPS accordingly); exits non-zero if any step failed.
 set -uo pipefail
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -122,6 +129,39 @@ train_record() {
   cp /tmp/jmm_train_record/loss_curves.png "$OUTDIR/train_record.png"
 }
 want trainrecord && step train-record train_record.log train_record
+
+# Multi-GPU steps. moe_ffn_ep across two jax.distributed processes, one GPU each (xla and ragged over NCCL).
+want mpgpu && step mp-gpu-tests mp_gpu_tests.log $PY -m pytest -m gpu -q -rA -p no:cacheprovider \
+  tests/test_ep_multiprocess_gpu.py
+
+# The deadlock test: MoE fwd+bwd with large FSDP collectives in one step, once per NCCL_MAX_CTAS value;
+# every run's JSON is merged into concurrency.json (keyed by the NCCL_MAX_CTAS value).
+concurrency() {
+  local rc=0 ctas runs=()
+  for ctas in ${CONCURRENCY_CTAS:-unset 32}; do
+    local flags=()
+    [[ $ctas == unset ]] || flags=(--nccl-max-ctas "$ctas")
+    echo "--- nccl_concurrency.py, NCCL_MAX_CTAS=$ctas"
+    rm -f "/tmp/jmm_concurrency_$ctas.json"
+    env -u NCCL_MAX_CTAS NCCL_NVLS_ENABLE=0 $PY benchmarks/nccl_concurrency.py "/tmp/jmm_concurrency_$ctas.json" \
+      ${flags[@]+"${flags[@]}"} ${CONCURRENCY_ARGS:-} || rc=1
+    runs+=("$ctas=/tmp/jmm_concurrency_$ctas.json")
+  done
+  $PY - "$OUTDIR/concurrency.json" "${runs[@]}" <<'PYEOF' || rc=1
+import json, os, sys
+merged = {}
+for run in sys.argv[2:]:
+    ctas, path = run.split("=", 1)
+    merged[f"NCCL_MAX_CTAS={ctas}"] = json.load(open(path)) if os.path.exists(path) else {"error": "no JSON written"}
+json.dump(merged, open(sys.argv[1], "w"), indent=2)
+print("wrote", sys.argv[1], {k: (v.get("iterations_done"), v.get("hangs"), v.get("ok")) for k, v in merged.items()})
+PYEOF
+  return $rc
+}
+want concurrency && step concurrency concurrency.log concurrency
+
+want ep2bench && step bench-ep2 bench_ep2.log $PY benchmarks/bench_ep.py "$OUTDIR/bench_ep2.json" --ep 2 \
+  --backend xla,ragged,nvlink --config q30 ${EP2BENCH_ARGS:-}
 
 echo "=== summary: ${#failed[@]} failed step(s): ${failed[*]:-none}"
 [[ ${#failed[@]} == 0 ]]

@@ -88,6 +88,7 @@ def run_workers(tmp_path: Path, platform: str, backends: str, gpus: list[str] = 
                        for i, (p, text) in enumerate(zip(procs, outputs)))
     assert not hung, f"workers {hung} killed: {reason}\n{report}"
     assert all(p.returncode == 0 for p in procs), f"a worker failed\n{report}"
+    print(report)  # the per-shard errors, shown for passing tests with pytest -rA
     return outputs
 
 
