@@ -151,15 +151,18 @@ def git_commit() -> str:
 
 
 def print_table(rows):
-    """One line per row; the ratio columns are the row's time over moe_ffn's (1.05x = 5% overhead)."""
-    print(f"{'config':7} {'routing':8} {'impl':38} {'fwd ms':>9} {'fwd+bwd ms':>11} {'fwd/ffn':>8} {'f+b/ffn':>8}")
+    """One line per row: times, overhead over moe_ffn, and the same as a ratio (1.05x = +5.0%)."""
+    print(f"{'config':7} {'routing':8} {'impl':38} {'fwd ms':>9} {'fwd+bwd ms':>11} {'fwd ovh':>8} {'f+b ovh':>8} "
+          f"{'fwd/ffn':>8} {'f+b/ffn':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['config']:7} {r['routing']:8} {r['impl']:38} FAILED: {r['error'][:200]}")
             continue
+        overheads = [f"{r[k] * 100:+7.1f}%" if k in r else f"{'':8}" for k in
+                     ("forward_overhead", "forward_backward_overhead")]
         ratios = [f"{r[k]:7.3f}x" if k in r else f"{'':8}" for k in ("forward_ratio", "forward_backward_ratio")]
         print(f"{r['config']:7} {r['routing']:8} {r['impl']:38} {r['forward_ms']:9.3f} "
-              f"{r['forward_backward_ms']:11.3f} {ratios[0]} {ratios[1]}")
+              f"{r['forward_backward_ms']:11.3f} {overheads[0]} {overheads[1]} {ratios[0]} {ratios[1]}")
 
 
 def parse_backends(text: str) -> list[str]:
