@@ -56,12 +56,18 @@ def value_and_grads(fn, args, dy):
     return (y, *grads)
 
 
+@functools.cache  # one compile per backend and dtype: every routing has the same shapes
 def ep_value_and_grads(mesh: Mesh, backend: str):
     """Jitted forward and gradients of `moe_ffn_ep` over the global mesh (everything sharded over "expert")."""
     spec = P("expert")
     fn = jax.shard_map(functools.partial(jmm.moe_ffn_ep, axis_name="expert", backend=backend, num_experts=EXPERTS),
                        mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)
     return jax.jit(functools.partial(value_and_grads, fn))
+
+
+@functools.cache
+def reference_value_and_grads():
+    return jax.jit(functools.partial(value_and_grads, reference.moe_ffn))
 
 
 def to_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -78,8 +84,7 @@ def check(mesh: Mesh, backend: str, dtype_name: str, routing: str) -> bool:
 
     args32 = tuple(a.astype(np.float32) if a.dtype != np.int32 else a for a in args)
     on_local_device = functools.partial(jax.device_put, device=jax.local_devices()[0])
-    expected = jax.jit(functools.partial(value_and_grads, reference.moe_ffn))(
-        on_local_device(args32), on_local_device(dy))
+    expected = reference_value_and_grads()(on_local_device(args32), on_local_device(dy))
     ok = True
     for name, result, want in zip(OUTPUT_NAMES, got, expected):
         want = np.asarray(want)

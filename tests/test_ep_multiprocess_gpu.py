@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,7 @@ def worker_env(process_id: int, platform: str, gpus: list[str]) -> dict[str, str
     return env
 
 
-def run_workers(tmp_path: Path, platform: str, backends: str, gpus: list[str] = ()) -> list[str]:
+def run_workers(tmp_path: Path, platform: str, backends: str, gpus: Sequence[str] = ()) -> list[str]:
     """Runs the workers to completion; fails the test if any exits non-zero or all take too long."""
     coordinator = f"localhost:{free_port()}"
     logs = [tmp_path / f"worker{i}.log" for i in range(NUM_PROCESSES)]
