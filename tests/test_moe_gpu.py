@@ -116,6 +116,16 @@ def test_edge_shapes(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("inter", [13, 24, 2056])
+def test_swiglu_backward_widths(dtype, inter):
+    # Every path of the SwiGLU backward kernel (one warp per row): I = 13 is the scalar path for both dtypes,
+    # I = 24 is 16-byte vectors (3 per bf16 row, 6 per float32 row), I = 2056 has more than 256 vectors per row
+    # (several rounds of d_weights' summation threads). 6000 rows exceed the warps resident on an H200 at once,
+    # so warps stride over several rows.
+    check_parity(tokens=3000, hidden=32, inter=inter, num_experts=4, top_k=2, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_empty_experts(dtype):
     experts = np.stack([np.arange(64) % 2, 2 + np.arange(64) % 3], axis=1)  # experts 5..15 get no rows
     check_parity(tokens=64, hidden=128, inter=64, num_experts=16, top_k=2, dtype=dtype, experts=experts)

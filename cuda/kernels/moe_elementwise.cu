@@ -115,54 +115,107 @@ __global__ void CombineRowsKernel(const T* row_values, const int32_t* row_of_pai
   }
 }
 
-constexpr int kRowThreads = 256;
+// d_weights[pair] = <g, h> is summed in one fixed order (deterministic): "summation thread" t of 256 adds the
+// products of vectors t, t + 256, ... of the row in sequence, each group of 32 summation threads is reduced by a
+// butterfly, and the 8 group sums are added in group order. This is the order of the one-block-per-row kernel
+// this one replaced, so d_weights is bitwise unchanged by the warp-per-row mapping below.
+constexpr int kSumThreads = 256;
+constexpr int kSumGroups = kSumThreads / 32;
 
-// Sum over the block in a fixed tree order (deterministic); every thread gets the result.
-__device__ float BlockSum(float v) {
-  __shared__ float partial[kRowThreads / 32];
+__device__ __forceinline__ float WarpSum(float v) {
   for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kRowThreads / 32; ++w) total += partial[w];
-  return total;
+  return v;
 }
 
+// One warp per row, warps striding over the kept rows, so that every lane has work at model widths
+// (bf16, I = 768: 96 vectors of 16 bytes per row, 3 per lane). Lane l plays summation threads l, 32 + l, ...
+constexpr int kBackwardThreads = 256;
+constexpr int kBackwardWarps = kBackwardThreads / 32;
+// Vectors per lane whose loads are issued before any of them is used (memory-level parallelism): I = 768
+// needs 3 per lane, I = 1536 needs 6.
+constexpr int kLoadBatch = 4;
+static_assert(kSumGroups % kLoadBatch == 0, "a load batch must not straddle two rounds of summation threads");
+
 template <typename T, int V>
-__global__ void __launch_bounds__(kRowThreads) SwigluBackwardKernel(
-    const T* gate_up, const T* g, const float* weights, const int32_t* pair_of_row, const int32_t* kept_rows,
-    int64_t intermediate, T* h, T* dz, float* d_weights) {
-  const int64_t r = blockIdx.x;
-  if (r >= *kept_rows) return;  // uniform per block, so BlockSum's barrier is safe
-  const int32_t pair = pair_of_row[r];
-  const float w = weights[pair];
+__global__ void __launch_bounds__(kBackwardThreads) SwigluBackwardKernel(
+    const T* __restrict__ gate_up, const T* __restrict__ g, const float* __restrict__ weights,
+    const int32_t* __restrict__ pair_of_row, const int32_t* __restrict__ kept_rows, int64_t intermediate,
+    T* __restrict__ h, T* __restrict__ dz, float* __restrict__ d_weights) {
+  const int lane = threadIdx.x % 32;
+  const int64_t kept = *kept_rows;
   const int64_t n = intermediate / V;
-  const auto* z = reinterpret_cast<const Vec<T, V>*>(gate_up + r * 2 * intermediate);
-  const auto* grad_row = reinterpret_cast<const Vec<T, V>*>(g + r * intermediate);
-  auto* h_row = reinterpret_cast<Vec<T, V>*>(h + r * intermediate);
-  auto* dz_row = reinterpret_cast<Vec<T, V>*>(dz + r * 2 * intermediate);
-  float dw = 0.0f;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const Vec<T, V> gate = z[i], up = z[n + i], grad = grad_row[i];
-    Vec<T, V> act_out, dgate, dup;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kBackwardWarps;
+  // r is uniform per warp, so the whole warp reaches WarpSum's shuffles together. Each row's pair index is
+  // loaded one row ahead, so that weights[pair] and the row's data are fetched together.
+  int64_t r = static_cast<int64_t>(blockIdx.x) * kBackwardWarps + threadIdx.x / 32;
+  int32_t pair = r < kept ? pair_of_row[r] : 0;
+  for (; r < kept; r += warps) {
+    const float w = weights[pair];
+    const int32_t next_pair = r + warps < kept ? pair_of_row[r + warps] : 0;
+    const auto* z = reinterpret_cast<const Vec<T, V>*>(gate_up + r * 2 * intermediate);
+    const auto* grad_row = reinterpret_cast<const Vec<T, V>*>(g + r * intermediate);
+    auto* h_row = reinterpret_cast<Vec<T, V>*>(h + r * intermediate);
+    auto* dz_row = reinterpret_cast<Vec<T, V>*>(dz + r * 2 * intermediate);
+    float dw[kSumGroups] = {};  // dw[s]: the running sum of summation thread 32 * s + lane
+    for (int64_t base = 0; base < n; base += kSumThreads) {
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const float zg = ToFloat(gate.v[j]), zu = ToFloat(up.v[j]), gr = ToFloat(grad.v[j]);
-      const float sig = Sigmoid(zg), silu = zg * sig;
-      const float act = Round<T>(silu * zu);
-      act_out.v[j] = FromFloat<T>(act);
-      dw += gr * act;
-      const float dact = w * gr;
-      dgate.v[j] = FromFloat<T>(dact * zu * sig * (1.0f + zg * (1.0f - sig)));
-      dup.v[j] = FromFloat<T>(dact * silu);
+      for (int s0 = 0; s0 < kSumGroups; s0 += kLoadBatch) {
+        if (base + 32 * s0 >= n) break;  // uniform per warp
+        Vec<T, V> gate[kLoadBatch], up[kLoadBatch], grad[kLoadBatch];
+#pragma unroll
+        for (int b = 0; b < kLoadBatch; ++b) {
+          // A lane past the row's end loads the row's last vector (fetched by another lane anyway) instead of
+          // branching, so that the batch's loads issue back to back.
+          const int64_t i = min(base + 32 * (s0 + b) + lane, n - 1);
+          gate[b] = z[i];
+          up[b] = z[n + i];
+          grad[b] = grad_row[i];
+        }
+#pragma unroll
+        for (int b = 0; b < kLoadBatch; ++b) {
+          const int64_t i = base + 32 * (s0 + b) + lane;
+          if (i >= n) break;
+          Vec<T, V> act_out, dgate, dup;
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            const float zg = ToFloat(gate[b].v[j]), zu = ToFloat(up[b].v[j]), gr = ToFloat(grad[b].v[j]);
+            const float sig = Sigmoid(zg), silu = zg * sig;
+            const float act = Round<T>(silu * zu);
+            act_out.v[j] = FromFloat<T>(act);
+            dw[s0 + b] += gr * act;
+            const float dact = w * gr;
+            dgate.v[j] = FromFloat<T>(dact * zu * sig * (1.0f + zg * (1.0f - sig)));
+            dup.v[j] = FromFloat<T>(dact * silu);
+          }
+          h_row[i] = act_out;
+          dz_row[i] = dgate;
+          dz_row[n + i] = dup;
+        }
+      }
     }
-    h_row[i] = act_out;
-    dz_row[i] = dgate;
-    dz_row[n + i] = dup;
+    float total = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kSumGroups; ++s) {
+      // A group past the row's end holds +0 in every lane, whose butterfly sum is +0: skip the shuffles.
+      total += 32 * s < n ? WarpSum(dw[s]) : dw[s];
+    }
+    if (lane == 0) d_weights[pair] = total;
+    pair = next_pair;
   }
-  dw = BlockSum(dw);
-  if (threadIdx.x == 0) d_weights[pair] = dw;
+}
+
+// Blocks of `kernel` that are resident on the current device at once (at least 1).
+template <typename Kernel>
+Status ResidentBlocks(Kernel kernel, int threads, int64_t* blocks) {
+  int device = 0, multiprocessors = 0, per_multiprocessor = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, threads, 0);
+  }
+  if (err != cudaSuccess) return std::string("occupancy query failed: ") + cudaGetErrorString(err);
+  *blocks = std::max<int64_t>(1, static_cast<int64_t>(multiprocessors) * per_multiprocessor);
+  return {};
 }
 
 __global__ void ZeroDroppedWeightsKernel(const int32_t* row_of_pair, int64_t num_pairs, float* d_weights) {
@@ -256,9 +309,16 @@ Status SwigluBackward(Dtype dtype, const void* gate_up, const void* g, const flo
     using T = std::remove_pointer_t<decltype(tag)>;
     return WithVectorWidth<T>(intermediate, [&](auto v) {
       constexpr int V = decltype(v)::value;
-      SwigluBackwardKernel<T, V><<<rows, kRowThreads, 0, stream>>>(
-          static_cast<const T*>(gate_up), static_cast<const T*>(g), weights, pair_of_row,
-          expert_offsets + num_experts, intermediate, static_cast<T*>(h), static_cast<T*>(dz), d_weights);
+      const auto kernel = SwigluBackwardKernel<T, V>;
+      int64_t resident = 0;
+      if (Status s = ResidentBlocks(kernel, kBackwardThreads, &resident); !s.empty()) {
+        return "swiglu backward " + s;
+      }
+      const auto blocks = static_cast<unsigned>(std::min(resident, (rows + kBackwardWarps - 1) / kBackwardWarps));
+      kernel<<<blocks, kBackwardThreads, 0, stream>>>(static_cast<const T*>(gate_up), static_cast<const T*>(g),
+                                                      weights, pair_of_row, expert_offsets + num_experts,
+                                                      intermediate, static_cast<T*>(h), static_cast<T*>(dz),
+                                                      d_weights);
       return LaunchStatus("swiglu backward");
     });
   });
