@@ -36,6 +36,22 @@ struct TileAcc {
         for (int j = 0; j < 4; ++j) v[i][j] = fmaf(av[i], bv[j], v[i][j]);
     }
   }
+
+  // Writes the tile to d (row-major, n columns), whose rows row0.. and columns col0.. it covers; rows at or
+  // past row_end and columns at or past n are outside the output and skipped.
+  template <typename T>
+  __device__ void StoreTile(T* d, int64_t row0, int64_t row_end, int64_t col0, int64_t n, int ty, int tx) const {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t row = row0 + ty + 16 * i;
+      if (row >= row_end) continue;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int64_t col = col0 + tx + 16 * j;
+        if (col < n) Store(d + row * n + col, v[i][j]);
+      }
+    }
+  }
 };
 
 // Row-grouped: blockIdx.x enumerates (expert, 64-row tile) pairs in expert order (extra blocks exit);
@@ -93,16 +109,7 @@ __global__ void __launch_bounds__(kThreads) RowsGemmSimt(const T* a, const T* b,
     acc.Accumulate(as, bs, ty, tx);
     __syncthreads();
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int64_t row = row0 + ty + 16 * i;
-    if (row >= row_end) continue;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int64_t col = col0 + tx + 16 * j;
-      if (col < n) Store(d + row * n + col, acc.v[i][j]);
-    }
-  }
+  acc.StoreTile(d, row0, row_end, col0, n, ty, tx);
 }
 
 // Expert-grouped weight GEMM: blockIdx.z = expert, contraction over that expert's rows.
@@ -127,17 +134,7 @@ __global__ void __launch_bounds__(kThreads) WeightGemmSimt(const T* a, const T* 
     acc.Accumulate(as, bs, ty, tx);
     __syncthreads();
   }
-  T* de = d + static_cast<int64_t>(e) * m * n;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int64_t row = m0 + ty + 16 * i;
-    if (row >= m) continue;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int64_t col = n0 + tx + 16 * j;
-      if (col < n) Store(de + row * n + col, acc.v[i][j]);
-    }
-  }
+  acc.StoreTile(d + static_cast<int64_t>(e) * m * n, m0, m, n0, n, ty, tx);
 }
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
