@@ -131,7 +131,7 @@ __device__ __forceinline__ float WarpSum(float v) {
 // (bf16, I = 768: 96 vectors of 16 bytes per row, 3 per lane). Lane l plays summation threads l, 32 + l, ...
 constexpr int kBackwardThreads = 256;
 constexpr int kBackwardWarps = kBackwardThreads / 32;
-// Vectors per lane whose loads are issued before any of them is used (memory-level parallelism): I = 768
+// Vectors per lane whose loads are issued before any of them is used (memory-level parallelism): bf16 I = 768
 // needs 3 per lane, I = 1536 needs 6.
 constexpr int kLoadBatch = 4;
 static_assert(kSumGroups % kLoadBatch == 0, "a load batch must not straddle two rounds of summation threads");
