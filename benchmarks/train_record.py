@@ -15,6 +15,7 @@ step, benchmarks/RESULTS.md) is recorded as failed and the CUDA run is kept.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -29,14 +30,14 @@ from moe_training import metrics  # noqa: E402  (the example's helpers; path set
 BASELINES = ("ragged_dot", "reference")
 
 
-def run_backend(backend: str, args, out_dir: Path) -> dict:
+def run_backend(backend: str, args, out_dir: Path, device: str) -> dict:
     command = [sys.executable, str(ROOT / "examples" / "train_qwen3_moe.py"), "--preset", "qwen3-30b-a3b-4layer",
                "--backend", backend, "--dtype", "bfloat16", "--steps", str(args.steps), "--batch", str(args.batch),
                "--seq", str(args.seq), "--seed", str(args.seed), "--eval-every", str(args.steps),
                "--attention-impl", args.attention_impl, "--mesh-data", "1", "--mesh-expert", "1",
                "--out-dir", str(out_dir), *args.extra]
     print("+", " ".join(command), flush=True)
-    result = subprocess.run(command, env=dict(os.environ, CUDA_VISIBLE_DEVICES=args.device))
+    result = subprocess.run(command, env=dict(os.environ, CUDA_VISIBLE_DEVICES=device))
     if result.returncode:  # e.g. the ragged_dot baseline running out of memory: a result, not a crash
         return {"failed": True, "returncode": result.returncode}
     return json.loads((out_dir / "summary.json").read_text())
@@ -49,7 +50,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="0", help="CUDA_VISIBLE_DEVICES for the runs (one GPU)")
+    parser.add_argument("--device", default="0",
+                        help="GPU of both runs, one after the other; or two GPUs 'A,B': the CUDA run on A and the "
+                             "baseline on B at the same time (separate GPUs, so each run's speed is its own)")
     parser.add_argument("--attention-impl", choices=["cudnn", "xla"], default="cudnn",
                         help="attention for both runs (DESIGN.md's end-to-end anchors used cuDNN)")
     parser.add_argument("--baseline", choices=BASELINES, default="ragged_dot",
@@ -62,7 +65,13 @@ def main() -> None:
         parser.error("--steps must be >= 20 (the final loss averages the last 10 steps)")
 
     backends = ("cuda", args.baseline)
-    summaries = {backend: run_backend(backend, args, args.out_dir / backend) for backend in backends}
+    devices = args.device.split(",")
+    if len(devices) not in (1, 2):
+        parser.error(f"--device takes one GPU or two ('A,B'), got {args.device!r}")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(devices)) as pool:
+        futures = {backend: pool.submit(run_backend, backend, args, args.out_dir / backend, devices[i % len(devices)])
+                   for i, backend in enumerate(backends)}
+        summaries = {backend: future.result() for backend, future in futures.items()}
     done = [b for b in backends if not summaries[b].get("failed")]
     record = {"runs": summaries, "final_loss_mean_last_10_steps": {b: summaries[b]["final_loss"] for b in done}}
     if len(done) == len(backends):

@@ -148,20 +148,19 @@ def two_gpu_ep(**options):
 @pytest.mark.parametrize("routing", ["uniform", "zipf", "all_to_one"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_two_gpus_nvlink_equals_xla_transport(routing, dtype):
+    """Across real NVLink, bit for bit the xla transport (whose accuracy against the reference on two GPUs is
+    tests/test_ep_gpu.py::test_two_gpus_match_reference), three calls in a row."""
     tokens, hidden, inter, experts, top_k = 1024, 512, 256, 32, 4
     args, dy = make_shards(5, 2, tokens, hidden, inter, experts, top_k, dtype, routing)
     flat = lambda a: a.reshape((-1,) + a.shape[2:])
     args, dy = tuple(flat(a) for a in args), flat(dy)
-    mesh, _ = two_gpu_ep()
+    mesh, xla_fn = two_gpu_ep(backend="xla")
+    xla = jax.block_until_ready(jax.jit(functools.partial(value_and_grads, xla_fn))(args, dy))
     with jmm.NvlinkWorkspace(mesh, "expert", max_tokens=tokens, hidden=hidden, top_k=top_k, dtype=dtype) as ws:
         ours = jax.jit(functools.partial(value_and_grads, two_gpu_ep(backend="nvlink", workspace=ws)[1]))
-        runs = [ours(args, dy) for _ in range(3)]
-    xla = jax.jit(functools.partial(value_and_grads, two_gpu_ep(backend="xla")[1]))(args, dy)
-    for run in runs[1:]:
-        assert_bitwise_equal(runs[0], run)
-    assert_bitwise_equal(runs[0], xla)
-    unflat = lambda a: a.reshape((2, -1) + a.shape[1:])
-    assert_close_to_reference(tuple(unflat(a) for a in runs[0]), tuple(unflat(a) for a in args), unflat(dy))
+        runs = [jax.block_until_ready(ours(args, dy)) for _ in range(3)]
+    for run in runs:
+        assert_bitwise_equal(run, xla)
 
 
 MISSING_PEER = textwrap.dedent("""

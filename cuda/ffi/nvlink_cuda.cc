@@ -226,6 +226,9 @@ ffi::Error NvlinkExchange(cudaStream_t stream, int32_t device, ffi::AnyBuffer se
                         row_bytes,
                         static_cast<unsigned char>(fill_byte)};
   }
+  // Launch on the device XLA runs this call on, whatever this thread's runtime API thinks is current.
+  DeviceGuard guard;
+  if (cudaSetDevice(device) != cudaSuccess) return Invalid("cannot select GPU " + std::to_string(device));
   const std::string status = EnqueueExchange(group->peers, ranks, workspace->emulated ? 0 : rank, calls,
                                              workspace->block_bytes, workspace->timeout_ns, stream);
   if (!status.empty()) return ffi::Error(ffi::ErrorCode::kInternal, "jax_megamoe nvlink exchange: " + status);

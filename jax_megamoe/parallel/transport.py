@@ -72,7 +72,7 @@ def probe_ragged() -> bool:
 
 
 def _run_ragged_probe() -> bool:
-    mesh = jax.sharding.Mesh(jax.devices()[:1], ("probe",))
+    mesh = jax.sharding.Mesh(jax.local_devices()[:1], ("probe",))  # addressable in every process
     spec = PartitionSpec("probe")
 
     def probe(x):
