@@ -70,11 +70,12 @@ def _resolve_transport(backend: str, workspace, ep: int) -> str:
         return backend
     if workspace is not None:
         raise ValueError(f"workspace is only used by backend='nvlink', got backend={backend!r}")
-    if backend == "auto":
-        return "ragged" if transport.ragged_supported() else "xla"
+    if backend == "auto":  # on two H200s "ragged" measured 15-20x slower than "xla" (benchmarks/RESULTS.md)
+        return "xla"
     if backend == "ragged" and not transport.ragged_supported():
-        raise ValueError(f"backend='ragged' needs jax.lax.ragged_all_to_all, which XLA implements on GPUs only "
-                         f"(default backend here: {jax.default_backend()!r}); use backend='xla'")
+        raise ValueError(f"backend='ragged' needs jax.lax.ragged_all_to_all, which XLA implements on GPUs only and "
+                         f"within one process (default backend here: {jax.default_backend()!r}, "
+                         f"{jax.process_count()} process(es)); use backend='xla'")
     return backend
 
 
@@ -117,9 +118,9 @@ def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_l
       w_down_local: `[E_local, I, H]`, same dtype as `x`.
       axis_name: the mesh axis the experts are sharded over.
       backend: `"xla"` (`jax.lax.all_to_all`, fixed per-peer capacity, any platform), `"ragged"`
-        (`jax.lax.ragged_all_to_all`: moves only the live rows; GPU only), `"nvlink"` (the live rows by
+        (`jax.lax.ragged_all_to_all`: moves only the live rows; GPUs of one process), `"nvlink"` (the live rows by
         direct stores into the peers' memory; GPUs of one process, needs `workspace`) or `"auto"`
-        (ragged where it works, else xla).
+        (xla: the fastest measured without a workspace).
       capacity_factor: None for dropless. Otherwise each shard accepts at most
         `ceil(capacity_factor * T * K / ep)` pairs from each source shard, in (token, k) order; the
         pairs beyond contribute zero (and get zero gradient) and are counted in the stats.

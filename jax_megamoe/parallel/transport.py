@@ -57,11 +57,13 @@ def exchange(buffer: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, 
 
 @functools.cache
 def ragged_supported() -> bool:
-    """Whether `ragged_all_to_all` works on the default backend (probed once per process).
+    """Whether `ragged_all_to_all` works here (probed once per process).
 
-    XLA implements it on GPUs only; XLA:CPU rejects it at compile time.
+    XLA implements it on GPUs only (XLA:CPU rejects it at compile time), and within one process: across
+    `jax.distributed` processes XLA 0.11 refuses it ("RaggedAllToAll fallback to NCCL is not allowed",
+    seen on two H200s, one process each).
     """
-    return jax.default_backend() == "gpu" and probe_ragged()
+    return jax.default_backend() == "gpu" and jax.process_count() == 1 and probe_ragged()
 
 
 def probe_ragged() -> bool:
