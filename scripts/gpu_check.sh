@@ -71,6 +71,21 @@ for (t, h, i, e, k, dtype) in [(37, 64, 32, 5, 2, jnp.bfloat16), (19, 20, 12, 3,
     val, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(x, weights, wgu, wd)
     assert all(np.isfinite(np.asarray(v, np.float32)).all() for v in (val, *grads))
     print("memcheck case", (t, h, i, e, k, jnp.dtype(dtype).name), "ok")
+# The nvlink transport with two emulated shards on this GPU: forward and backward through the workspace.
+import functools
+R, T, H, I, E, K = 2, 24, 40, 16, 8, 2
+ks = jax.random.split(jax.random.PRNGKey(1), 5)
+ids = jax.random.randint(ks[0], (R, T, K), 0, E)
+w = jax.random.uniform(ks[1], (R, T, K))
+x = jax.random.normal(ks[2], (R, T, H), jnp.bfloat16)
+gu = (jax.random.normal(ks[3], (R, E // R, H, 2 * I)) * 0.1).astype(jnp.bfloat16)
+d = (jax.random.normal(ks[4], (R, E // R, I, H)) * 0.1).astype(jnp.bfloat16)
+with jmm.NvlinkWorkspace.emulated(R, max_tokens=T, hidden=H, top_k=K) as ws:
+    ep = jax.vmap(functools.partial(jmm.moe_ffn_ep, backend="nvlink", workspace=ws), axis_name="expert")
+    f = lambda x, w, g, d: ep(x, w, ids, g, d).astype(jnp.float32).sum()
+    val, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(x, w, gu, d)
+    assert all(np.isfinite(np.asarray(v, np.float32)).all() for v in (val, *grads))
+print("memcheck case nvlink emulated R=2 ok")
 PYEOF
 want memcheck && step memcheck memcheck.log timeout 420 compute-sanitizer --tool memcheck --error-exitcode 7 \
   --print-limit 20 $PY /tmp/jmm_memcheck.py
