@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jax_megamoe.nn import ExpertFn, MoEAux, check_layer_args, default_expert_init, moe_block
+
+if TYPE_CHECKING:
+    from jax_megamoe.parallel import NvlinkWorkspace
 
 __all__ = ["MoE", "MoEAux"]
 
@@ -18,7 +21,8 @@ class MoE(nn.Module):
 
     Parameters `router/kernel [H, E]`, `w_gate_up [E, H, 2I]`, `w_down [E, I, H]`, the expert dimension
     boxed with `nn.with_partitioning` on `expert_axis`. Arguments as in `jax_megamoe.nn.MoE` (H is taken
-    from the input).
+    from the input), including `ep_backend` (`"xla"`, `"ragged"`, `"nvlink"`; `"auto"` = `"xla"`) and
+    `ep_workspace` (the `NvlinkWorkspace` that `"nvlink"` needs; a module attribute, not a variable).
     """
     intermediate_size: int
     num_experts: int
@@ -28,6 +32,7 @@ class MoE(nn.Module):
     backend: str | ExpertFn = "auto"
     expert_axis: str | None = None
     ep_backend: str = "auto"
+    ep_workspace: NvlinkWorkspace | None = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Any = None
@@ -50,5 +55,6 @@ class MoE(nn.Module):
         y, aux = moe_block(tokens.astype(dtype), router_logits, w_gate_up.astype(dtype), w_down.astype(dtype),
                            top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
                            capacity_factor=self.capacity_factor, backend=self.backend,
-                           expert_axis=self.expert_axis, ep_backend=self.ep_backend)
+                           expert_axis=self.expert_axis, ep_backend=self.ep_backend,
+                           ep_workspace=self.ep_workspace)
         return y.reshape(*x.shape[:-1], hidden), aux

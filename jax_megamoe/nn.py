@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,9 @@ from jax.sharding import PartitionSpec as P
 from jax_megamoe import reference
 from jax_megamoe.ops.moe import moe_ffn
 from jax_megamoe.ops.routing import load_balancing_loss, route, router_z_loss
+
+if TYPE_CHECKING:
+    from jax_megamoe.parallel import NvlinkWorkspace
 
 ExpertFn = Callable[..., jax.Array]
 
@@ -67,9 +70,10 @@ def local_ffn(x, weights, experts, w_gate_up, w_down, *, backend, capacity_facto
 
 
 def sharded_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, backend, ep_backend,
-                capacity_factor):
+                capacity_factor, ep_workspace=None):
     """The experts under `shard_map` over `mesh`: tokens split over every mesh axis; the experts split
-    over `expert_axis` (`moe_ffn_ep`), or replicated when it is None (`moe_ffn` per shard).
+    over `expert_axis` (`moe_ffn_ep` with transport `ep_backend` and `workspace=ep_workspace`), or
+    replicated when it is None (`moe_ffn` per shard).
 
     Per-shard kernels instead of one jit-partitioned custom call, which XLA could only run replicated.
     """
@@ -93,7 +97,8 @@ def sharded_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, ba
 
             y, stats = moe_ffn_ep(x, weights, experts, w_gate_up, w_down, axis_name=expert_axis,
                                   backend=ep_backend, local_backend=backend, capacity_factor=capacity_factor,
-                                  return_stats=True, num_experts=w_gate_up.shape[0] * mesh.shape[expert_axis])
+                                  return_stats=True, num_experts=w_gate_up.shape[0] * mesh.shape[expert_axis],
+                                  workspace=ep_workspace)
             dropped = stats.pairs_dropped
         return y, jax.lax.psum(dropped, all_axes)
 
@@ -105,14 +110,15 @@ def sharded_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, ba
 def moe_block(x: jax.Array, router_logits: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, top_k: int,
               norm_topk_prob: bool = True, capacity_factor: float | None = None,
               backend: str | ExpertFn = "auto", expert_axis: str | None = None,
-              ep_backend: str = "auto") -> tuple[jax.Array, MoEAux]:
+              ep_backend: str = "auto", ep_workspace: NvlinkWorkspace | None = None) -> tuple[jax.Array, MoEAux]:
     """Routes `x [T, H]` by `router_logits [T, E]` and runs the experts; returns `(y [T, H], MoEAux)`.
 
     `w_gate_up [E, H, 2I]` and `w_down [E, I, H]` must already be in x's dtype. `backend` is a
     `moe_ffn` backend name, or a function with `moe_ffn`'s positional signature (a baseline to compare
     against; it cannot be combined with `expert_axis`). Under an active multi-device mesh
     (`jax.set_mesh`) the experts run per shard in `shard_map` (see `sharded_ffn`); with `expert_axis`
-    that is expert parallelism through `moe_ffn_ep`, whose transport is `ep_backend`.
+    that is expert parallelism through `moe_ffn_ep`, whose transport is `ep_backend` (with
+    `ep_workspace` as its `workspace` for `"nvlink"`).
     """
     num_experts = router_logits.shape[-1]
     weights, experts = route(router_logits, top_k, norm_topk_prob)
@@ -120,7 +126,7 @@ def moe_block(x: jax.Array, router_logits: jax.Array, w_gate_up: jax.Array, w_do
                   reference.expert_counts(experts, num_experts))
     mesh = active_mesh()
     run = local_ffn if mesh is None else functools.partial(sharded_ffn, mesh, expert_axis=expert_axis,
-                                                          ep_backend=ep_backend)
+                                                          ep_backend=ep_backend, ep_workspace=ep_workspace)
     y, dropped = run(x, weights, experts, w_gate_up, w_down, backend=backend, capacity_factor=capacity_factor)
     return y, MoEAux(*aux_losses, dropped)
 
@@ -158,7 +164,11 @@ class MoE(nnx.Module):
       expert_axis: mesh axis that holds the experts. Under an active multi-device mesh (`jax.set_mesh`)
         the layer runs inside `shard_map` with its tokens split over all mesh axes: `moe_ffn_ep` over
         `expert_axis` when set (it must be a mesh axis), else `moe_ffn` per shard with replicated experts.
-      ep_backend: `moe_ffn_ep`'s transport (`"auto"`, `"xla"`, `"ragged"`) under expert parallelism.
+      ep_backend: `moe_ffn_ep`'s transport under expert parallelism: `"xla"`, `"ragged"`, `"nvlink"` (needs
+        `ep_workspace`) or `"auto"` (= `"xla"`).
+      ep_workspace: the `jax_megamoe.NvlinkWorkspace` of `ep_backend="nvlink"`, created once outside `jit` for
+        the mesh's `expert_axis` and sized for the tokens per shard; `moe_ffn_ep` rejects it with another
+        `ep_backend`. A static attribute (not a parameter); unused without expert parallelism.
       dtype: compute dtype (x and the expert weights are cast to it); None keeps x's dtype.
       param_dtype: parameter storage dtype.
       kernel_init, router_init: initialisers of the expert weights and the router kernel.
@@ -167,7 +177,7 @@ class MoE(nnx.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  norm_topk_prob: bool = True, capacity_factor: float | None = None,
                  backend: str | ExpertFn = "auto", expert_axis: str | None = None, ep_backend: str = "auto",
-                 dtype=None,
+                 ep_workspace: NvlinkWorkspace | None = None, dtype=None,
                  param_dtype=jnp.float32, kernel_init: nnx.Initializer | None = None,
                  router_init: nnx.Initializer = nnx.initializers.normal(0.02), rngs: nnx.Rngs):
         check_layer_args(hidden_size, intermediate_size, num_experts, top_k, capacity_factor)
@@ -177,6 +187,7 @@ class MoE(nnx.Module):
         self.backend = backend
         self.expert_axis = expert_axis
         self.ep_backend = ep_backend
+        self.ep_workspace = ep_workspace  # static: part of the graph definition, shared by every copy
         self.dtype = dtype
         self.router = nnx.Linear(hidden_size, num_experts, use_bias=False, dtype=jnp.float32,
                                  param_dtype=param_dtype, kernel_init=router_init, rngs=rngs)
@@ -202,5 +213,5 @@ class MoE(nnx.Module):
         y, aux = moe_block(tokens.astype(dtype), router_logits, self.w_gate_up[...].astype(dtype),
                            self.w_down[...].astype(dtype), top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
                            capacity_factor=self.capacity_factor, backend=self.backend, expert_axis=self.expert_axis,
-                           ep_backend=self.ep_backend)
+                           ep_backend=self.ep_backend, ep_workspace=self.ep_workspace)
         return y.reshape(*x.shape[:-1], y.shape[-1]), aux

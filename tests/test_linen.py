@@ -1,4 +1,5 @@
-"""Linen MoE layer: same results as the NNX layer with the same parameters, gradients, partitioning boxes."""
+"""Linen MoE layer: same results as the NNX layer with the same parameters, gradients, partitioning boxes,
+the expert-parallel transport options."""
 
 import flax.linen as nn
 import jax
@@ -81,3 +82,15 @@ def test_expert_parallel_under_a_mesh_matches_one_device():
     assert variables["params"]["w_gate_up"].value.sharding.spec == jax.sharding.PartitionSpec("expert", None, None)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert int(aux.dropped_pairs) == 0
+
+
+@pytest.mark.parametrize("ep_backend, ep_workspace, match", [
+    ("nvlink", None, "needs workspace=NvlinkWorkspace"),
+    ("xla", object(), "only used by backend='nvlink'"),
+])
+def test_ep_transport_errors_surface_through_the_layer(ep_backend, ep_workspace, match):
+    """moe_ffn_ep's own messages for a missing or misplaced workspace reach the caller."""
+    module = jmlinen.MoE(I, 8, K, expert_axis="expert", ep_backend=ep_backend, ep_workspace=ep_workspace)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
+        module.init(jax.random.key(0), jnp.zeros((8, H)))

@@ -1,5 +1,6 @@
 """flax.nnx MoE layer: parity with the pure-JAX reference (forward and gradients), aux outputs, capacity,
-nnx transforms (jit, remat, scan over layers), sharding metadata, argument checks."""
+nnx transforms (jit, remat, scan over layers), sharding metadata, argument checks, the expert-parallel
+transport options (the nvlink one on two GPUs: marker `gpu`)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jax_megamoe as jmm
 from jax_megamoe import nn as jmnn
 from jax_megamoe import reference
 from moe_cases import rel_error
@@ -230,3 +232,54 @@ def test_expert_axis_must_be_a_mesh_axis():
     layer = make_layer(expert_axis="expert")
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="expert_axis"):
         layer(jnp.zeros((8, H)))
+
+
+def two_device_expert_mesh(devices):
+    return jax.sharding.Mesh(np.array(devices[:2]), ("expert",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+@pytest.mark.parametrize("ep_backend, ep_workspace, match", [
+    ("nvlink", None, "needs workspace=NvlinkWorkspace"),
+    ("xla", object(), "only used by backend='nvlink'"),
+])
+def test_ep_transport_errors_surface_through_the_layer(ep_backend, ep_workspace, match):
+    """moe_ffn_ep's own messages for a missing or misplaced workspace reach the caller; the workspace is a
+    static attribute, not state."""
+    mesh = two_device_expert_mesh(jax.devices())
+    with jax.set_mesh(mesh):
+        layer = jmnn.MoE(H, I, 8, K, expert_axis="expert", ep_backend=ep_backend, ep_workspace=ep_workspace,
+                         rngs=nnx.Rngs(0))
+        assert set(nnx.state(layer)) == {"router", "w_gate_up", "w_down"}
+        x = jax.device_put(jnp.zeros((8, H)), jax.sharding.NamedSharding(mesh, jax.P("expert")))
+        with pytest.raises(ValueError, match=match):
+            nnx.jit(lambda m, x: m(x))(layer, x)
+
+
+GPUS = [d for d in jax.devices() if d.platform == "gpu"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_two_gpus_nvlink_layer_equals_xla_layer(dtype):
+    """The layer with ep_backend="nvlink" gives the "xla" transport's output, aux and gradients bit for bit."""
+    hidden, inter, experts, tokens = 64, 32, 8, 256
+    mesh = two_device_expert_mesh(GPUS)
+    x = jax.random.normal(jax.random.key(11), (4, tokens // 4, hidden))
+
+    def loss(layer, x):
+        y, aux = layer(x)
+        return jnp.sum(jnp.sin(y.astype(jnp.float32))) + aux.load_balancing_loss, (y, aux)
+
+    results = {}
+    with jax.set_mesh(mesh), jmm.NvlinkWorkspace(mesh, "expert", max_tokens=tokens // 2, hidden=hidden, top_k=K,
+                                                  dtype=dtype) as workspace:
+        x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P("expert")))
+        for ep_backend, ep_workspace in (("xla", None), ("nvlink", workspace)):
+            layer = jmnn.MoE(hidden, inter, experts, K, expert_axis="expert", ep_backend=ep_backend,
+                             ep_workspace=ep_workspace, dtype=dtype, rngs=nnx.Rngs(0))
+            (_, outputs), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, x)
+            results[ep_backend] = jax.device_get((outputs, grads))
+    assert np.all(np.isfinite(np.asarray(results["xla"][0][0], np.float32)))
+    for got, want in zip(jax.tree.leaves(results["nvlink"]), jax.tree.leaves(results["xla"]), strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -125,7 +125,8 @@ class Qwen3MoeForCausalLM(nnx.Module):
       config: the hyper-parameters (`Qwen3MoeConfig`).
       dtype: compute dtype (e.g. `jnp.bfloat16`); norms, softmax and the router run in float32.
       param_dtype: parameter storage dtype.
-      backend, expert_axis, ep_backend, capacity_factor: passed to every `jax_megamoe.nn.MoE` layer.
+      backend, expert_axis, ep_backend, ep_workspace, capacity_factor: passed to every `jax_megamoe.nn.MoE`
+        layer (one `NvlinkWorkspace` serves them all).
       remat: recompute each decoder layer in the backward pass (`nnx.remat`) to save activation memory.
       attention_impl: `jax.nn.dot_product_attention`'s `implementation` (None: XLA; "cudnn" on GPUs).
       rngs: parameter initialisation keys (HF's: normal(initializer_range), norms at one).
@@ -136,14 +137,15 @@ class Qwen3MoeForCausalLM(nnx.Module):
     """
 
     def __init__(self, config: Qwen3MoeConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, backend="auto",
-                 expert_axis: str | None = None, ep_backend: str = "auto", capacity_factor: float | None = None,
-                 remat: bool = False, attention_impl: str | None = None, rngs: nnx.Rngs):
+                 expert_axis: str | None = None, ep_backend: str = "auto", ep_workspace=None,
+                 capacity_factor: float | None = None, remat: bool = False, attention_impl: str | None = None,
+                 rngs: nnx.Rngs):
         self.config = config
         self.remat = remat
         init = nnx.initializers.normal(config.initializer_range)
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                       embedding_init=init, rngs=rngs)
-        moe_kwargs = dict(backend=backend, expert_axis=expert_axis, ep_backend=ep_backend,
+        moe_kwargs = dict(backend=backend, expert_axis=expert_axis, ep_backend=ep_backend, ep_workspace=ep_workspace,
                           capacity_factor=capacity_factor)
         self.layers = nnx.List([
             DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, attention_impl=attention_impl,
