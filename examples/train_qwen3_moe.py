@@ -33,8 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="tiny: byte-level 2-layer model; qwen3-30b-a3b-4layer: Qwen3-30B-A3B widths, 4 layers")
     model.add_argument("--backend", choices=["auto", "cpu", "cuda", "reference", "ragged_dot"], default="auto",
                        help="MoE expert compute; ragged_dot is the pure-JAX sort + jax.lax.ragged_dot baseline")
-    model.add_argument("--ep-backend", choices=["auto", "xla", "ragged"], default="auto",
-                       help="expert-parallel transport (moe_ffn_ep) when the expert axis spans devices")
+    model.add_argument("--ep-backend", choices=["auto", "xla", "ragged", "nvlink"], default="auto",
+                       help="expert-parallel transport (moe_ffn_ep) when the expert axis spans devices; auto is "
+                            "xla; nvlink (GPUs of one process) opens one NvlinkWorkspace for the run")
     model.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
     model.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
     model.add_argument("--attention-impl", choices=["xla", "cudnn"], default=None,

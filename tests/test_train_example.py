@@ -58,6 +58,7 @@ def test_token_file_and_expert_only_mesh(tmp_path):
     (["--batch", "12"], "divisible by the 8 devices"),
     (["--resume"], "--resume needs --ckpt-dir"),
     (["--steps", "0"], "--steps must be >= 1"),
+    (["--ep-backend", "nvlink"], "--ep-backend nvlink: the nvlink transport"),  # no GPUs here
 ])
 def test_bad_flags_get_clear_errors(args, message):
     result = run(*args, check=False)

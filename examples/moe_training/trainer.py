@@ -3,6 +3,7 @@ periodic eval, orbax checkpoints, metrics. Called by examples/train_qwen3_moe.py
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -19,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
+from jax_megamoe import NvlinkWorkspace
 from jax_megamoe.models.qwen3_moe import Qwen3MoeForCausalLM
 from jax_megamoe.ops.moe import resolve_backend
 from moe_training import data, metrics
@@ -41,15 +43,29 @@ def make_mesh(data_size: int, expert_size: int) -> jax.sharding.Mesh:
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-def build_model(config, args, mesh):
-    """Creates the model with its parameters born sharded; returns `(graphdef, params)`."""
+def open_workspace(args, config, mesh) -> NvlinkWorkspace | None:
+    """The `NvlinkWorkspace` of `--ep-backend nvlink` (None for the other transports), sized for one train or
+    eval step: its `--batch` x `--seq` input tokens split over every device of the mesh. Without GPUs or the
+    CUDA kernels this is a command-line error, before anything is compiled."""
+    if args.ep_backend != "nvlink":
+        return None
+    try:
+        return NvlinkWorkspace(mesh, "expert", max_tokens=args.batch * args.seq // mesh.size,
+                               hidden=config.hidden_size, top_k=config.num_experts_per_tok, dtype=jnp.dtype(args.dtype))
+    except ValueError as error:
+        args.fail(f"--ep-backend nvlink: {error}")
+
+
+def build_model(config, args, mesh, workspace: NvlinkWorkspace | None = None):
+    """Creates the model with its parameters born sharded; returns `(graphdef, params)`. `workspace` is
+    the MoE layers' `ep_workspace` (for `--ep-backend nvlink`)."""
     backend = ragged_dot_ffn if args.backend == "ragged_dot" else args.backend
     expert_axis = None if callable(backend) else "expert"  # the baseline runs per data shard
 
     def create():
         return Qwen3MoeForCausalLM(config, dtype=jnp.dtype(args.dtype), param_dtype=jnp.float32, backend=backend,
-                                   expert_axis=expert_axis, ep_backend=args.ep_backend, remat=args.remat,
-                                   attention_impl=args.attention_impl, rngs=nnx.Rngs(args.seed))
+                                   expert_axis=expert_axis, ep_backend=args.ep_backend, ep_workspace=workspace,
+                                   remat=args.remat, attention_impl=args.attention_impl, rngs=nnx.Rngs(args.seed))
 
     graphdef, abstract = nnx.split(nnx.eval_shape(create))
     shardings = nnx.get_named_sharding(abstract, mesh)
@@ -135,8 +151,9 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
     """Runs the training; writes metrics.jsonl, loss_curve.png and summary.json to `args.out_dir`."""
     mesh = make_mesh(args.mesh_data, args.mesh_expert)
     batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
-    with jax.set_mesh(mesh):
-        graphdef, params = build_model(config, args, mesh)
+    workspace = open_workspace(args, config, mesh)
+    with jax.set_mesh(mesh), (workspace or contextlib.nullcontext()):  # the workspace is closed at the end
+        graphdef, params = build_model(config, args, mesh, workspace)
         tx = make_optimizer(args)
         state = TrainState(params, jax.jit(tx.init)(params))
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -223,8 +240,9 @@ def summarize(args, config, metrics_path, step_times, tokens_per_step, flops_per
     median = float(np.median(step_times)) if step_times else None
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     return {
-        "preset": args.preset, "backend": args.backend, "dtype": args.dtype, "steps": args.steps,
-        "batch": args.batch, "seq": args.seq, "mesh": {"data": args.mesh_data, "expert": args.mesh_expert},
+        "preset": args.preset, "backend": args.backend, "ep_backend": args.ep_backend, "dtype": args.dtype,
+        "steps": args.steps, "batch": args.batch, "seq": args.seq,
+        "mesh": {"data": args.mesh_data, "expert": args.mesh_expert},
         "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
         "median_step_time_s": median,
         "tokens_per_s": tokens_per_step / median if median else None,
