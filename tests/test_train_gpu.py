@@ -1,6 +1,7 @@
 """GPU training runs (marker `gpu`; run on an H200 with `pytest -m gpu tests/test_train_gpu.py`): the main
-job trains with the CUDA backend, its loss curve matches the reference backend's, and the Qwen3-30B-A3B
-4-layer preset runs with both the CUDA backend and the ragged_dot baseline."""
+job trains with the CUDA backend, its loss curve matches the reference backend's, the Qwen3-30B-A3B
+4-layer preset runs with both the CUDA backend and the ragged_dot baseline, and on two GPUs the nvlink
+expert-parallel transport trains like the xla one."""
 
 import json
 import os
@@ -16,13 +17,27 @@ pytestmark = pytest.mark.gpu
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_qwen3_moe.py"
 
 
-def train(out_dir: Path, *args) -> list[dict]:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
-    command = [sys.executable, str(SCRIPT), "--mesh-data", "1", "--mesh-expert", "1", "--out-dir", str(out_dir), *args]
+def visible_gpus() -> list[str]:
+    """The GPU ids the runs may use, found without starting JAX here (whose preallocation would take the
+    memory the training subprocesses need)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return os.environ["CUDA_VISIBLE_DEVICES"].split(",")
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
+    except OSError:
+        return []
+    return [str(i) for i in range(sum(line.startswith("GPU ") for line in listing.splitlines()))]
+
+
+def train(out_dir: Path, *args, gpus: int = 1) -> list[dict]:
+    """Runs the script on the first `gpus` visible GPUs, all on the expert axis; returns its metrics."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join((visible_gpus() or ["0"])[:gpus]))
+    command = [sys.executable, str(SCRIPT), "--mesh-data", "1", "--mesh-expert", str(gpus), "--out-dir", str(out_dir),
+               *args]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     summary = json.loads((out_dir / "summary.json").read_text())
-    assert summary["num_devices"] == 1 and summary["device"].lower() != "cpu", summary["device"]
+    assert summary["num_devices"] == gpus and summary["device"].lower() != "cpu", summary["device"]
     with open(out_dir / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
 
@@ -47,3 +62,17 @@ def test_qwen3_30b_a3b_width_preset_trains(tmp_path, backend):
     assert np.all(np.isfinite(losses))
     assert losses[-1] < losses[0]
     assert records[-1]["mfu"] > 0
+
+
+@pytest.mark.skipif(len(visible_gpus()) < 2, reason="needs two GPUs")
+def test_nvlink_transport_trains_like_xla(tmp_path):
+    """--ep-backend nvlink on a 1 x 2 mesh: its workspace fits the train and eval steps and the losses follow
+    the xla transport's (bitwise per call, tests/test_nn.py; separate processes may autotune differently)."""
+    common = ["--preset", "tiny", "--steps", "20", "--batch", "16", "--seq", "256", "--eval-every", "10"]
+    xla = train(tmp_path / "xla", *common, "--ep-backend", "xla", gpus=2)
+    nvlink = train(tmp_path / "nvlink", *common, "--ep-backend", "nvlink", gpus=2)
+    assert json.loads((tmp_path / "nvlink" / "summary.json").read_text())["ep_backend"] == "nvlink"
+    assert lm_losses(nvlink)[-5:].mean() < lm_losses(nvlink)[:5].mean()
+    np.testing.assert_allclose(lm_losses(nvlink), lm_losses(xla), rtol=1e-2)
+    np.testing.assert_allclose([r["eval_loss"] for r in nvlink if "eval_loss" in r],
+                               [r["eval_loss"] for r in xla if "eval_loss" in r], rtol=1e-2)
