@@ -12,7 +12,7 @@
 #             multi-GPU steps, named explicitly: "mpgpu concurrency ep2bench",
 #       GPU_TESTS="..." (pytest selection, default: tests/ — every test marked gpu),
 #       BENCH_ARGS="..." (passed to benchmarks/bench_moe.py),
-#       TRAIN_RECORD_ARGS="..." (passed to benchmarks/train_record.py),
+#       TRAIN_RECORD_ARGS="..." (passed to benchmarks/train_record.py), TRAIN_RECORD_TIMEOUT=seconds,
 #       CONCURRENCY_ARGS="..." (passed to benchmarks/nccl_concurrency.py, e.g. "--iters 200 --backend xla"),
 #       CONCURRENCY_CTAS="unset 32" (one concurrency run per NCCL_MAX_CTAS value; "unset" leaves it unset),
 #       EP2BENCH_ARGS="..." (passed to benchmarks/bench_ep.py in ep2bench)
@@ -139,9 +139,17 @@ want bench && step bench bench.log $PY benchmarks/bench_moe.py --json "$OUTDIR/b
 want epbench && step bench-ep bench_ep.log $PY benchmarks/bench_ep.py "$OUTDIR/bench_ep.json" --config q30
 
 train_record() {
-  $PY benchmarks/train_record.py /tmp/jmm_train_record ${TRAIN_RECORD_ARGS:-} || return 1
-  cp /tmp/jmm_train_record/summary.json "$OUTDIR/train_record.json"
-  cp /tmp/jmm_train_record/loss_curves.png "$OUTDIR/train_record.png"
+  local rc=0
+  rm -rf /tmp/jmm_train_record  # nothing stale from an earlier record may be copied back
+  # TRAIN_RECORD_TIMEOUT (seconds) stops the record in time to bring back what the runs wrote so far.
+  timeout "${TRAIN_RECORD_TIMEOUT:-86400}" $PY benchmarks/train_record.py /tmp/jmm_train_record \
+    ${TRAIN_RECORD_ARGS:-} || rc=1
+  # Every run's per-step metrics and summary, also of a run cut short, in one file (8 files come back).
+  tail -n +1 /tmp/jmm_train_record/*/metrics.jsonl /tmp/jmm_train_record/*/summary.json \
+    > "$OUTDIR/train_record_runs.txt" 2>/dev/null
+  cp /tmp/jmm_train_record/summary.json "$OUTDIR/train_record.json" 2>/dev/null || rc=1
+  cp /tmp/jmm_train_record/loss_curves.png "$OUTDIR/train_record.png" 2>/dev/null || rc=1
+  return $rc
 }
 want trainrecord && step train-record train_record.log train_record
 
