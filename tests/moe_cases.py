@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -58,6 +59,20 @@ def make_problem(rng: np.random.Generator, case: Case, dtype) -> tuple:
     weights, experts = make_routing(rng, case)
     return (jnp.asarray(x, dtype), jnp.asarray(weights), jnp.asarray(experts),
             jnp.asarray(w_gate_up, dtype), jnp.asarray(w_down, dtype))
+
+
+def random_problem(seed: int, tokens: int, hidden: int, inter: int, experts: int, top_k: int, dtype,
+                   log_p: jax.Array) -> tuple:
+    """Fresh `(x, weights, experts, w_gate_up, w_down), dy` drawn on the device from `PRNGKey(seed)`:
+    distinct experts per token with log-popularity `log_p [E]` (-inf: never chosen), softmax weights."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), 6)
+    ids = jax.lax.top_k(log_p + jax.random.gumbel(keys[0], (tokens, experts)), top_k)[1].astype(jnp.int32)
+    weights = jax.nn.softmax(jax.random.normal(keys[1], (tokens, top_k)), axis=-1)
+    x = jax.random.normal(keys[2], (tokens, hidden)).astype(dtype)
+    w_gate_up = (jax.random.normal(keys[3], (experts, hidden, 2 * inter)) / np.sqrt(hidden)).astype(dtype)
+    w_down = (jax.random.normal(keys[4], (experts, inter, hidden)) / np.sqrt(inter)).astype(dtype)
+    dy = jax.random.normal(keys[5], (tokens, hidden)).astype(dtype)
+    return (x, weights, ids, w_gate_up, w_down), dy
 
 
 def rel_error(actual, expected) -> float:

@@ -22,7 +22,7 @@ from jax_megamoe import reference
 from jax_megamoe.parallel import ep as ep_module
 from jax_megamoe.parallel import transport
 from jax_megamoe.parallel.plan import make_plan
-from moe_cases import rel_error
+from moe_cases import random_problem, rel_error
 
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason="needs an NVIDIA GPU")]
@@ -32,15 +32,8 @@ TOLERANCE = {jnp.float32: 3e-4, jnp.bfloat16: 1e-2}
 
 def make_problem(seed, tokens, hidden, inter, experts, top_k, dtype, routing="uniform"):
     """Fresh inputs: distinct experts per token, uniform or Zipf-skewed (p_e ~ 1/(e+1)^1.2)."""
-    keys = jax.random.split(jax.random.PRNGKey(seed), 6)
     log_p = jnp.zeros(experts) if routing == "uniform" else -1.2 * jnp.log1p(jnp.arange(experts))
-    ids = jax.lax.top_k(log_p + jax.random.gumbel(keys[0], (tokens, experts)), top_k)[1].astype(jnp.int32)
-    weights = jax.nn.softmax(jax.random.normal(keys[1], (tokens, top_k)), axis=-1)
-    x = jax.random.normal(keys[2], (tokens, hidden)).astype(dtype)
-    w_gate_up = (jax.random.normal(keys[3], (experts, hidden, 2 * inter)) / np.sqrt(hidden)).astype(dtype)
-    w_down = (jax.random.normal(keys[4], (experts, inter, hidden)) / np.sqrt(inter)).astype(dtype)
-    dy = jax.random.normal(keys[5], (tokens, hidden)).astype(dtype)
-    return (x, weights, ids, w_gate_up, w_down), dy
+    return random_problem(seed, tokens, hidden, inter, experts, top_k, dtype, log_p)
 
 
 def value_and_grads(fn, args, dy):

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 import jax_megamoe as jmm
 from jax_megamoe import reference
 from jax_megamoe.parallel import nvlink
-from moe_cases import rel_error
+from moe_cases import random_problem, rel_error
 
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason="needs an NVIDIA GPU")]
@@ -68,22 +68,15 @@ def test_emulated_exchange_matches_definition(ranks, dtype, width):
 
 def make_shards(seed, ranks, tokens, hidden, inter, experts, top_k, dtype, routing):
     """A global problem split into `ranks` shards: tokens [R, T, ...], experts [R, E/R, ...]."""
-    keys = jax.random.split(jax.random.PRNGKey(seed), 6)
-    total = ranks * tokens
     if routing == "all_to_one":  # every pair goes to shard 0's experts
         log_p = jnp.where(jnp.arange(experts) < experts // ranks, 0.0, -jnp.inf)
     elif routing == "zipf":
         log_p = -1.2 * jnp.log1p(jnp.arange(experts))
     else:
         log_p = jnp.zeros(experts)
-    ids = jax.lax.top_k(log_p + jax.random.gumbel(keys[0], (total, experts)), top_k)[1].astype(jnp.int32)
-    weights = jax.nn.softmax(jax.random.normal(keys[1], (total, top_k)), axis=-1)
-    x = jax.random.normal(keys[2], (total, hidden)).astype(dtype)
-    w_gate_up = (jax.random.normal(keys[3], (experts, hidden, 2 * inter)) / np.sqrt(hidden)).astype(dtype)
-    w_down = (jax.random.normal(keys[4], (experts, inter, hidden)) / np.sqrt(inter)).astype(dtype)
-    dy = jax.random.normal(keys[5], (total, hidden)).astype(dtype)
+    args, dy = random_problem(seed, ranks * tokens, hidden, inter, experts, top_k, dtype, log_p)
     split = lambda a: a.reshape((ranks, -1) + a.shape[1:])
-    return tuple(split(a) for a in (x, weights, ids, w_gate_up, w_down)), split(dy)
+    return tuple(split(a) for a in args), split(dy)
 
 
 def value_and_grads(fn, args, dy):
