@@ -75,6 +75,14 @@ def random_problem(seed: int, tokens: int, hidden: int, inter: int, experts: int
     return (x, weights, ids, w_gate_up, w_down), dy
 
 
+def value_and_grads(fn, args, dy) -> tuple:
+    """`(y, dx, d_weights, d_w_gate_up, d_w_down)` of `fn(x, weights, experts, w_gate_up, w_down)` for the
+    cotangent `dy` (cast to y's dtype)."""
+    x, weights, ids, w_gate_up, w_down = args
+    y, vjp = jax.vjp(lambda a, w, g, d: fn(a, w, ids, g, d), x, weights, w_gate_up, w_down)
+    return (y, *vjp(dy.astype(y.dtype)))
+
+
 def rel_error(actual, expected) -> float:
     """Normwise relative error ||a - b|| / ||b|| in float64; NaN anywhere gives inf."""
     a = np.asarray(actual, dtype=np.float64)

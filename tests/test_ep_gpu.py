@@ -22,7 +22,7 @@ from jax_megamoe import reference
 from jax_megamoe.parallel import ep as ep_module
 from jax_megamoe.parallel import transport
 from jax_megamoe.parallel.plan import make_plan
-from moe_cases import random_problem, rel_error
+from moe_cases import random_problem, rel_error, value_and_grads
 
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason="needs an NVIDIA GPU")]
@@ -34,12 +34,6 @@ def make_problem(seed, tokens, hidden, inter, experts, top_k, dtype, routing="un
     """Fresh inputs: distinct experts per token, uniform or Zipf-skewed (p_e ~ 1/(e+1)^1.2)."""
     log_p = jnp.zeros(experts) if routing == "uniform" else -1.2 * jnp.log1p(jnp.arange(experts))
     return random_problem(seed, tokens, hidden, inter, experts, top_k, dtype, log_p)
-
-
-def value_and_grads(fn, args, dy):
-    x, weights, ids, w_gate_up, w_down = args
-    y, vjp = jax.vjp(lambda a, w, g, d: fn(a, w, ids, g, d), x, weights, w_gate_up, w_down)
-    return (y, *vjp(dy.astype(y.dtype)))
 
 
 def ep_function(devices, **options):

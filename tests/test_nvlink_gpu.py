@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 import jax_megamoe as jmm
 from jax_megamoe import reference
 from jax_megamoe.parallel import nvlink
-from moe_cases import random_problem, rel_error
+from moe_cases import random_problem, rel_error, value_and_grads
 
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason="needs an NVIDIA GPU")]
@@ -77,12 +77,6 @@ def make_shards(seed, ranks, tokens, hidden, inter, experts, top_k, dtype, routi
     args, dy = random_problem(seed, ranks * tokens, hidden, inter, experts, top_k, dtype, log_p)
     split = lambda a: a.reshape((ranks, -1) + a.shape[1:])
     return tuple(split(a) for a in args), split(dy)
-
-
-def value_and_grads(fn, args, dy):
-    x, weights, ids, w_gate_up, w_down = args
-    y, vjp = jax.vjp(lambda a, w, g, d: fn(a, w, ids, g, d), x, weights, w_gate_up, w_down)
-    return (y, *vjp(dy.astype(y.dtype)))
 
 
 def assert_close_to_reference(results, args, dy):
