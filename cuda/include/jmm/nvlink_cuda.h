@@ -65,4 +65,12 @@ int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulat
 // Waits for the workspace's devices to finish their work, then frees its memory. Unknown ids are ignored.
 void DestroyWorkspace(int64_t id);
 
+// One process per GPU: `groups[g][r] = -1` marks rank r as another process's. Such a group must hold
+// exactly one GPU of this process; CreateWorkspace allocates only the local ranks. The processes then
+// swap CUDA IPC handles (through the jax.distributed key-value store, in Python): ExportHandles gives,
+// per group, this process's rank's staging and signal handles (2 x 64 bytes), and AttachPeer opens a
+// remote rank's. The exchange handler refuses a workspace until every rank is attached.
+std::vector<std::string> ExportHandles(int64_t id);
+void AttachPeer(int64_t id, int group, int rank, const std::string& handles);
+
 }  // namespace jmm::nvlink
