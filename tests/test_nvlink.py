@@ -119,3 +119,10 @@ def test_ipc_needs_jax_distributed(monkeypatch):
     monkeypatch.setattr(distributed.global_state, "client", None)
     with pytest.raises(ValueError, match="jax.distributed.initialize"):
         nvlink._exchange_handles(_FakeExtension([b"x"]), 1, [[nvlink.REMOTE, 0]], [0], 1)
+
+
+@pytest.mark.parametrize("value", ["0", "1025", "x", "-3"])
+def test_bad_blocks_per_peer_env(monkeypatch, value):
+    monkeypatch.setenv("JMM_NVLINK_BLOCKS_PER_PEER", value)
+    with pytest.raises(ValueError, match="JMM_NVLINK_BLOCKS_PER_PEER"):
+        nvlink._positive_env("JMM_NVLINK_BLOCKS_PER_PEER", 16, 1024)

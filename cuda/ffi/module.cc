@@ -37,7 +37,7 @@ NB_MODULE(_ext, m) {
 #ifdef JMM_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def("nvlink_create", &jmm::nvlink::CreateWorkspace, nb::arg("groups"), nb::arg("emulated"),
-        nb::arg("block_bytes"), nb::arg("timeout_ms"),
+        nb::arg("block_bytes"), nb::arg("timeout_ms"), nb::arg("blocks_per_peer"),
         "Allocates an NVLink exchange workspace over groups of CUDA devices; returns its id.");
   m.def("nvlink_destroy", &jmm::nvlink::DestroyWorkspace, nb::arg("workspace"),
         "Waits for the workspace's devices, then frees its memory.");

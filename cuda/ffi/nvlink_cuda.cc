@@ -29,6 +29,7 @@ struct Workspace {
   bool emulated = false;
   int ranks = 0;
   int64_t block_bytes = 0;
+  int blocks_per_peer = 0;
   uint64_t timeout_ns = 0;
   std::vector<Group> groups;
 };
@@ -136,15 +137,16 @@ ffi::Error Invalid(const std::string& message) { return InvalidArgument("nvlink 
 }  // namespace
 
 int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulated, int64_t block_bytes,
-                        int64_t timeout_ms) {
+                        int64_t timeout_ms, int blocks_per_peer) {
   if (groups.empty()) throw std::runtime_error("jax_megamoe nvlink workspace: no device groups given");
   const int ranks = static_cast<int>(groups[0].size());
   if (ranks < 1 || ranks > kMaxRanks) {
     throw std::runtime_error("jax_megamoe nvlink workspace: an expert group must have 1 to " +
                              std::to_string(kMaxRanks) + " GPUs, got " + std::to_string(ranks));
   }
-  if (block_bytes <= 0 || timeout_ms <= 0) {
-    throw std::runtime_error("jax_megamoe nvlink workspace: block_bytes and timeout_ms must be positive");
+  if (block_bytes <= 0 || timeout_ms <= 0 || blocks_per_peer < 1 || blocks_per_peer > 1024) {
+    throw std::runtime_error("jax_megamoe nvlink workspace: block_bytes and timeout_ms must be positive and "
+                             "blocks_per_peer in [1, 1024]");
   }
   if (emulated && groups.size() != 1) {
     throw std::runtime_error("jax_megamoe nvlink workspace: an emulated workspace has exactly one group");
@@ -154,6 +156,7 @@ int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulat
   workspace->ranks = ranks;
   workspace->block_bytes = (block_bytes + 255) / 256 * 256;  // keeps every staging block 16-byte aligned
   workspace->timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
+  workspace->blocks_per_peer = blocks_per_peer;
   DeviceGuard guard;
   try {
     for (const auto& devices : groups) {
@@ -331,7 +334,8 @@ ffi::Error NvlinkExchange(cudaStream_t stream, int32_t device, ffi::AnyBuffer se
   DeviceGuard guard;
   if (cudaSetDevice(device) != cudaSuccess) return Invalid("cannot select GPU " + std::to_string(device));
   const std::string status = EnqueueExchange(group->peers, ranks, workspace->emulated ? 0 : rank, calls,
-                                             workspace->block_bytes, workspace->timeout_ns, stream);
+                                             workspace->block_bytes, workspace->blocks_per_peer,
+                                             workspace->timeout_ns, stream);
   if (!status.empty()) return ffi::Error(ffi::ErrorCode::kInternal, "jax_megamoe nvlink exchange: " + status);
   return ffi::Error::Success();
 }
