@@ -57,11 +57,18 @@ def value_and_grads(fn, args, dy):
 
 
 @functools.cache  # one compile per backend and dtype: every routing has the same shapes
-def ep_value_and_grads(mesh: Mesh, backend: str):
-    """Jitted forward and gradients of `moe_ffn_ep` over the global mesh (everything sharded over "expert")."""
+def ep_value_and_grads(mesh: Mesh, backend: str, dtype_name: str):
+    """Jitted forward and gradients of `moe_ffn_ep` over the global mesh (everything sharded over "expert").
+
+    The nvlink backend gets one workspace per dtype, made by every process in the same order.
+    """
+    options = dict(axis_name="expert", backend=backend, num_experts=EXPERTS)
+    if backend == "nvlink":
+        options["workspace"] = jmm.NvlinkWorkspace(mesh, "expert", max_tokens=TOKENS_PER_SHARD, hidden=HIDDEN,
+                                                   top_k=TOP_K, dtype=jnp.dtype(dtype_name))
     spec = P("expert")
-    fn = jax.shard_map(functools.partial(jmm.moe_ffn_ep, axis_name="expert", backend=backend, num_experts=EXPERTS),
-                       mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)
+    fn = jax.shard_map(functools.partial(jmm.moe_ffn_ep, **options), mesh=mesh, in_specs=(spec,) * 5,
+                       out_specs=spec)
     return jax.jit(functools.partial(value_and_grads, fn))
 
 
@@ -80,7 +87,7 @@ def check(mesh: Mesh, backend: str, dtype_name: str, routing: str) -> bool:
     tokens = TOKENS_PER_SHARD * mesh.size
     args, dy = gathered_problem(routing, jnp.dtype(dtype_name), tokens)
     sharding = NamedSharding(mesh, P("expert"))
-    got = ep_value_and_grads(mesh, backend)(tuple(to_global(a, sharding) for a in args), to_global(dy, sharding))
+    got = ep_value_and_grads(mesh, backend, dtype_name)(tuple(to_global(a, sharding) for a in args), to_global(dy, sharding))
 
     args32 = tuple(a.astype(np.float32) if a.dtype != np.int32 else a for a in args)
     on_local_device = functools.partial(jax.device_put, device=jax.local_devices()[0])

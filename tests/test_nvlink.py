@@ -74,3 +74,55 @@ def test_nvlink_backend_needs_a_workspace():
 def test_workspace_only_with_nvlink():
     with pytest.raises(ValueError, match="only used by backend='nvlink'"):
         _run_ep(backend="xla", workspace=object())
+
+
+class _FakeStore:
+    """The jax.distributed key-value store of two processes, as seen by one of them."""
+
+    def __init__(self, peers):
+        self.values = dict(peers)
+        self.set_keys = []
+
+    def key_value_set_bytes(self, key, value):
+        self.set_keys.append(key)
+        self.values[key] = value
+
+    def blocking_key_value_get_bytes(self, key, timeout_ms):
+        return self.values[key]
+
+
+class _FakeExtension:
+    def __init__(self, exported):
+        self.exported = exported
+        self.attached = []
+
+    def nvlink_export(self, workspace_id):
+        return self.exported
+
+    def nvlink_attach(self, workspace_id, group, rank, handles):
+        self.attached.append((workspace_id, group, rank, handles))
+
+
+def test_ipc_handles_are_swapped_under_global_group_names(monkeypatch):
+    from jax._src import distributed
+    # This process holds rank 1 of global group 3 (its only group); rank 0 belongs to another process.
+    store = _FakeStore({"jax_megamoe/nvlink/7/3/0": b"peer"})
+    monkeypatch.setattr(distributed.global_state, "client", store)
+    ext = _FakeExtension([b"mine"])
+    nvlink._exchange_handles(ext, 42, [[nvlink.REMOTE, 0]], [3], 7)
+    assert store.set_keys == ["jax_megamoe/nvlink/7/3/1"] and store.values["jax_megamoe/nvlink/7/3/1"] == b"mine"
+    assert ext.attached == [(42, 0, 0, b"peer")]
+
+
+def test_ipc_needs_jax_distributed(monkeypatch):
+    from jax._src import distributed
+    monkeypatch.setattr(distributed.global_state, "client", None)
+    with pytest.raises(ValueError, match="jax.distributed.initialize"):
+        nvlink._exchange_handles(_FakeExtension([b"x"]), 1, [[nvlink.REMOTE, 0]], [0], 1)
+
+
+@pytest.mark.parametrize("value", ["0", "1025", "x", "-3"])
+def test_bad_blocks_per_peer_env(monkeypatch, value):
+    monkeypatch.setenv("JMM_NVLINK_BLOCKS_PER_PEER", value)
+    with pytest.raises(ValueError, match="JMM_NVLINK_BLOCKS_PER_PEER"):
+        nvlink._positive_env("JMM_NVLINK_BLOCKS_PER_PEER", 16, 1024)

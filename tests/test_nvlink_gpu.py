@@ -49,7 +49,9 @@ def exchange_reference(buffer, send_counts, fill):
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 @pytest.mark.parametrize("dtype, width", [(jnp.float32, 8), (jnp.int32, 3), (jnp.bfloat16, 5)])
-def test_emulated_exchange_matches_definition(ranks, dtype, width):
+@pytest.mark.parametrize("blocks_per_peer", ["1", "16", "64"])
+def test_emulated_exchange_matches_definition(ranks, dtype, width, blocks_per_peer, monkeypatch):
+    monkeypatch.setenv("JMM_NVLINK_BLOCKS_PER_PEER", blocks_per_peer)
     capacity = 37
     rng = np.random.default_rng(ranks * 100 + width)
     fill = -1 if dtype == jnp.int32 else 0

@@ -37,10 +37,25 @@ NB_MODULE(_ext, m) {
 #ifdef JMM_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def("nvlink_create", &jmm::nvlink::CreateWorkspace, nb::arg("groups"), nb::arg("emulated"),
-        nb::arg("block_bytes"), nb::arg("timeout_ms"),
+        nb::arg("block_bytes"), nb::arg("timeout_ms"), nb::arg("blocks_per_peer"),
         "Allocates an NVLink exchange workspace over groups of CUDA devices; returns its id.");
   m.def("nvlink_destroy", &jmm::nvlink::DestroyWorkspace, nb::arg("workspace"),
         "Waits for the workspace's devices, then frees its memory.");
+  m.def(
+      "nvlink_export",
+      [](int64_t id) {
+        nb::list out;
+        for (const std::string& handles : jmm::nvlink::ExportHandles(id)) out.append(nb::bytes(handles.data(), handles.size()));
+        return out;
+      },
+      nb::arg("workspace"), "Per group, this process's rank's CUDA IPC handles (bytes).");
+  m.def(
+      "nvlink_attach",
+      [](int64_t id, int group, int rank, nb::bytes handles) {
+        jmm::nvlink::AttachPeer(id, group, rank, std::string(handles.c_str(), handles.size()));
+      },
+      nb::arg("workspace"), nb::arg("group"), nb::arg("rank"), nb::arg("handles"),
+      "Maps another process's rank of a group into this process.");
 #else
   m.attr("with_cuda") = false;
 #endif

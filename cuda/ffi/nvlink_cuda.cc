@@ -2,6 +2,7 @@
 // its FFI handler `jmm_cuda_nvlink_exchange`. Protocol and kernels: jmm/nvlink_cuda.h.
 #include <cuda_runtime.h>
 
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -17,14 +18,18 @@ namespace jmm::nvlink {
 namespace {
 
 struct Group {
-  std::vector<int> devices;  // device of each rank
-  Peers peers{};             // staging and signals of each rank
+  std::vector<int> devices;  // device of each rank; kRemote for a rank of another process
+  Peers peers{};             // staging and signals of each rank (remote ones mapped through CUDA IPC)
+  std::vector<bool> imported;  // per rank: mapped from another process (closed, not freed)
 };
+
+constexpr int kRemote = -1;
 
 struct Workspace {
   bool emulated = false;
   int ranks = 0;
   int64_t block_bytes = 0;
+  int blocks_per_peer = 0;
   uint64_t timeout_ns = 0;
   std::vector<Group> groups;
 };
@@ -71,11 +76,25 @@ void EnablePeerAccess(const std::vector<int>& devices) {
   }
 }
 
+// The one device of this process in a group (groups spanning processes hold exactly one), or kRemote.
+int LocalDevice(const Group& group) {
+  for (int device : group.devices) {
+    if (device != kRemote) return device;
+  }
+  return kRemote;
+}
+
 void FreeGroup(Group& group, int ranks) {
   for (int r = 0; r < ranks; ++r) {
-    cudaSetDevice(group.devices[r]);
-    cudaFree(group.peers.staging[r]);
-    cudaFree(group.peers.signals[r]);
+    if (group.imported[r]) {
+      cudaSetDevice(LocalDevice(group));
+      cudaIpcCloseMemHandle(group.peers.staging[r]);
+      cudaIpcCloseMemHandle(group.peers.signals[r]);
+    } else if (group.devices[r] != kRemote) {
+      cudaSetDevice(group.devices[r]);
+      cudaFree(group.peers.staging[r]);
+      cudaFree(group.peers.signals[r]);
+    }
     group.peers.staging[r] = nullptr;
     group.peers.signals[r] = nullptr;
   }
@@ -83,6 +102,7 @@ void FreeGroup(Group& group, int ranks) {
 
 void Allocate(Group& group, int ranks, int64_t block_bytes) {
   for (int r = 0; r < ranks; ++r) {
+    if (group.devices[r] == kRemote) continue;
     Check(cudaSetDevice(group.devices[r]), "cudaSetDevice");
     Check(cudaMalloc(reinterpret_cast<void**>(&group.peers.staging[r]), ranks * block_bytes),
           "allocating " + std::to_string(ranks * block_bytes) + " staging bytes on GPU " +
@@ -91,9 +111,25 @@ void Allocate(Group& group, int ranks, int64_t block_bytes) {
     Check(cudaMemset(group.peers.signals[r], 0, SignalBytes(ranks)), "zeroing signals");
   }
   for (int r = 0; r < ranks; ++r) {
+    if (group.devices[r] == kRemote) continue;
     Check(cudaSetDevice(group.devices[r]), "cudaSetDevice");
     Check(cudaDeviceSynchronize(), "initialising the workspace");
   }
+}
+
+bool Ready(const Workspace& workspace) {
+  for (const auto& group : workspace.groups) {
+    for (int r = 0; r < workspace.ranks; ++r) {
+      if (group.peers.staging[r] == nullptr) return false;
+    }
+  }
+  return true;
+}
+
+Workspace& Find(int64_t id) {
+  auto it = registry.find(id);
+  if (it == registry.end()) throw std::runtime_error("jax_megamoe nvlink workspace " + std::to_string(id) + " is unknown");
+  return *it->second;
 }
 
 ffi::Error Invalid(const std::string& message) { return InvalidArgument("nvlink exchange: " + message); }
@@ -101,15 +137,16 @@ ffi::Error Invalid(const std::string& message) { return InvalidArgument("nvlink 
 }  // namespace
 
 int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulated, int64_t block_bytes,
-                        int64_t timeout_ms) {
+                        int64_t timeout_ms, int blocks_per_peer) {
   if (groups.empty()) throw std::runtime_error("jax_megamoe nvlink workspace: no device groups given");
   const int ranks = static_cast<int>(groups[0].size());
   if (ranks < 1 || ranks > kMaxRanks) {
     throw std::runtime_error("jax_megamoe nvlink workspace: an expert group must have 1 to " +
                              std::to_string(kMaxRanks) + " GPUs, got " + std::to_string(ranks));
   }
-  if (block_bytes <= 0 || timeout_ms <= 0) {
-    throw std::runtime_error("jax_megamoe nvlink workspace: block_bytes and timeout_ms must be positive");
+  if (block_bytes <= 0 || timeout_ms <= 0 || blocks_per_peer < 1 || blocks_per_peer > 1024) {
+    throw std::runtime_error("jax_megamoe nvlink workspace: block_bytes and timeout_ms must be positive and "
+                             "blocks_per_peer in [1, 1024]");
   }
   if (emulated && groups.size() != 1) {
     throw std::runtime_error("jax_megamoe nvlink workspace: an emulated workspace has exactly one group");
@@ -119,15 +156,23 @@ int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulat
   workspace->ranks = ranks;
   workspace->block_bytes = (block_bytes + 255) / 256 * 256;  // keeps every staging block 16-byte aligned
   workspace->timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
+  workspace->blocks_per_peer = blocks_per_peer;
   DeviceGuard guard;
   try {
     for (const auto& devices : groups) {
       if (static_cast<int>(devices.size()) != ranks) {
         throw std::runtime_error("jax_megamoe nvlink workspace: every group must have the same number of GPUs");
       }
-      if (!emulated) EnablePeerAccess(devices);
+      int local = 0;
+      for (int device : devices) local += device != kRemote;
+      if (local == 0 || (local < ranks && (local > 1 || emulated))) {
+        throw std::runtime_error("jax_megamoe nvlink workspace: an expert group spanning processes must have "
+                                 "exactly one GPU in each process (one process per GPU)");
+      }
+      if (!emulated && local == ranks) EnablePeerAccess(devices);
       Group group;
       group.devices = devices;
+      group.imported.assign(ranks, false);
       workspace->groups.push_back(group);
       Allocate(workspace->groups.back(), ranks, workspace->block_bytes);
     }
@@ -139,6 +184,63 @@ int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulat
   const int64_t id = next_id++;
   registry[id] = std::move(workspace);
   return id;
+}
+
+std::vector<std::string> ExportHandles(int64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  const Workspace& workspace = Find(id);
+  std::vector<std::string> handles(workspace.groups.size());
+  DeviceGuard guard;
+  for (size_t g = 0; g < workspace.groups.size(); ++g) {
+    const Group& group = workspace.groups[g];
+    const int device = LocalDevice(group);
+    for (int r = 0; r < workspace.ranks; ++r) {
+      if (group.devices[r] != device) continue;
+      cudaIpcMemHandle_t staging, signals;
+      Check(cudaSetDevice(device), "cudaSetDevice");
+      Check(cudaIpcGetMemHandle(&staging, group.peers.staging[r]), "cudaIpcGetMemHandle(staging)");
+      Check(cudaIpcGetMemHandle(&signals, group.peers.signals[r]), "cudaIpcGetMemHandle(signals)");
+      handles[g].append(reinterpret_cast<const char*>(&staging), sizeof(staging));
+      handles[g].append(reinterpret_cast<const char*>(&signals), sizeof(signals));
+    }
+  }
+  return handles;
+}
+
+void AttachPeer(int64_t id, int group_index, int rank, const std::string& handles) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  Workspace& workspace = Find(id);
+  if (group_index < 0 || group_index >= static_cast<int>(workspace.groups.size()) || rank < 0 ||
+      rank >= workspace.ranks) {
+    throw std::runtime_error("jax_megamoe nvlink workspace: no group " + std::to_string(group_index) + " rank " +
+                             std::to_string(rank));
+  }
+  Group& group = workspace.groups[group_index];
+  if (group.devices[rank] != kRemote || group.imported[rank]) {
+    throw std::runtime_error("jax_megamoe nvlink workspace: rank " + std::to_string(rank) +
+                             " is local or already attached");
+  }
+  if (handles.size() != 2 * sizeof(cudaIpcMemHandle_t)) {
+    throw std::runtime_error("jax_megamoe nvlink workspace: a peer's handles must be " +
+                             std::to_string(2 * sizeof(cudaIpcMemHandle_t)) + " bytes");
+  }
+  cudaIpcMemHandle_t staging, signals;
+  std::memcpy(&staging, handles.data(), sizeof(staging));
+  std::memcpy(&signals, handles.data() + sizeof(staging), sizeof(signals));
+  DeviceGuard guard;
+  Check(cudaSetDevice(LocalDevice(group)), "cudaSetDevice");
+  void* staging_ptr = nullptr;
+  void* signals_ptr = nullptr;
+  Check(cudaIpcOpenMemHandle(&staging_ptr, staging, cudaIpcMemLazyEnablePeerAccess),
+        "opening rank " + std::to_string(rank) + "'s staging (cudaIpcOpenMemHandle)");
+  const cudaError_t status = cudaIpcOpenMemHandle(&signals_ptr, signals, cudaIpcMemLazyEnablePeerAccess);
+  if (status != cudaSuccess) {
+    cudaIpcCloseMemHandle(staging_ptr);
+    Check(status, "opening rank " + std::to_string(rank) + "'s signals (cudaIpcOpenMemHandle)");
+  }
+  group.peers.staging[rank] = static_cast<char*>(staging_ptr);
+  group.peers.signals[rank] = static_cast<uint64_t*>(signals_ptr);
+  group.imported[rank] = true;
 }
 
 void DestroyWorkspace(int64_t id) {
@@ -153,6 +255,7 @@ void DestroyWorkspace(int64_t id) {
   DeviceGuard guard;
   for (auto& group : workspace->groups) {
     for (int device : group.devices) {
+      if (device == kRemote) continue;
       cudaSetDevice(device);
       cudaDeviceSynchronize();
     }
@@ -172,6 +275,7 @@ ffi::Error NvlinkExchange(cudaStream_t stream, int32_t device, ffi::AnyBuffer se
     if (it != registry.end()) workspace = it->second.get();
   }
   if (workspace == nullptr) return Invalid("workspace " + std::to_string(workspace_id) + " is closed or unknown");
+  if (!Ready(*workspace)) return Invalid("the workspace's peers in other processes are not attached yet");
   const int ranks = workspace->ranks;
   const Group* group = nullptr;
   int rank = 0;
@@ -230,7 +334,8 @@ ffi::Error NvlinkExchange(cudaStream_t stream, int32_t device, ffi::AnyBuffer se
   DeviceGuard guard;
   if (cudaSetDevice(device) != cudaSuccess) return Invalid("cannot select GPU " + std::to_string(device));
   const std::string status = EnqueueExchange(group->peers, ranks, workspace->emulated ? 0 : rank, calls,
-                                             workspace->block_bytes, workspace->timeout_ns, stream);
+                                             workspace->block_bytes, workspace->blocks_per_peer,
+                                             workspace->timeout_ns, stream);
   if (!status.empty()) return ffi::Error(ffi::ErrorCode::kInternal, "jax_megamoe nvlink exchange: " + status);
   return ffi::Error::Success();
 }

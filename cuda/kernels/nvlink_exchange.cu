@@ -8,8 +8,8 @@
 namespace jmm::nvlink {
 namespace {
 
-// Blocks per peer in the send and receive phases; the signal targets count them, so it is fixed.
-constexpr int kBlocksPerPeer = 16;
+// The send and receive grids are (blocks_per_peer, ranks): gridDim.x blocks per peer. The signal targets
+// count blocks, so every rank of a workspace uses its one blocks_per_peer.
 constexpr int kThreads = 512;
 
 using SystemCounter = cuda::atomic_ref<unsigned long long, cuda::thread_scope_system>;
@@ -87,7 +87,7 @@ __global__ void AdvanceEpochs(Peers peers, int first_rank, int count) {
   if (threadIdx.x < count) peers.signals[rank][0] += 1;
 }
 
-// grid (kBlocksPerPeer, ranks): blockIdx.y is the destination.
+// grid (blocks_per_peer, ranks): blockIdx.y is the destination.
 __global__ void __launch_bounds__(kThreads) SendBlocks(Peers peers, int ranks, int rank, Exchange call,
                                                        int64_t block_bytes, uint64_t timeout_ns) {
   const int dest = blockIdx.y;
@@ -96,17 +96,17 @@ __global__ void __launch_bounds__(kThreads) SendBlocks(Peers peers, int ranks, i
   const int count = call.send_counts[dest];
   if (count < 0 || count > call.capacity) BadCount("send count", rank, dest, count, call.capacity);
   if (threadIdx.x == 0) {
-    WaitAtLeast(mine + 1 + ranks + dest, (epoch - 1) * kBlocksPerPeer, timeout_ns, "send (peer frees staging)",
+    WaitAtLeast(mine + 1 + ranks + dest, (epoch - 1) * gridDim.x, timeout_ns, "send (peer frees staging)",
                 rank, dest, epoch);
   }
   __syncthreads();
   CopyShare<false>(peers.staging[dest] + rank * block_bytes, call.send + dest * call.capacity * call.row_bytes,
-                   count * call.row_bytes, blockIdx.x, kBlocksPerPeer);
+                   count * call.row_bytes, blockIdx.x, gridDim.x);
   __syncthreads();
   if (threadIdx.x == 0) SignalAdd(peers.signals[dest] + 1 + rank);
 }
 
-// grid (kBlocksPerPeer, ranks): blockIdx.y is the source.
+// grid (blocks_per_peer, ranks): blockIdx.y is the source.
 __global__ void __launch_bounds__(kThreads) ReceiveBlocks(Peers peers, int ranks, int rank, Exchange call,
                                                           int64_t block_bytes, uint64_t timeout_ns) {
   const int source = blockIdx.y;
@@ -115,15 +115,15 @@ __global__ void __launch_bounds__(kThreads) ReceiveBlocks(Peers peers, int ranks
   const int count = call.recv_counts[source];
   if (count < 0 || count > call.capacity) BadCount("receive count", rank, source, count, call.capacity);
   if (threadIdx.x == 0) {
-    WaitAtLeast(mine + 1 + source, epoch * kBlocksPerPeer, timeout_ns, "receive (rows arrive)", rank, source,
+    WaitAtLeast(mine + 1 + source, epoch * gridDim.x, timeout_ns, "receive (rows arrive)", rank, source,
                 epoch);
   }
   __syncthreads();
   const int64_t live = count * call.row_bytes;
   const int64_t block = call.capacity * call.row_bytes;
   char* out = call.out + source * block;
-  CopyShare<true>(out, peers.staging[rank] + source * block_bytes, live, blockIdx.x, kBlocksPerPeer);
-  FillShare(out + live, block - live, call.fill_byte, blockIdx.x, kBlocksPerPeer);
+  CopyShare<true>(out, peers.staging[rank] + source * block_bytes, live, blockIdx.x, gridDim.x);
+  FillShare(out + live, block - live, call.fill_byte, blockIdx.x, gridDim.x);
   __syncthreads();
   if (threadIdx.x == 0) SignalAdd(peers.signals[source] + 1 + ranks + rank);
 }
@@ -131,9 +131,9 @@ __global__ void __launch_bounds__(kThreads) ReceiveBlocks(Peers peers, int ranks
 }  // namespace
 
 std::string EnqueueExchange(const Peers& peers, int ranks, int first_rank, const std::vector<Exchange>& calls,
-                            int64_t block_bytes, uint64_t timeout_ns, cudaStream_t stream) {
+                            int64_t block_bytes, int blocks_per_peer, uint64_t timeout_ns, cudaStream_t stream) {
   const int count = static_cast<int>(calls.size());
-  const dim3 grid(kBlocksPerPeer, ranks);
+  const dim3 grid(blocks_per_peer, ranks);
   AdvanceEpochs<<<1, kMaxRanks, 0, stream>>>(peers, first_rank, count);
   for (int i = 0; i < count; ++i) {
     SendBlocks<<<grid, kThreads, 0, stream>>>(peers, ranks, first_rank + i, calls[i], block_bytes, timeout_ns);

@@ -26,6 +26,9 @@ from jax_megamoe import _ffi
 
 MAX_RANKS = 8  # kMaxRanks of jmm/nvlink_cuda.h
 DEFAULT_TIMEOUT_MS = 10_000  # far above any legitimate wait; JMM_NVLINK_TIMEOUT_MS overrides
+# Thread blocks per peer in each copy kernel (16 of the H200's 132 SMs at EP = 2 gave 1.2x NCCL's time);
+# JMM_NVLINK_BLOCKS_PER_PEER overrides, for measuring. Every process must use the same value.
+DEFAULT_BLOCKS_PER_PEER = 16
 
 
 def block_bytes(max_tokens: int, hidden: int, top_k: int, dtype) -> int:
@@ -42,10 +45,10 @@ def block_bytes(max_tokens: int, hidden: int, top_k: int, dtype) -> int:
     return max_tokens * max(hidden * jnp.dtype(dtype).itemsize, top_k * 4)
 
 
-def _timeout_ms() -> int:
-    value = os.environ.get("JMM_NVLINK_TIMEOUT_MS", str(DEFAULT_TIMEOUT_MS))
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"JMM_NVLINK_TIMEOUT_MS must be a positive integer (milliseconds), got {value!r}")
+def _positive_env(name: str, default: int, limit: int = 2**62) -> int:
+    value = os.environ.get(name, str(default))
+    if not value.isdigit() or not 1 <= int(value) <= limit:
+        raise ValueError(f"{name} must be an integer in [1, {limit}], got {value!r}")
     return int(value)
 
 
@@ -56,14 +59,37 @@ def _cuda_extension():
     return _ffi.extension()
 
 
+REMOTE = -1  # a rank of another process (kRemote of cuda/ffi/nvlink_cuda.cc)
+_KV_TIMEOUT_MS = 300_000
+
+
 def _ordinal(device) -> int:
+    """The CUDA device index of `device` in this process, or REMOTE for another process's GPU."""
     if device.platform != "gpu":
         raise ValueError(f"the nvlink transport runs on GPUs, got a {device.platform!r} device ({device})")
-    if device.process_index != jax.process_index():
-        raise ValueError(f"device {device} belongs to process {device.process_index}: the nvlink transport needs "
-                         f"every GPU of the expert axis in this process (one process per GPU is not supported "
-                         f"yet); use backend 'ragged' or 'xla'")
-    return device.local_hardware_id
+    return device.local_hardware_id if device.process_index == jax.process_index() else REMOTE
+
+
+def _exchange_handles(ext, workspace_id: int, groups, global_index, serial: int) -> None:
+    """Swaps CUDA IPC handles with the other processes through the jax.distributed key-value store.
+
+    `groups` are this process's groups (ordinals, REMOTE for other processes' ranks), `global_index[i]`
+    the position of groups[i] among all the mesh's groups, the same in every process.
+    """
+    from jax._src import distributed  # the key-value store has no public API yet
+    client = distributed.global_state.client
+    if client is None:
+        raise ValueError("the expert axis spans processes: call jax.distributed.initialize() first")
+    key = "jax_megamoe/nvlink/{}/{}/{}".format
+    for g, (row, handles) in enumerate(zip(groups, ext.nvlink_export(workspace_id))):
+        if REMOTE not in row:
+            continue
+        mine = next(r for r, ordinal in enumerate(row) if ordinal != REMOTE)
+        client.key_value_set_bytes(key(serial, global_index[g], mine), handles)
+        for r, ordinal in enumerate(row):
+            if ordinal == REMOTE:
+                peer = client.blocking_key_value_get_bytes(key(serial, global_index[g], r), _KV_TIMEOUT_MS)
+                ext.nvlink_attach(workspace_id, g, r, peer)
 
 
 class NvlinkWorkspace:
@@ -74,11 +100,17 @@ class NvlinkWorkspace:
     tokens per shard, or wider rows, fails with a message saying so.
 
     Args:
-      mesh: the `jax.sharding.Mesh` that `shard_map` runs over; all its GPUs must be in this process.
+      mesh: the `jax.sharding.Mesh` that `shard_map` runs over (GPUs of one host: NVLink or PCIe peers).
       axis_name: the expert axis; one exchange group is made per combination of the other axes.
       max_tokens: the most tokens a shard passes to `moe_ffn_ep` (per call).
       hidden, top_k, dtype: the token width, routing fan-out and compute dtype of the MoE layers.
+
+    With one process per GPU (`jax.distributed`), every process constructs it (in the same order as
+    its other workspaces); the processes swap CUDA IPC handles through the distributed key-value store.
+    An expert group spanning processes must have one GPU per process.
     """
+
+    _serial = 0  # multi-process workspaces made so far: names their key-value entries
 
     def __init__(self, mesh, axis_name: str = "expert", *, max_tokens: int, hidden: int, top_k: int,
                  dtype=jnp.bfloat16):
@@ -86,7 +118,14 @@ class NvlinkWorkspace:
             raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
         devices = np.moveaxis(np.asarray(mesh.devices), mesh.axis_names.index(axis_name), -1)
         groups = [[_ordinal(d) for d in row] for row in devices.reshape(-1, devices.shape[-1])]
+        # Each process builds the groups it has a GPU in; with one process per GPU, the others' ranks
+        # are mapped through CUDA IPC. Every process must create its workspaces in the same order.
+        global_index = [g for g, row in enumerate(groups) if any(o != REMOTE for o in row)]
+        groups = [groups[g] for g in global_index]
         self._create(groups, False, block_bytes(max_tokens, hidden, top_k, dtype))
+        if any(REMOTE in row for row in groups):
+            NvlinkWorkspace._serial += 1
+            _exchange_handles(_ffi.extension(), self.id, groups, global_index, NvlinkWorkspace._serial)
 
     @classmethod
     def emulated(cls, ranks: int, *, max_tokens: int, hidden: int, top_k: int, dtype=jnp.bfloat16,
@@ -104,7 +143,9 @@ class NvlinkWorkspace:
             raise ValueError(f"the nvlink transport supports expert axes of 1 to {MAX_RANKS} GPUs, got {ranks}")
         ext = _cuda_extension()
         try:
-            self.id = int(ext.nvlink_create(groups, emulated, size, _timeout_ms()))
+            self.id = int(ext.nvlink_create(
+                groups, emulated, size, _positive_env("JMM_NVLINK_TIMEOUT_MS", DEFAULT_TIMEOUT_MS),
+                _positive_env("JMM_NVLINK_BLOCKS_PER_PEER", DEFAULT_BLOCKS_PER_PEER, 1024)))
         except RuntimeError as err:
             raise ValueError(str(err)) from None
         self.ranks = ranks

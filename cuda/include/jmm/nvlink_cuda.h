@@ -9,7 +9,8 @@
 // Protocol of one exchange on rank r (epoch e, a per-rank device counter that only increases):
 //   advance   e = ++epoch[r]
 //   send      to each peer d: wait freed[r][d] >= (e-1)*G  (d has consumed r's block of the last epoch),
-//             store the rows into staging[d][r], fence, arrived[d][r] += 1 per block (G blocks per peer)
+//             store the rows into staging[d][r], fence, arrived[d][r] += 1 per block (G blocks per peer,
+//             the workspace's blocks_per_peer)
 //   receive   from each peer s: wait arrived[r][s] >= e*G, copy staging[r][s] to the output, fill the
 //             tail, then freed[s][r] += 1 per block
 // Every wait is bounded (`timeout_ns`): on expiry the kernel prints the rank, phase, peer and epoch and
@@ -49,7 +50,7 @@ struct Exchange {
 // every rank's memory on this one device) `calls[i]` is rank i's call and the phases run rank by rank:
 // all advances, all sends, all receives, so every wait is on work already enqueued before it.
 std::string EnqueueExchange(const Peers& peers, int ranks, int first_rank, const std::vector<Exchange>& calls,
-                            int64_t block_bytes, uint64_t timeout_ns, cudaStream_t stream);
+                            int64_t block_bytes, int blocks_per_peer, uint64_t timeout_ns, cudaStream_t stream);
 
 // Bytes of one rank's signal array.
 inline size_t SignalBytes(int ranks) { return sizeof(uint64_t) * (1 + 2 * static_cast<size_t>(ranks)); }
@@ -61,8 +62,16 @@ inline size_t SignalBytes(int ranks) { return sizeof(uint64_t) * (1 + 2 * static
 // `ranks * block_bytes` of staging and the signal array (zeroed). Throws std::runtime_error with a
 // message for the user (no peer access, out of memory, bad arguments).
 int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulated, int64_t block_bytes,
-                        int64_t timeout_ms);
+                        int64_t timeout_ms, int blocks_per_peer);
 // Waits for the workspace's devices to finish their work, then frees its memory. Unknown ids are ignored.
 void DestroyWorkspace(int64_t id);
+
+// One process per GPU: `groups[g][r] = -1` marks rank r as another process's. Such a group must hold
+// exactly one GPU of this process; CreateWorkspace allocates only the local ranks. The processes then
+// swap CUDA IPC handles (through the jax.distributed key-value store, in Python): ExportHandles gives,
+// per group, this process's rank's staging and signal handles (2 x 64 bytes), and AttachPeer opens a
+// remote rank's. The exchange handler refuses a workspace until every rank is attached.
+std::vector<std::string> ExportHandles(int64_t id);
+void AttachPeer(int64_t id, int group, int rank, const std::string& handles);
 
 }  // namespace jmm::nvlink
