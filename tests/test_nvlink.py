@@ -6,10 +6,12 @@ The kernels themselves run in tests/test_nvlink_gpu.py (emulated shards on one G
 from __future__ import annotations
 
 import functools
+import socket
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -105,13 +107,26 @@ class _FakeExtension:
 
 def test_ipc_handles_are_swapped_under_global_group_names(monkeypatch):
     from jax._src import distributed
+    host = socket.gethostname().encode()
     # This process holds rank 1 of global group 3 (its only group); rank 0 belongs to another process.
-    store = _FakeStore({"jax_megamoe/nvlink/7/3/0": b"peer"})
+    # Binary handles may contain the separator: only the first newline ends the host name.
+    store = _FakeStore({"jax_megamoe/nvlink/7/3/0": host + b"\npe\ner"})
     monkeypatch.setattr(distributed.global_state, "client", store)
     ext = _FakeExtension([b"mine"])
     nvlink._exchange_handles(ext, 42, [[nvlink.REMOTE, 0]], [3], 7)
-    assert store.set_keys == ["jax_megamoe/nvlink/7/3/1"] and store.values["jax_megamoe/nvlink/7/3/1"] == b"mine"
-    assert ext.attached == [(42, 0, 0, b"peer")]
+    assert store.set_keys == ["jax_megamoe/nvlink/7/3/1"]
+    assert store.values["jax_megamoe/nvlink/7/3/1"] == host + b"\nmine"
+    assert ext.attached == [(42, 0, 0, b"pe\ner")]
+
+
+def test_ipc_peer_on_another_host_is_refused(monkeypatch):
+    from jax._src import distributed
+    store = _FakeStore({"jax_megamoe/nvlink/1/0/0": b"elsewhere-node\nhandles"})
+    monkeypatch.setattr(distributed.global_state, "client", store)
+    ext = _FakeExtension([b"mine"])
+    with pytest.raises(ValueError, match="rank 0 is on host 'elsewhere-node'.*backend='xla'"):
+        nvlink._exchange_handles(ext, 1, [[nvlink.REMOTE, 0]], [0], 1)
+    assert ext.attached == []
 
 
 def test_ipc_needs_jax_distributed(monkeypatch):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import socket
 import weakref
 
 import jax
@@ -26,9 +27,10 @@ from jax_megamoe import _ffi
 
 MAX_RANKS = 8  # kMaxRanks of jmm/nvlink_cuda.h
 DEFAULT_TIMEOUT_MS = 10_000  # far above any legitimate wait; JMM_NVLINK_TIMEOUT_MS overrides
-# Thread blocks per peer in each copy kernel (16 of the H200's 132 SMs at EP = 2 gave 1.2x NCCL's time);
+# Thread blocks per peer in each copy kernel. Measured at EP = 2, q30 (RESULTS.md): 16 -> 4.16 / 10.33 ms
+# forward / forward+backward, 32 -> 3.88 / 9.82, 64 -> 3.77 / 9.58, 128 and 256 no better than 64.
 # JMM_NVLINK_BLOCKS_PER_PEER overrides, for measuring. Every process must use the same value.
-DEFAULT_BLOCKS_PER_PEER = 16
+DEFAULT_BLOCKS_PER_PEER = 64
 
 
 def block_bytes(max_tokens: int, hidden: int, top_k: int, dtype) -> int:
@@ -81,14 +83,22 @@ def _exchange_handles(ext, workspace_id: int, groups, global_index, serial: int)
     if client is None:
         raise ValueError("the expert axis spans processes: call jax.distributed.initialize() first")
     key = "jax_megamoe/nvlink/{}/{}/{}".format
+    # Each entry is "host\n" + handles: an IPC handle only opens on the host that made it, so a peer on
+    # another host gets a clear error instead of a CUDA failure.
+    host = socket.gethostname()
     for g, (row, handles) in enumerate(zip(groups, ext.nvlink_export(workspace_id))):
         if REMOTE not in row:
             continue
         mine = next(r for r, ordinal in enumerate(row) if ordinal != REMOTE)
-        client.key_value_set_bytes(key(serial, global_index[g], mine), handles)
+        client.key_value_set_bytes(key(serial, global_index[g], mine), host.encode() + b"\n" + handles)
         for r, ordinal in enumerate(row):
             if ordinal == REMOTE:
-                peer = client.blocking_key_value_get_bytes(key(serial, global_index[g], r), _KV_TIMEOUT_MS)
+                entry = client.blocking_key_value_get_bytes(key(serial, global_index[g], r), _KV_TIMEOUT_MS)
+                peer_host, _, peer = entry.partition(b"\n")
+                if peer_host.decode() != host:
+                    raise ValueError(
+                        f"the nvlink transport needs the expert axis on GPUs of one host: rank {r} is on "
+                        f"host {peer_host.decode()!r}, this process on {host!r}; use backend='xla' across hosts")
                 ext.nvlink_attach(workspace_id, g, r, peer)
 
 
