@@ -8,7 +8,7 @@
 # nvidia-cutlass found in .whl/ is installed into /tmp/site first (the H200 machine has none).
 #
 # Usage: scripts/gpu_check.sh OUTDIR
-#   env STEPS="build test memcheck cputest profile bench epbench trainrecord" (the default),
+#   env STEPS="build test memcheck cputest profile bench epbench emubench trainrecord" (the default),
 #             multi-GPU steps, named explicitly: "mpgpu concurrency ep2bench",
 #       GPU_TESTS="..." (pytest selection, default: tests/ — every test marked gpu),
 #       BENCH_ARGS="..." (passed to benchmarks/bench_moe.py),
@@ -17,14 +17,14 @@
 #       CONCURRENCY_CTAS="unset 32" (one concurrency run per NCCL_MAX_CTAS value; "unset" leaves it unset),
 #       EP2BENCH_ARGS="..." (passed to benchmarks/bench_ep.py in ep2bench)
 # Writes gpu.txt, build.log, gpu_tests.log, memcheck.log, cpu_tests.log, profile.log (ncu per-kernel
-# times), bench.log, bench.json, bench.png, bench_ep.{log,json}, train_record.{log,json,png},
+# times), bench.log, bench.json, bench.png, bench_ep.{log,json}, bench_ep_emulated.{log,json}, train_record.{log,json,png},
 # mp_gpu_tests.log, concurrency.{log,json} (all runs in one of each), bench_ep2.{log,json} into OUTDIR
 # (the device tool returns at most 8 files: choose STEPS accordingly); exits non-zero if any step failed.
 set -uo pipefail
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUTDIR"
 cd "$(dirname "$0")/.."
-STEPS=${STEPS:-"build test memcheck cputest profile bench epbench trainrecord"}
+STEPS=${STEPS:-"build test memcheck cputest profile bench epbench emubench trainrecord"}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 failed=()
@@ -137,6 +137,9 @@ want bench && step bench bench.log $PY benchmarks/bench_moe.py --json "$OUTDIR/b
   --png "$OUTDIR/bench.png" ${BENCH_ARGS:-}
 
 want epbench && step bench-ep bench_ep.log $PY benchmarks/bench_ep.py "$OUTDIR/bench_ep.json" --config q30
+# 8 emulated shards of q30s on this GPU (q30's total work): the cost of the transports' protocols themselves.
+want emubench && step bench-ep-emulated bench_ep_emulated.log $PY benchmarks/bench_ep.py \
+  "$OUTDIR/bench_ep_emulated.json" --config q30s --emulate 8 --backend xla,nvlink
 
 train_record() {
   local rc=0

@@ -55,3 +55,26 @@ def test_bench_ep_backend_list():
     for bad in ("", "xla,bogus"):
         with pytest.raises(argparse.ArgumentTypeError, match="comma list"):
             bench_ep.parse_backends(bad)
+
+
+def test_bench_ep_emulated_shards_on_one_cpu_device(tmp_path):
+    # 4 emulated shards under vmap on one device: xla measured, ragged recorded as failed (exit 1), the JSON
+    # names the emulation and every row has its times or its error.
+    out = tmp_path / "ep.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_ep.py"), str(out), "--config", "tiny", "--emulate", "4",
+         "--backend", "xla,ragged", "--routing", "uniform"],
+        env=cpu_env(1), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["config"]["emulated_shards"] == 4 and result["failed_backends"] == ["ragged"]
+    baseline, xla, ragged = result["rows"]
+    assert baseline["impl"] == "moe_ffn" and xla["impl"] == "moe_ffn_ep(emulated R=4, backend=xla)"
+    assert xla["forward_ms"] > 0 and xla["forward_ratio"] == pytest.approx(xla["forward_ms"] / baseline["forward_ms"])
+    assert "ragged_all_to_all" in ragged["error"]
+
+
+def test_bench_ep_emulate_refuses_a_mesh():
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_ep.py"), "/dev/null", "--emulate", "2", "--ep", "2"],
+                          env=cpu_env(1), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--emulate R needs" in proc.stderr
