@@ -125,27 +125,37 @@ def with_ratios(row, baseline):
     return row
 
 
-def run_config(config, ep, backends, routing):
+def ep_problem(config, ranks, emulated, routing):
+    """`(args, dy, over_axis, open_workspace)` of a `moe_ffn_ep` run with T tokens per shard: on a mesh of
+    `ranks` devices (inputs sharded over it, `over_axis` = shard_map), or `emulated` on one device
+    (inputs shaped `[R, ...]`, `over_axis` = vmap). `open_workspace()` makes the matching NvlinkWorkspace."""
     tokens, hidden, inter, experts, top_k = CONFIGS[config]
-    local_experts = experts // ep
-    devices = jax.devices()[:ep]
-    if len(devices) < ep:
-        raise SystemExit(f"--ep {ep} needs {ep} devices, found {len(jax.devices())}")
-
-    # Baseline: one device, T tokens, this device's E/ep experts (ids drawn among them).
-    args, dy = make_inputs(tokens, hidden, inter, local_experts, min(top_k, local_experts), routing)
-    baseline = measure("moe_ffn", jmm.moe_ffn, args, dy)
-
-    # moe_ffn_ep: T tokens per device, E experts over ep devices; every backend on the same inputs.
-    args, dy = make_inputs(tokens * ep, hidden, inter, experts, top_k, routing)
+    args, dy = make_inputs(tokens * ranks, hidden, inter, experts, top_k, routing)
+    workspace_size = dict(max_tokens=tokens, hidden=hidden, top_k=top_k, dtype=jnp.bfloat16)
+    if emulated:
+        def shards(a):  # [R·n, ...] -> [R, n, ...]: shard r holds tokens (or experts) r·n .. r·n + n - 1
+            return a.reshape(ranks, a.shape[0] // ranks, *a.shape[1:])
+        return (tuple(shards(a) for a in args), shards(dy), functools.partial(jax.vmap, axis_name="expert"),
+                functools.partial(jmm.NvlinkWorkspace.emulated, ranks, **workspace_size))
+    devices = jax.devices()[:ranks]
+    if len(devices) < ranks:
+        raise SystemExit(f"--ep {ranks} needs {ranks} devices, found {len(jax.devices())}")
     mesh = Mesh(np.array(devices), ("expert",))
     sharding = NamedSharding(mesh, P("expert"))
-    args = tuple(jax.device_put(a, sharding) for a in args)
-    dy = jax.device_put(dy, sharding)
     spec = P("expert")
-    over_mesh = functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)
-    open_workspace = functools.partial(jmm.NvlinkWorkspace, mesh, axis_name="expert", max_tokens=tokens,
-                                       hidden=hidden, top_k=top_k, dtype=jnp.bfloat16)
+    return (tuple(jax.device_put(a, sharding) for a in args), jax.device_put(dy, sharding),
+            functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec),
+            functools.partial(jmm.NvlinkWorkspace, mesh, axis_name="expert", **workspace_size))
+
+
+def run_config(config, ep, backends, routing):
+    """Every backend at `ep` devices against `moe_ffn` on one device with T tokens and E/ep experts (the
+    same per-device work, nothing exchanged)."""
+    tokens, hidden, inter, experts, top_k = CONFIGS[config]
+    local_experts = experts // ep
+    args, dy = make_inputs(tokens, hidden, inter, local_experts, min(top_k, local_experts), routing)
+    baseline = measure("moe_ffn", jmm.moe_ffn, args, dy)
+    args, dy, over_mesh, open_workspace = ep_problem(config, ep, False, routing)
     rows = [baseline] + [with_ratios(measure_ep(f"moe_ffn_ep(ep={ep}, backend={backend})", backend, over_mesh,
                                                 open_workspace, args, dy), baseline) for backend in backends]
     return [dict(row, config=config, routing=routing) for row in rows]
@@ -155,16 +165,9 @@ def run_emulated(config, ranks, backends, routing):
     """R emulated shards on one device (`jax.vmap` over the expert axis), T tokens each, against `moe_ffn`
     on all R·T tokens and E experts in one call: the same expert work, so the ratio is the cost of the
     plan, the transport's protocol and kernels and the combine, without any link."""
-    tokens, hidden, inter, experts, top_k = CONFIGS[config]
-    args, dy = make_inputs(tokens * ranks, hidden, inter, experts, top_k, routing)
-    baseline = measure("moe_ffn", jmm.moe_ffn, args, dy)
-
-    def shards(a):  # [R·n, ...] -> [R, n, ...]: shard r holds tokens (or experts) r·n .. r·n + n - 1
-        return a.reshape(ranks, a.shape[0] // ranks, *a.shape[1:])
-    args, dy = tuple(shards(a) for a in args), shards(dy)
-    over_vmap = functools.partial(jax.vmap, axis_name="expert")
-    open_workspace = functools.partial(jmm.NvlinkWorkspace.emulated, ranks, max_tokens=tokens, hidden=hidden,
-                                       top_k=top_k, dtype=jnp.bfloat16)
+    args, dy, over_vmap, open_workspace = ep_problem(config, ranks, True, routing)
+    baseline = measure("moe_ffn", jmm.moe_ffn, *make_inputs(ranks * CONFIGS[config][0], *CONFIGS[config][1:],
+                                                             routing))
     rows = [baseline] + [with_ratios(measure_ep(f"moe_ffn_ep(emulated R={ranks}, backend={backend})", backend,
                                                 over_vmap, open_workspace, args, dy), baseline)
                          for backend in backends]

@@ -78,3 +78,37 @@ def test_bench_ep_emulate_refuses_a_mesh():
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_ep.py"), "/dev/null", "--emulate", "2", "--ep", "2"],
                           env=cpu_env(1), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--emulate R needs" in proc.stderr
+
+
+def test_profile_ep_sums_complete_events_per_device_process():
+    import profile_ep
+    trace = {"traceEvents": [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:1"}},
+        {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 0, "dur": 300.0, "name": "gemm"},
+        {"ph": "X", "pid": 1, "tid": 8, "ts": 10, "dur": 100.0, "name": "gemm"},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 400, "dur": 50.0, "name": "nccl"},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 0, "dur": 20.0, "name": "nccl"},
+        {"ph": "i", "pid": 1, "tid": 7, "ts": 5, "name": "marker"},         # not a complete event
+        {"ph": "X", "pid": 3, "tid": 1, "ts": 0, "dur": 999.0, "name": "host"},  # not a GPU
+    ]}
+    profile = profile_ep.per_step(profile_ep.kernel_times(trace, profile_ep.DEVICE_PROCESS), iters=2)
+    assert sorted(profile) == ["/device:GPU:0", "/device:GPU:1"]
+    gpu0 = profile["/device:GPU:0"]
+    assert gpu0["events"] == [{"name": "gemm", "ms": 0.2, "calls": 1.0}, {"name": "nccl", "ms": 0.025, "calls": 0.5}]
+    assert gpu0["total_ms"] == pytest.approx(0.225)
+    assert profile["/device:GPU:1"]["events"] == [{"name": "nccl", "ms": 0.01, "calls": 0.5}]
+
+
+def test_profile_ep_runs_on_two_cpu_devices(tmp_path):
+    # The whole script on the host platform (no GPU processes in the trace there: the CPU's events instead).
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "profile_ep.py"), str(tmp_path), "--config", "tiny", "--ep", "2",
+         "--iters", "2", "--process", "/host:CPU"],
+        env=cpu_env(2), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "profile_ep.json").read_text())
+    assert result["ranks"] == 2 and result["backend"] == "xla" and not result["emulated"]
+    events = result["per_step"]["/host:CPU"]["events"]
+    assert events and all(row["ms"] >= 0 for row in events)
