@@ -4,8 +4,6 @@ Per shard: plan where each token goes (`plan.py`), gather token rows into per-de
 (`rows.py`), exchange them over the expert axis (`transport.py`), run `moe_ffn` on the received rows
 with this shard's experts (the routing weights travel with the rows, so each row comes back already
 summed over its pairs), exchange the results back, and sum each token's returned rows in shard order.
-The rows a shard keeps for its own experts skip the exchanges and are computed by their own `moe_ffn`
-call, which XLA is free to overlap with the collectives.
 Every step is linear in the floating-point data or is `moe_ffn`, so JAX's transposes give the exact
 gradient; expert-weight gradients are computed where the weights live. With one shard nothing moves
 and `moe_ffn` runs on the tokens directly.
@@ -162,41 +160,24 @@ def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_l
 
 def _exchange_and_compute(x, weights, plan, w_gate_up_local, w_down_local, axis_name, transport_name,
                           local_backend, workspace):
-    """Rows out to their expert shards, the local experts on what arrives, results back, summed per token.
-
-    The shard's own block never travels: a separate `moe_ffn` call computes it in place, depending on no
-    exchange, so XLA may run it while the collectives move the other blocks, and the transports that move
-    live rows only skip it (its counts are zero). Each row's result is the same arithmetic either way,
-    so the sum over destinations is unchanged.
-    """
+    """Rows out to their expert shards, the local experts on what arrives, results back, summed per token."""
     ep, row_capacity = plan.token.shape
     local_experts = w_gate_up_local.shape[0]
-    me = jax.lax.axis_index(axis_name)
-    remote = (jnp.arange(ep) != me)[:, None]                                          # [ep, 1]
     row_ids, row_weights = row_routing(plan, weights, local_experts)
-    send_counts = jnp.where(remote[:, 0], plan.row_counts, 0)
-    recv_counts = transport.all_to_all_blocks(send_counts, axis_name)
+    recv_counts = transport.all_to_all_blocks(plan.row_counts, axis_name)
 
     def there(buffer, fill_value=0):
-        return transport.exchange(buffer, send_counts, recv_counts, axis_name, transport_name, fill_value,
+        return transport.exchange(buffer, plan.row_counts, recv_counts, axis_name, transport_name, fill_value,
                                   workspace)
 
     def back(buffer):
-        return transport.exchange(buffer, recv_counts, send_counts, axis_name, transport_name,
+        return transport.exchange(buffer, recv_counts, plan.row_counts, axis_name, transport_name,
                                   workspace=workspace)
 
-    send_x = dispatch_rows(x, plan.token, plan.slot)                                 # [ep, C, H]
-    send_ids = _gather_rows(row_ids, plan.token, INVALID_EXPERT)                     # [ep, C, K']
-    send_weights = _gather_rows(row_weights, plan.token, 0)
-    own_y = moe_ffn(send_x[me], send_weights[me], send_ids[me], w_gate_up_local, w_down_local,
-                    backend=local_backend)
-
-    recv_x = there(send_x)
-    # "xla" moves whole blocks, the own one included: its pairs are dropped here (computed above).
-    recv_ids = jnp.where(remote[..., None], there(send_ids, INVALID_EXPERT), INVALID_EXPERT)
-    recv_weights = there(send_weights)
+    recv_x = there(dispatch_rows(x, plan.token, plan.slot))
+    recv_ids = there(_gather_rows(row_ids, plan.token, INVALID_EXPERT), INVALID_EXPERT)
+    recv_weights = there(_gather_rows(row_weights, plan.token, 0))
     rows = ep * row_capacity
     recv_y = moe_ffn(recv_x.reshape(rows, -1), recv_weights.reshape(rows, -1), recv_ids.reshape(rows, -1),
                      w_gate_up_local, w_down_local, backend=local_backend)
-    returned = back(recv_y.reshape(ep, row_capacity, -1)).at[me].set(own_y)
-    return combine_rows(returned, plan.slot, plan.token)
+    return combine_rows(back(recv_y.reshape(ep, row_capacity, -1)), plan.slot, plan.token)
