@@ -4,13 +4,14 @@
 # expert-parallel overhead benchmark and the training record; on machines with 2+ GPUs, the multi-GPU
 # steps (not in the default STEPS): moe_ffn_ep across two jax.distributed processes, the NCCL-concurrency
 # deadlock test and the EP=2 backend comparison.
-# Works offline (no package registry needed) when the build requirements are installed; a wheel of
-# nvidia-cutlass found in .whl/ is installed into /tmp/site first (the H200 machine has none).
+# Works offline (no package registry needed) when the build requirements are installed; the wheels of
+# nvidia-cutlass (and pytest-xdist, execnet) found in .whl/ are installed into /tmp/site first (the H200
+# machine has none).
 #
 # Usage: scripts/gpu_check.sh OUTDIR
 #   env STEPS="build test memcheck cputest profile bench epbench emubench trainrecord" (the default),
 #             multi-GPU steps, named explicitly: "mpgpu concurrency ep2bench ep2profile",
-#       GPU_TESTS="..." (pytest selection, default: tests/ — every test marked gpu),
+#       GPU_TESTS="..." (pytest selection, default: tests/ — every test marked gpu), GPU_TEST_WORKERS=N,
 #       BENCH_ARGS="..." (passed to benchmarks/bench_moe.py),
 #       TRAIN_RECORD_ARGS="..." (passed to benchmarks/train_record.py), TRAIN_RECORD_TIMEOUT=seconds,
 #       CONCURRENCY_ARGS="..." (passed to benchmarks/nccl_concurrency.py, e.g. "--iters 200 --backend xla"),
@@ -56,7 +57,10 @@ build() {
 }
 want build && step build build.log build
 
-want test && step gpu-tests gpu_tests.log $PY -m pytest -m gpu -q -rA -p no:cacheprovider ${GPU_TESTS:-tests/}
+# GPU_TEST_WORKERS=N runs the GPU tests in N pytest-xdist processes sharing the GPU(s): their time is
+# mostly XLA compilation, which then runs on N cores (pytest-xdist and execnet come as wheels in .whl/).
+want test && step gpu-tests gpu_tests.log $PY -m pytest -m gpu -q -rA -p no:cacheprovider \
+  ${GPU_TEST_WORKERS:+-n $GPU_TEST_WORKERS} ${GPU_TESTS:-tests/}
 
 cat > /tmp/jmm_memcheck.py <<'PYEOF'
 import jax, jax.numpy as jnp, numpy as np
