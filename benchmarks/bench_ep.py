@@ -166,8 +166,10 @@ def run_emulated(config, ranks, backends, routing):
     on all R·T tokens and E experts in one call: the same expert work, so the ratio is the cost of the
     plan, the transport's protocol and kernels and the combine, without any link."""
     args, dy, over_vmap, open_workspace = ep_problem(config, ranks, True, routing)
-    baseline = measure("moe_ffn", jmm.moe_ffn, *make_inputs(ranks * CONFIGS[config][0], *CONFIGS[config][1:],
-                                                             routing))
+
+    def merged(a):  # [R, n, ...] -> [R·n, ...]: the whole problem, for moe_ffn
+        return a.reshape(-1, *a.shape[2:])
+    baseline = measure("moe_ffn", jmm.moe_ffn, tuple(merged(a) for a in args), merged(dy))
     rows = [baseline] + [with_ratios(measure_ep(f"moe_ffn_ep(emulated R={ranks}, backend={backend})", backend,
                                                 over_vmap, open_workspace, args, dy), baseline)
                          for backend in backends]
