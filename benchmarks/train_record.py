@@ -21,6 +21,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -57,9 +58,7 @@ def agreement(cuda: list[dict], baseline: list[dict], window: int) -> dict:
     evals = [{r["step"]: r["eval_loss"] for r in run if "eval_loss" in r} for run in (cuda, baseline)]
     losses = [[r["loss"] for r in run if "loss" in r] for run in (cuda, baseline)]
     steps = min(map(len, losses)) // window * window
-
-    def mean(values):
-        return sum(values) / len(values)
+    mean = statistics.fmean
     return {
         "eval_loss": gaps([(step, evals[0][step], evals[1][step]) for step in sorted(evals[0].keys() & evals[1].keys())]),
         f"train_loss_{window}_step_means": gaps([
