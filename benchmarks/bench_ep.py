@@ -13,8 +13,12 @@ Times are medians over samples of back-to-back calls after warm-up, each sample 
 they are device time whenever the device is the bottleneck). Forward, and forward+backward (all four
 gradients). Prints a table and writes JSON.
 
-Usage: python benchmarks/bench_ep.py OUT.json [--config q30] [--ep 1] [--backend auto[,xla,ragged,nvlink]]
-                                      [--routing uniform,zipf]
+`--emulate R` runs R emulated shards on one device instead (`jax.vmap` over the expert axis, nvlink with
+`NvlinkWorkspace.emulated`), against `moe_ffn` on all R·T tokens: the cost of the protocol itself
+(`--config q30s --emulate 8` has q30's total work).
+
+Usage: python benchmarks/bench_ep.py OUT.json [--config q30] [--ep 1 | --emulate R]
+                                      [--backend auto[,xla,ragged,nvlink]] [--routing uniform,zipf]
 """
 
 from __future__ import annotations
@@ -87,58 +91,86 @@ def measure(name, fn, args, dy):
 
 
 @contextlib.contextmanager
-def ep_options(backend, mesh, tokens, hidden, top_k):
-    """`moe_ffn_ep` keyword arguments for `backend` (bf16 inputs, `tokens` per device); for "nvlink" this
-    opens the mesh's `NvlinkWorkspace` and closes it when the block ends."""
+def ep_options(backend, open_workspace):
+    """`moe_ffn_ep` keyword arguments for `backend`; for "nvlink" this opens a workspace with
+    `open_workspace()` and closes it when the block ends."""
     if backend != "nvlink":
         yield {"backend": backend}
         return
-    workspace = jmm.NvlinkWorkspace(mesh, axis_name="expert", max_tokens=tokens, hidden=hidden, top_k=top_k,
-                                    dtype=jnp.bfloat16)
+    workspace = open_workspace()
     try:
         yield {"backend": backend, "workspace": workspace}
     finally:
         workspace.close()
 
 
-def measure_ep(mesh, backend, args, dy, tokens, hidden, top_k):
-    """One `moe_ffn_ep` row for `backend`; a backend that fails gives a row with its error instead."""
-    name = f"moe_ffn_ep(ep={mesh.size}, backend={backend})"
-    spec = P("expert")
+def measure_ep(name, backend, over_axis, open_workspace, args, dy):
+    """One `moe_ffn_ep` row for `backend`, its per-shard function mapped over the expert axis by
+    `over_axis` (shard_map over a mesh, or vmap for emulated shards); a failing backend gives a row with
+    its error instead."""
     try:
-        with ep_options(backend, mesh, tokens, hidden, top_k) as options:
-            ep_fn = jax.shard_map(functools.partial(jmm.moe_ffn_ep, **options), mesh=mesh, in_specs=(spec,) * 5,
-                                  out_specs=spec)
-            return dict(measure(name, ep_fn, args, dy), backend=backend)
+        with ep_options(backend, open_workspace) as options:
+            fn = over_axis(functools.partial(jmm.moe_ffn_ep, axis_name="expert", **options))
+            return dict(measure(name, fn, args, dy), backend=backend)
     except Exception as err:  # recorded, so one failing backend does not lose the others' numbers
         return {"impl": name, "backend": backend, "error": f"{type(err).__name__}: {err}"}
 
 
-def run_config(config, ep, backends, routing):
+def with_ratios(row, baseline):
+    """`row` with its times as ratios to (and overheads over) the baseline's."""
+    if "error" not in row:
+        for key in ("forward", "forward_backward"):
+            row[f"{key}_ratio"] = row[f"{key}_ms"] / baseline[f"{key}_ms"]
+            row[f"{key}_overhead"] = row[f"{key}_ratio"] - 1
+    return row
+
+
+def ep_problem(config, ranks, emulated, routing):
+    """`(args, dy, over_axis, open_workspace)` of a `moe_ffn_ep` run with T tokens per shard: on a mesh of
+    `ranks` devices (inputs sharded over it, `over_axis` = shard_map), or `emulated` on one device
+    (inputs shaped `[R, ...]`, `over_axis` = vmap). `open_workspace()` makes the matching NvlinkWorkspace."""
     tokens, hidden, inter, experts, top_k = CONFIGS[config]
-    local_experts = experts // ep
-    devices = jax.devices()[:ep]
-    if len(devices) < ep:
-        raise SystemExit(f"--ep {ep} needs {ep} devices, found {len(jax.devices())}")
-
-    # Baseline: one device, T tokens, this device's E/ep experts (ids drawn among them).
-    args, dy = make_inputs(tokens, hidden, inter, local_experts, min(top_k, local_experts), routing)
-    baseline = measure("moe_ffn", jmm.moe_ffn, args, dy)
-
-    # moe_ffn_ep: T tokens per device, E experts over ep devices; every backend on the same inputs.
-    args, dy = make_inputs(tokens * ep, hidden, inter, experts, top_k, routing)
+    args, dy = make_inputs(tokens * ranks, hidden, inter, experts, top_k, routing)
+    workspace_size = dict(max_tokens=tokens, hidden=hidden, top_k=top_k, dtype=jnp.bfloat16)
+    if emulated:
+        def shards(a):  # [R·n, ...] -> [R, n, ...]: shard r holds tokens (or experts) r·n .. r·n + n - 1
+            return a.reshape(ranks, a.shape[0] // ranks, *a.shape[1:])
+        return (tuple(shards(a) for a in args), shards(dy), functools.partial(jax.vmap, axis_name="expert"),
+                functools.partial(jmm.NvlinkWorkspace.emulated, ranks, **workspace_size))
+    devices = jax.devices()[:ranks]
+    if len(devices) < ranks:
+        raise SystemExit(f"--ep {ranks} needs {ranks} devices, found {len(jax.devices())}")
     mesh = Mesh(np.array(devices), ("expert",))
     sharding = NamedSharding(mesh, P("expert"))
-    args = tuple(jax.device_put(a, sharding) for a in args)
-    dy = jax.device_put(dy, sharding)
-    rows = [baseline]
-    for backend in backends:
-        ours = measure_ep(mesh, backend, args, dy, tokens, hidden, top_k)
-        if "error" not in ours:
-            for key in ("forward", "forward_backward"):
-                ours[f"{key}_ratio"] = ours[f"{key}_ms"] / baseline[f"{key}_ms"]
-                ours[f"{key}_overhead"] = ours[f"{key}_ratio"] - 1
-        rows.append(ours)
+    spec = P("expert")
+    return (tuple(jax.device_put(a, sharding) for a in args), jax.device_put(dy, sharding),
+            functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec),
+            functools.partial(jmm.NvlinkWorkspace, mesh, axis_name="expert", **workspace_size))
+
+
+def run_config(config, ep, backends, routing):
+    """Every backend at `ep` devices against `moe_ffn` on one device with T tokens and E/ep experts (the
+    same per-device work, nothing exchanged)."""
+    tokens, hidden, inter, experts, top_k = CONFIGS[config]
+    local_experts = experts // ep
+    args, dy = make_inputs(tokens, hidden, inter, local_experts, min(top_k, local_experts), routing)
+    baseline = measure("moe_ffn", jmm.moe_ffn, args, dy)
+    args, dy, over_mesh, open_workspace = ep_problem(config, ep, False, routing)
+    rows = [baseline] + [with_ratios(measure_ep(f"moe_ffn_ep(ep={ep}, backend={backend})", backend, over_mesh,
+                                                open_workspace, args, dy), baseline) for backend in backends]
+    return [dict(row, config=config, routing=routing) for row in rows]
+
+
+def run_emulated(config, ranks, backends, routing):
+    """R emulated shards on one device (`jax.vmap` over the expert axis), T tokens each, against `moe_ffn`
+    on all R·T tokens and E experts in one call: the same expert work, so the ratio is the cost of the
+    plan, the transport's protocol and kernels and the combine, without any link."""
+    args, dy, over_vmap, open_workspace = ep_problem(config, ranks, True, routing)
+    baseline = measure("moe_ffn", jmm.moe_ffn, *make_inputs(ranks * CONFIGS[config][0], *CONFIGS[config][1:],
+                                                             routing))
+    rows = [baseline] + [with_ratios(measure_ep(f"moe_ffn_ep(emulated R={ranks}, backend={backend})", backend,
+                                                over_vmap, open_workspace, args, dy), baseline)
+                         for backend in backends]
     return [dict(row, config=config, routing=routing) for row in rows]
 
 
@@ -182,11 +214,17 @@ def main():
     parser.add_argument("--backend", default=["auto"], type=parse_backends,
                         help=f"moe_ffn_ep backend, or a comma list of them run side by side: {', '.join(BACKENDS)}")
     parser.add_argument("--routing", default="uniform,zipf")
+    parser.add_argument("--emulate", type=int, metavar="R",
+                        help="R emulated shards on one device (jax.vmap) instead of a mesh of --ep devices; "
+                             "the baseline is then moe_ffn on all R*T tokens and E experts")
     opts = parser.parse_args()
+    if opts.emulate is not None and (opts.emulate < 1 or opts.ep != 1):
+        parser.error(f"--emulate R needs R >= 1 and no --ep (got --emulate {opts.emulate}, --ep {opts.ep})")
 
     rows = []
     for routing in opts.routing.split(","):
-        rows += run_config(opts.config, opts.ep, opts.backend, routing)
+        rows += (run_config(opts.config, opts.ep, opts.backend, routing) if opts.emulate is None else
+                 run_emulated(opts.config, opts.emulate, opts.backend, routing))
     print_table(rows)
     ep_rows = [r for r in rows if r["impl"] != "moe_ffn"]
     failed = [r for r in ep_rows if "error" in r]
@@ -196,7 +234,8 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "timing": "median over 15 samples of 10 back-to-back calls, one sync per sample, after 3 warm-up calls",
         "config": dict(zip(("tokens_per_device", "hidden", "inter", "experts", "top_k"), CONFIGS[opts.config]),
-                       name=opts.config, dtype="bfloat16", ep=opts.ep, backend=",".join(opts.backend),
+                       name=opts.config, dtype="bfloat16", ep=opts.ep, emulated_shards=opts.emulate,
+                       backend=",".join(opts.backend),
                        backends=opts.backend),
         "target_overhead": TARGET_OVERHEAD,
         "meets_target": not failed and all(r["forward_overhead"] <= TARGET_OVERHEAD and

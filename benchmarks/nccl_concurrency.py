@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -143,6 +144,8 @@ def main(argv=None) -> int:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    import jax_megamoe as jmm
+
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_ep import CONFIGS, ep_options, git_commit, make_inputs
 
@@ -192,7 +195,9 @@ def main(argv=None) -> int:
     shard = jax.jit(lambda: jnp.ones((ep * collective_elems,), jnp.float32), out_shardings=sharding)()
     full = jax.jit(lambda: jnp.ones((ep * ep * collective_elems,), jnp.float32), out_shardings=sharding)()
 
-    with ep_options(opts.backend, mesh, tokens, hidden, top_k) as moe_options:
+    open_workspace = functools.partial(jmm.NvlinkWorkspace, mesh, axis_name="expert", max_tokens=tokens,
+                                       hidden=hidden, top_k=top_k, dtype=jnp.bfloat16)
+    with ep_options(opts.backend, open_workspace) as moe_options:
         step = build_step(mesh, moe_options)
         print(f"compiling: backend {opts.backend}, {ep} devices, config {opts.config}, "
               f"{opts.collective_mib:g} MiB collectives per device", flush=True)

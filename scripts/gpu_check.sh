@@ -4,27 +4,30 @@
 # expert-parallel overhead benchmark and the training record; on machines with 2+ GPUs, the multi-GPU
 # steps (not in the default STEPS): moe_ffn_ep across two jax.distributed processes, the NCCL-concurrency
 # deadlock test and the EP=2 backend comparison.
-# Works offline (no package registry needed) when the build requirements are installed; a wheel of
-# nvidia-cutlass found in .whl/ is installed into /tmp/site first (the H200 machine has none).
+# Works offline (no package registry needed) when the build requirements are installed; the wheels of
+# nvidia-cutlass (and pytest-xdist, execnet) found in .whl/ are installed into /tmp/site first (the H200
+# machine has none).
 #
 # Usage: scripts/gpu_check.sh OUTDIR
-#   env STEPS="build test memcheck cputest profile bench epbench trainrecord" (the default),
-#             multi-GPU steps, named explicitly: "mpgpu concurrency ep2bench",
-#       GPU_TESTS="..." (pytest selection, default: tests/ — every test marked gpu),
+#   env STEPS="build test memcheck cputest profile bench epbench emubench trainrecord" (the default),
+#             multi-GPU steps, named explicitly: "mpgpu concurrency ep2bench ep2profile",
+#       GPU_TESTS="..." (pytest selection, default: tests/ — every test marked gpu), GPU_TEST_WORKERS=N,
 #       BENCH_ARGS="..." (passed to benchmarks/bench_moe.py),
 #       TRAIN_RECORD_ARGS="..." (passed to benchmarks/train_record.py), TRAIN_RECORD_TIMEOUT=seconds,
 #       CONCURRENCY_ARGS="..." (passed to benchmarks/nccl_concurrency.py, e.g. "--iters 200 --backend xla"),
 #       CONCURRENCY_CTAS="unset 32" (one concurrency run per NCCL_MAX_CTAS value; "unset" leaves it unset),
-#       EP2BENCH_ARGS="..." (passed to benchmarks/bench_ep.py in ep2bench)
+#       EP2BENCH_ARGS="..." (passed to benchmarks/bench_ep.py in ep2bench),
+#       EP2PROFILE_ARGS="..." (passed to benchmarks/profile_ep.py in ep2profile, e.g. "--iters 3")
 # Writes gpu.txt, build.log, gpu_tests.log, memcheck.log, cpu_tests.log, profile.log (ncu per-kernel
-# times), bench.log, bench.json, bench.png, bench_ep.{log,json}, train_record.{log,json,png},
-# mp_gpu_tests.log, concurrency.{log,json} (all runs in one of each), bench_ep2.{log,json} into OUTDIR
+# times), bench.log, bench.json, bench.png, bench_ep.{log,json}, bench_ep_emulated.{log,json}, train_record.{log,json,png},
+# mp_gpu_tests.log, concurrency.{log,json} (all runs in one of each), bench_ep2.{log,json},
+# profile_ep2.{log,json} into OUTDIR
 # (the device tool returns at most 8 files: choose STEPS accordingly); exits non-zero if any step failed.
 set -uo pipefail
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUTDIR"
 cd "$(dirname "$0")/.."
-STEPS=${STEPS:-"build test memcheck cputest profile bench epbench trainrecord"}
+STEPS=${STEPS:-"build test memcheck cputest profile bench epbench emubench trainrecord"}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 failed=()
@@ -54,7 +57,10 @@ build() {
 }
 want build && step build build.log build
 
-want test && step gpu-tests gpu_tests.log $PY -m pytest -m gpu -q -rA -p no:cacheprovider ${GPU_TESTS:-tests/}
+# GPU_TEST_WORKERS=N runs the GPU tests in N pytest-xdist processes sharing the GPU(s): their time is
+# mostly XLA compilation, which then runs on N cores (pytest-xdist and execnet come as wheels in .whl/).
+want test && step gpu-tests gpu_tests.log $PY -m pytest -m gpu -q -rA -p no:cacheprovider \
+  ${GPU_TEST_WORKERS:+-n $GPU_TEST_WORKERS} ${GPU_TESTS:-tests/}
 
 cat > /tmp/jmm_memcheck.py <<'PYEOF'
 import jax, jax.numpy as jnp, numpy as np
@@ -137,6 +143,9 @@ want bench && step bench bench.log $PY benchmarks/bench_moe.py --json "$OUTDIR/b
   --png "$OUTDIR/bench.png" ${BENCH_ARGS:-}
 
 want epbench && step bench-ep bench_ep.log $PY benchmarks/bench_ep.py "$OUTDIR/bench_ep.json" --config q30
+# 8 emulated shards of q30s on this GPU (q30's total work): the cost of the transports' protocols themselves.
+want emubench && step bench-ep-emulated bench_ep_emulated.log $PY benchmarks/bench_ep.py \
+  "$OUTDIR/bench_ep_emulated.json" --config q30s --emulate 8 --backend xla,nvlink
 
 train_record() {
   local rc=0
@@ -185,6 +194,24 @@ want concurrency && step concurrency concurrency.log concurrency
 
 want ep2bench && step bench-ep2 bench_ep2.log $PY benchmarks/bench_ep.py "$OUTDIR/bench_ep2.json" --ep 2 \
   --backend xla,ragged,nvlink --config q30 ${EP2BENCH_ARGS:-}
+
+# Per-kernel time of one EP = 2 forward+backward step on each GPU (JAX profiler trace; the traces stay in
+# /tmp, only the summaries come back in one JSON).
+ep2profile() {
+  local rc=0 backend
+  for backend in xla nvlink; do
+    rm -rf "/tmp/jmm_profile_ep_$backend"
+    $PY benchmarks/profile_ep.py "/tmp/jmm_profile_ep_$backend" --ep 2 --backend $backend --config q30 \
+      ${EP2PROFILE_ARGS:-} || rc=1
+  done
+  $PY - "$OUTDIR/profile_ep2.json" /tmp/jmm_profile_ep_xla/profile_ep.json /tmp/jmm_profile_ep_nvlink/profile_ep.json \
+    <<'PYEOF' || rc=1
+import json, os, sys
+json.dump([json.load(open(p)) for p in sys.argv[2:] if os.path.exists(p)], open(sys.argv[1], "w"), indent=1)
+PYEOF
+  return $rc
+}
+want ep2profile && step profile-ep2 profile_ep2.log ep2profile
 
 echo "=== summary: ${#failed[@]} failed step(s): ${failed[*]:-none}"
 [[ ${#failed[@]} == 0 ]]

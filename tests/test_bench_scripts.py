@@ -73,3 +73,77 @@ def test_bench_moe_table_fits_long_impl_names():
                fwd_bwd_pct_matmul=44.0, peak_gib=3.7)
     header, line = bench_moe.table([row], 698.0).splitlines()[1:]
     assert line.startswith(row["impl"] + "  q30s") and header.index("config") == line.index("q30s")
+
+
+def test_bench_ep_emulated_shards_on_one_cpu_device(tmp_path):
+    # 4 emulated shards under vmap on one device: xla measured, ragged recorded as failed (exit 1), the JSON
+    # names the emulation and every row has its times or its error.
+    out = tmp_path / "ep.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_ep.py"), str(out), "--config", "tiny", "--emulate", "4",
+         "--backend", "xla,ragged", "--routing", "uniform"],
+        env=cpu_env(1), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["config"]["emulated_shards"] == 4 and result["failed_backends"] == ["ragged"]
+    baseline, xla, ragged = result["rows"]
+    assert baseline["impl"] == "moe_ffn" and xla["impl"] == "moe_ffn_ep(emulated R=4, backend=xla)"
+    assert xla["forward_ms"] > 0 and xla["forward_ratio"] == pytest.approx(xla["forward_ms"] / baseline["forward_ms"])
+    assert "ragged_all_to_all" in ragged["error"]
+
+
+def test_bench_ep_emulate_refuses_a_mesh():
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_ep.py"), "/dev/null", "--emulate", "2", "--ep", "2"],
+                          env=cpu_env(1), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--emulate R needs" in proc.stderr
+
+
+def test_profile_ep_sums_complete_events_per_device_process():
+    import profile_ep
+    trace = {"traceEvents": [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:1"}},
+        {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 0, "dur": 300.0, "name": "gemm"},
+        {"ph": "X", "pid": 1, "tid": 8, "ts": 10, "dur": 100.0, "name": "gemm"},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 400, "dur": 50.0, "name": "nccl"},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 0, "dur": 20.0, "name": "nccl"},
+        {"ph": "i", "pid": 1, "tid": 7, "ts": 5, "name": "marker"},         # not a complete event
+        {"ph": "X", "pid": 3, "tid": 1, "ts": 0, "dur": 999.0, "name": "host"},  # not a GPU
+    ]}
+    profile = profile_ep.per_step(profile_ep.kernel_times(trace, profile_ep.DEVICE_PROCESS), iters=2)
+    assert sorted(profile) == ["/device:GPU:0", "/device:GPU:1"]
+    gpu0 = profile["/device:GPU:0"]
+    assert gpu0["events"] == [{"name": "gemm", "ms": 0.2, "calls": 1.0}, {"name": "nccl", "ms": 0.025, "calls": 0.5}]
+    assert gpu0["total_ms"] == pytest.approx(0.225)
+    assert profile["/device:GPU:1"]["events"] == [{"name": "nccl", "ms": 0.01, "calls": 0.5}]
+
+
+def test_profile_ep_runs_on_two_cpu_devices(tmp_path):
+    # The whole script on the host platform (no GPU processes in the trace there: the CPU's events instead).
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "profile_ep.py"), str(tmp_path), "--config", "tiny", "--ep", "2",
+         "--iters", "2", "--process", "/host:CPU"],
+        env=cpu_env(2), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "profile_ep.json").read_text())
+    assert result["ranks"] == 2 and result["backend"] == "xla" and not result["emulated"]
+    events = result["per_step"]["/host:CPU"]["events"]
+    assert events and all(row["ms"] >= 0 for row in events)
+
+
+def test_train_record_agreement_compares_eval_losses_and_window_means():
+    import train_record
+    cuda = [{"step": s, "loss": 2.0 + (0.1 if s % 2 else -0.1)} for s in range(1, 8)] + [
+        {"step": 4, "eval_loss": 1.5}, {"step": 7, "eval_loss": 1.2}]
+    baseline = [{"step": s, "loss": 2.0} for s in range(1, 10)] + [
+        {"step": 4, "eval_loss": 1.5}, {"step": 8, "eval_loss": 1.0}]
+    result = train_record.agreement(cuda, baseline, window=2)
+    # Eval losses only where both runs measured (step 4); windows only as far as the shorter run (7 -> 3).
+    assert result["eval_loss"] == {"relative_gaps": [(4, 0.0)], "within_1pct": True}
+    windows = result["train_loss_2_step_means"]
+    assert [key for key, _ in windows["relative_gaps"]] == ["1-2", "3-4", "5-6"]
+    assert all(abs(g) < 1e-12 for _, g in windows["relative_gaps"]) and windows["within_1pct"]
+    off = train_record.agreement([{"step": 1, "loss": 2.05}, {"step": 2, "loss": 2.0}], baseline[:2], window=2)
+    assert off["train_loss_2_step_means"]["relative_gaps"] == [("1-2", pytest.approx(0.0125))]
+    assert not off["train_loss_2_step_means"]["within_1pct"] and not off["eval_loss"]["within_1pct"]

@@ -1,0 +1,115 @@
+"""Where the time of one `moe_ffn_ep` step goes, per GPU and per kernel, from a JAX profiler trace.
+
+Nsight Compute serialises kernel launches across a process's GPUs, which deadlocks every kernel that
+waits on a peer (the nvlink transport's and NCCL's), and Nsight Systems is not usable on the lent
+machines; the JAX profiler (CUPTI) records every kernel with its real duration and concurrency. This
+script runs the forward+backward of `moe_ffn_ep` (bench_ep's inputs and backends; `--ep N` GPUs of
+this process, or `--emulate R` shards on one GPU) `--iters` times inside `jax.profiler.trace`, reads
+the Perfetto trace the profiler writes, and sums the duration of the complete events of each device
+process per event name. Prints the top kernels per device and writes OUT_DIR/profile_ep.json; the
+trace itself stays in OUT_DIR for Perfetto.
+
+Usage: python benchmarks/profile_ep.py OUT_DIR [--config q30] [--ep 2 | --emulate R] [--backend xla]
+                                       [--iters 5] [--top 25] [--process REGEX]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import gzip
+import json
+import re
+import sys
+from pathlib import Path
+
+DEVICE_PROCESS = r"^/device:GPU:\d+"  # the profiler's process names for GPU activity
+
+
+def kernel_times(trace: dict, process_pattern: str) -> dict[str, dict[str, dict[str, float]]]:
+    """`{process name: {event name: {"total_us", "count"}}}` over the complete ("X") events of the
+    processes whose name matches `process_pattern`."""
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    wanted = {pid for pid, name in names.items() if re.search(process_pattern, name)}
+    times: dict = collections.defaultdict(lambda: collections.defaultdict(lambda: {"total_us": 0.0, "count": 0}))
+    for event in trace["traceEvents"]:
+        if event.get("ph") == "X" and event.get("pid") in wanted:
+            entry = times[names[event["pid"]]][event["name"]]
+            entry["total_us"] += float(event.get("dur", 0.0))
+            entry["count"] += 1
+    return {process: dict(events) for process, events in times.items()}
+
+
+def per_step(times: dict, iters: int) -> dict:
+    """Per-step milliseconds and calls, sorted by time, and each process's total."""
+    out = {}
+    for process, events in sorted(times.items()):
+        rows = sorted(({"name": name, "ms": e["total_us"] / iters / 1e3, "calls": e["count"] / iters}
+                       for name, e in events.items()), key=lambda row: -row["ms"])
+        out[process] = {"total_ms": sum(row["ms"] for row in rows), "events": rows}
+    return out
+
+
+def latest_trace(out_dir: Path) -> dict:
+    paths = sorted(out_dir.glob("plugins/profile/*/perfetto_trace.json.gz"))
+    if not paths:
+        raise SystemExit(f"no perfetto_trace.json.gz under {out_dir}/plugins/profile: did the profiler run?")
+    with gzip.open(paths[-1]) as f:
+        return json.load(f)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path, help="where the trace and profile_ep.json go")
+    parser.add_argument("--config", default="q30")
+    parser.add_argument("--ep", type=int, default=1, help="GPUs of the expert axis")
+    parser.add_argument("--emulate", type=int, metavar="R", help="R emulated shards on one device instead")
+    parser.add_argument("--backend", default="xla", choices=("xla", "ragged", "nvlink"))
+    parser.add_argument("--routing", default="uniform", choices=("uniform", "zipf"))
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--top", type=int, default=25, help="events printed per device")
+    parser.add_argument("--process", default=DEVICE_PROCESS,
+                        help="regex of the trace processes to sum (default: the GPUs)")
+    opts = parser.parse_args(argv)
+    if opts.emulate is not None and opts.ep != 1:
+        parser.error(f"--emulate R and --ep N exclude each other (got --emulate {opts.emulate}, --ep {opts.ep})")
+
+    import jax
+    import jax_megamoe as jmm
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_ep import CONFIGS, ep_options, ep_problem, forward_backward
+
+    if opts.config not in CONFIGS:
+        parser.error(f"--config must be one of {sorted(CONFIGS)}, got {opts.config!r}")
+    ranks = opts.emulate or opts.ep
+    args, dy, over_axis, open_workspace = ep_problem(opts.config, ranks, opts.emulate is not None, opts.routing)
+
+    opts.out_dir.mkdir(parents=True, exist_ok=True)
+    with ep_options(opts.backend, open_workspace) as options:
+        step = jax.jit(forward_backward(over_axis(functools.partial(jmm.moe_ffn_ep, axis_name="expert",
+                                                                    **options))))
+        for _ in range(3):  # compile and warm up outside the trace
+            jax.block_until_ready(step(args, dy))
+        with jax.profiler.trace(str(opts.out_dir), create_perfetto_trace=True):
+            for _ in range(opts.iters):
+                jax.block_until_ready(step(args, dy))
+
+    profile = per_step(kernel_times(latest_trace(opts.out_dir), opts.process), opts.iters)
+    if not profile:
+        raise SystemExit(f"no complete events in trace processes matching {opts.process!r}")
+    for process, summary in profile.items():
+        print(f"{process}: {summary['total_ms']:.3f} ms of events per step (overlapping streams add up)")
+        for row in summary["events"][:opts.top]:
+            print(f"  {row['ms']:8.3f} ms  {row['calls']:5.1f}x  {row['name'][:110]}")
+    result = {"config": opts.config, "ranks": ranks, "emulated": opts.emulate is not None,
+              "backend": opts.backend, "routing": opts.routing, "iters": opts.iters,
+              "device": jax.devices()[0].device_kind, "per_step": profile}
+    (opts.out_dir / "profile_ep.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {opts.out_dir / 'profile_ep.json'}")
+
+
+if __name__ == "__main__":
+    main()
