@@ -2,7 +2,10 @@
 
 Implementations: `ours` (jax_megamoe.moe_ffn, backend="cuda"), `torch_grouped_mm` (torchtitan style:
 stable sort + torch._grouped_mm + index_add scatter), `ragged_dot` (sort + jax.lax.ragged_dot),
-`gshard` (capacity-factor-1.0 dispatch/combine einsums), `tokamax` (tokamax.ragged_dot, only if importable).
+`gshard` (capacity-factor-1.0 dispatch/combine einsums), `tokamax` (tokamax.ragged_dot, only if importable),
+and `ours_tiles_<spec>`: `ours` with the environment variable JMM_GEMM_TILES=<spec> ('+' standing for ',',
+grammar in cuda/include/jmm/gemm_tiles.h), e.g. `ours_tiles_default,ours_tiles_pp64x256_c1,
+ours_tiles_fwd_down=pp128x128_c2+bwd_down=coop128x256_c1` to compare GEMM tile configurations in one run.
 Configs (bf16, router excluded): q30 (T=16384, H=2048, I=768, E=128, K=8), q235 (H=4096, I=1536), q30s
 (T=2048); uniform and Zipf-skewed routing. Reports forward and forward+backward time (median over samples
 of back-to-back calls, after warm-up; each sample is synchronised once, so the time is device time whenever
@@ -30,6 +33,7 @@ CONFIGS = {  # name: (T, H, I, E, K), in ascending memory order
     "q235": (16384, 4096, 1536, 128, 8),
 }
 IMPLS = ("ours", "torch_grouped_mm", "ragged_dot", "gshard", "tokamax")
+TILES_PREFIX = "ours_tiles_"  # + a JMM_GEMM_TILES value with '+' for ',' (commas separate --impls)
 ROUTINGS = ("uniform", "zipf")
 # Peers known to be hopeless at a size are not run there (DESIGN §7 anchors): recorded as skipped.
 SKIP = {("gshard", "q235"): "not run: dense capacity einsum at q235 takes minutes of device time",
@@ -38,6 +42,16 @@ SKIP = {("gshard", "q235"): "not run: dense capacity einsum at q235 takes minute
 
 def flops_forward(t, h, i, e, k):
     return 6 * t * k * h * i
+
+
+def gemm_tiles_spec(impl):
+    """The JMM_GEMM_TILES value of an `ours_tiles_<spec>` implementation name, or None for any other name."""
+    if not impl.startswith(TILES_PREFIX):
+        return None
+    spec = impl[len(TILES_PREFIX):].replace("+", ",")
+    if not spec:
+        raise ValueError(f"impl {impl!r}: expected {TILES_PREFIX}<JMM_GEMM_TILES value>, got an empty value")
+    return spec
 
 
 # ----------------------------------------------------------------------------------------------- JAX side
@@ -56,8 +70,8 @@ def jax_impl(name):
     import jax
     import jax.numpy as jnp
 
-    if name == "ours":
-        import jax_megamoe as jmm
+    if name == "ours" or gemm_tiles_spec(name) is not None:
+        import jax_megamoe as jmm  # the tiles come from JMM_GEMM_TILES, set by child()
         return lambda x, w, ids, gu, d: jmm.moe_ffn(x, w, ids, gu, d, backend="cuda")
 
     from jax_megamoe.reference import swiglu
@@ -235,6 +249,9 @@ def run_torch(configs, routings, samples, inner):
 
 def child(args):
     configs, routings = args.configs.split(","), args.routings.split(",")
+    spec = gemm_tiles_spec(args.child)
+    if spec is not None:
+        os.environ["JMM_GEMM_TILES"] = spec  # read by the CUDA handlers on every call
     if args.child == "torch_grouped_mm":
         rows = run_torch(configs, routings, args.samples, args.inner)
     else:
@@ -243,16 +260,17 @@ def child(args):
 
 
 def table(rows, matmul_tfs):
+    w = max([18] + [len(r["impl"]) + 2 for r in rows if "config" in r])
     lines = [f"bf16 matmul (8192^3, torch) in this run: {matmul_tfs:.0f} TF/s",
-             f"{'impl':<18}{'config':<7}{'routing':<9}{'fwd ms':>9}{'TF/s':>7}{'%mm':>6}"
+             f"{'impl':<{w}}{'config':<7}{'routing':<9}{'fwd ms':>9}{'TF/s':>7}{'%mm':>6}"
              f"{'f+b ms':>9}{'TF/s':>7}{'%mm':>6}{'peak GiB':>10}  status"]
     for r in rows:
         if "config" not in r:
             continue
         if r.get("status") != "ok":
-            lines.append(f"{r['impl']:<18}{r['config']:<7}{r['routing']:<9}{'':>54}  {r.get('status')}")
+            lines.append(f"{r['impl']:<{w}}{r['config']:<7}{r['routing']:<9}{'':>54}  {r.get('status')}")
             continue
-        lines.append(f"{r['impl']:<18}{r['config']:<7}{r['routing']:<9}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>7.0f}"
+        lines.append(f"{r['impl']:<{w}}{r['config']:<7}{r['routing']:<9}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>7.0f}"
                      f"{r['fwd_pct_matmul']:>6.0f}{r['fwd_bwd_ms']:>9.3f}{r['fwd_bwd_tflops']:>7.0f}"
                      f"{r['fwd_bwd_pct_matmul']:>6.0f}{r['peak_gib']:>10.2f}  ok")
     return "\n".join(lines)
@@ -268,7 +286,7 @@ def plot(rows, path):
         return
     ok = [r for r in rows if r.get("status") == "ok" and "config" in r]
     groups = sorted({(r["config"], r["routing"]) for r in ok}, key=lambda g: (list(CONFIGS).index(g[0]), g[1]))
-    impls = [i for i in IMPLS if any(r["impl"] == i for r in ok)]
+    impls = list(dict.fromkeys(r["impl"] for r in ok))  # in run order
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     for ax, key, title in ((axes[0], "fwd_tflops", "forward"), (axes[1], "fwd_bwd_tflops", "forward+backward")):
         width = 0.8 / max(len(impls), 1)

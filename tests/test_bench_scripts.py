@@ -15,6 +15,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import bench_ep  # noqa: E402  (benchmarks/ is not a package)
+import bench_moe  # noqa: E402
 
 
 def cpu_env(devices: int) -> dict[str, str]:
@@ -55,6 +56,23 @@ def test_bench_ep_backend_list():
     for bad in ("", "xla,bogus"):
         with pytest.raises(argparse.ArgumentTypeError, match="comma list"):
             bench_ep.parse_backends(bad)
+
+
+def test_bench_moe_tiles_impl_names_give_the_gemm_tiles_variable():
+    assert bench_moe.gemm_tiles_spec("ours") is None
+    assert bench_moe.gemm_tiles_spec("ours_tiles_pp64x256_c1") == "pp64x256_c1"
+    assert (bench_moe.gemm_tiles_spec("ours_tiles_fwd_down=pp128x128_c2+bwd_down=default")
+            == "fwd_down=pp128x128_c2,bwd_down=default")
+    with pytest.raises(ValueError, match="empty value"):
+        bench_moe.gemm_tiles_spec("ours_tiles_")
+
+
+def test_bench_moe_table_fits_long_impl_names():
+    row = dict(impl="ours_tiles_fwd_gate_up=pp64x256_c1", config="q30s", routing="uniform", status="ok",
+               fwd_ms=0.5, fwd_tflops=300.0, fwd_pct_matmul=43.0, fwd_bwd_ms=1.5, fwd_bwd_tflops=310.0,
+               fwd_bwd_pct_matmul=44.0, peak_gib=3.7)
+    header, line = bench_moe.table([row], 698.0).splitlines()[1:]
+    assert line.startswith(row["impl"] + "  q30s") and header.index("config") == line.index("q30s")
 
 
 def test_bench_ep_emulated_shards_on_one_cpu_device(tmp_path):

@@ -6,9 +6,13 @@
 // Forward:  gather x rows -> gate_up = x_perm @ W_gu -> h = swiglu -> out = h @ W_d -> y = weighted combine.
 // Backward: gather dy and w*dy rows -> g = dy @ W_d^T -> swiglu backward (h, dz, d_weights)
 //           -> dx rows = dz @ W_gu^T -> dx = combine; d_W_gu = x_perm^T dz, d_W_d = h^T (w*dy) per expert.
+// The row-grouped GEMMs' tile configuration comes from JMM_GEMM_TILES, read on every call (jmm/gemm_tiles.h).
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+
 #include "jmm/ffi_common.h"
+#include "jmm/gemm_tiles.h"
 #include "jmm/moe_bindings.h"
 #include "jmm/handlers.h"
 #include "jmm/moe_cuda.h"
@@ -43,6 +47,14 @@ ffi::Error ReadDtype(ffi::DataType type, cuda::Dtype* dtype) {
   }
 }
 
+// Read per call rather than once per process, so that a benchmark or test can switch tiles between calls.
+ffi::Error ReadGemmTiles(RowsGemmTiles* tiles) {
+  if (std::string err = ParseGemmTiles(std::getenv(kGemmTilesEnv), tiles); !err.empty()) {
+    return InvalidArgument(err);
+  }
+  return ffi::Error::Success();
+}
+
 size_t ElementBytes(cuda::Dtype dtype) { return dtype == cuda::Dtype::kBFloat16 ? 2 : 4; }
 
 ffi::Error MoeLayoutCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::S32> experts,
@@ -66,6 +78,8 @@ ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
   if (auto err = ReadMoeDims(x, weights, w_gate_up, w_down, &d); err.failure()) return err;
   cuda::Dtype dtype;
   if (auto err = ReadDtype(x.element_type(), &dtype); err.failure()) return err;
+  RowsGemmTiles tiles;
+  if (auto err = ReadGemmTiles(&tiles); err.failure()) return err;
   const int64_t rows = d.tokens * d.top_k, H = d.hidden, I = d.intermediate, E = d.experts;
   const bool tc = cuda::UseTensorCores(dtype, H, I);
   const int32_t* offsets = expert_offsets.typed_data();
@@ -81,11 +95,12 @@ ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
                                                   E, rows, d.top_k, x_perm, nullptr, nullptr, stream));
   JMM_CUDA_TRY("forward gate_up GEMM", cuda::RowsGemm(dtype, tc, x_perm, w_gate_up.untyped_data(),
                                                       gate_up->untyped_data(), offsets, E, rows, 2 * I, H,
-                                                      /*b_transposed=*/false, alloc, stream));
+                                                      /*b_transposed=*/false, tiles.fwd_gate_up, alloc, stream));
   JMM_CUDA_TRY("forward swiglu",
                cuda::SwigluForward(dtype, gate_up->untyped_data(), h, offsets, E, rows, I, stream));
   JMM_CUDA_TRY("forward down GEMM", cuda::RowsGemm(dtype, tc, h, w_down.untyped_data(), row_out, offsets, E,
-                                                   rows, H, I, /*b_transposed=*/false, alloc, stream));
+                                                   rows, H, I, /*b_transposed=*/false, tiles.fwd_down, alloc,
+                                                   stream));
   JMM_CUDA_TRY("forward combine",
                cuda::CombineRows(dtype, row_out, row_of_pair.typed_data(), static_cast<const float*>(weights.untyped_data()), d.tokens,
                                  d.top_k, H, y->untyped_data(), stream));
@@ -105,6 +120,8 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
   if (dy.element_type() != x.element_type() || gate_up.element_type() != x.element_type()) {
     return InvalidArgument("dy and gate_up must have x's dtype");
   }
+  RowsGemmTiles tiles;
+  if (auto err = ReadGemmTiles(&tiles); err.failure()) return err;
   const int64_t rows = d.tokens * d.top_k, H = d.hidden, I = d.intermediate, E = d.experts, K = d.top_k;
   const bool tc = cuda::UseTensorCores(dtype, H, I);
   const int32_t* offsets = expert_offsets.typed_data();
@@ -125,13 +142,14 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
                cuda::GatherRows(dtype, dy.untyped_data(), H, pairs, offsets, E, rows, K, rows_h, w, wdy, stream));
   JMM_CUDA_TRY("backward dy @ W_down^T GEMM", cuda::RowsGemm(dtype, tc, rows_h, w_down.untyped_data(), g,
                                                              offsets, E, rows, I, H, /*b_transposed=*/true,
-                                                             alloc, stream));
+                                                             tiles.bwd_down, alloc, stream));
   JMM_CUDA_TRY("backward swiglu",
                cuda::SwigluBackward(dtype, gate_up.untyped_data(), g, w, pairs, row_of_pair.typed_data(), offsets,
                                     E, rows, I, h, dz, static_cast<float*>(d_weights->untyped_data()), stream));
   JMM_CUDA_TRY("backward dz @ W_gate_up^T GEMM", cuda::RowsGemm(dtype, tc, dz, w_gate_up.untyped_data(), rows_h,
                                                                 offsets, E, rows, H, 2 * I,
-                                                                /*b_transposed=*/true, alloc, stream));
+                                                                /*b_transposed=*/true, tiles.bwd_gate_up, alloc,
+                                                                stream));
   JMM_CUDA_TRY("backward dx combine", cuda::CombineRows(dtype, rows_h, row_of_pair.typed_data(), nullptr,
                                                         d.tokens, K, H, dx->untyped_data(), stream));
   JMM_CUDA_TRY("backward gather x",

@@ -162,7 +162,30 @@ Status RowsGemmSimtLaunch(const void* a, const void* b, void* d, const int32_t* 
   return LaunchStatus("SIMT row-grouped GEMM");
 }
 
+using CutlassRowsGemm = Status (*)(const void* a, const void* b, void* d, const int32_t* offsets,
+                                   int64_t num_experts, int64_t n, int64_t k, const Scratch& scratch,
+                                   cudaStream_t stream);
+
+// The instantiation for (tiles, layout of B_e), or null where none is built.
+CutlassRowsGemm FindRowsGemm(GemmTiles tiles, bool b_transposed) {
+  switch (tiles) {
+    case GemmTiles::kDefault:
+      return b_transposed ? cutlass_gemm::RowsGemmNT : cutlass_gemm::RowsGemmNN;
+    case GemmTiles::kCooperative128x256Cluster1:
+      return b_transposed ? cutlass_gemm::RowsGemmNTCooperative128x256Cluster1
+                          : cutlass_gemm::RowsGemmNNCooperative128x256Cluster1;
+    case GemmTiles::kPingpong64x256Cluster1:
+      return b_transposed ? cutlass_gemm::RowsGemmNTPingpong64x256Cluster1
+                          : cutlass_gemm::RowsGemmNNPingpong64x256Cluster1;
+    case GemmTiles::kPingpong128x128Cluster2:
+      return b_transposed ? nullptr : cutlass_gemm::RowsGemmNNPingpong128x128Cluster2;
+  }
+  return nullptr;
+}
+
 }  // namespace
+
+bool RowsGemmTilesBuilt(GemmTiles tiles, bool b_transposed) { return FindRowsGemm(tiles, b_transposed) != nullptr; }
 
 bool UseTensorCores(Dtype dtype, int64_t hidden, int64_t intermediate) {
   return dtype == Dtype::kBFloat16 && hidden % 8 == 0 && intermediate % 8 == 0;
@@ -170,11 +193,12 @@ bool UseTensorCores(Dtype dtype, int64_t hidden, int64_t intermediate) {
 
 Status RowsGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, void* d,
                 const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t n, int64_t k,
-                bool b_transposed, const Scratch& scratch, cudaStream_t stream) {
+                bool b_transposed, GemmTiles tiles, const Scratch& scratch, cudaStream_t stream) {
   if (rows == 0 || n == 0) return {};
   if (tensor_cores) {
-    return b_transposed ? cutlass_gemm::RowsGemmNT(a, b, d, expert_offsets, num_experts, n, k, scratch, stream)
-                        : cutlass_gemm::RowsGemmNN(a, b, d, expert_offsets, num_experts, n, k, scratch, stream);
+    const CutlassRowsGemm gemm = FindRowsGemm(tiles, b_transposed);
+    if (gemm == nullptr) return "the requested GEMM tiles are not built for this operand layout";
+    return gemm(a, b, d, expert_offsets, num_experts, n, k, scratch, stream);
   }
   if (dtype == Dtype::kBFloat16) {
     return RowsGemmSimtLaunch<__nv_bfloat16>(a, b, d, expert_offsets, num_experts, rows, n, k, b_transposed,

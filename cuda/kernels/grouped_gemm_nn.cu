@@ -1,13 +1,11 @@
-// bf16 row-grouped GEMM with both operands row-major: x_perm @ W_gate_up and h @ W_down.
+// bf16 row-grouped GEMM with both operands row-major, default tiles: x_perm @ W_gate_up and h @ W_down.
 #include "jmm/grouped_gemm_cutlass_cuda.h"
 
 namespace jmm::cuda::cutlass_gemm {
 
 Status RowsGemmNN(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
                   int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream) {
-  using G = Bf16GroupedGemm<cutlass::layout::RowMajor, cutlass::layout::RowMajor>;
-  return RunGroupedGemm<G, Grouping::kRows>(a, b, d, offsets, num_experts, 0, n, k, /*ld_a=*/k, /*ld_b=*/n,
-                                            scratch, stream);
+  return RowsGemmNNWith<TilesCooperative128x256Cluster2>(a, b, d, offsets, num_experts, n, k, scratch, stream);
 }
 
 }  // namespace jmm::cuda::cutlass_gemm

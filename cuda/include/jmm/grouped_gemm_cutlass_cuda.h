@@ -3,7 +3,8 @@
 // Device-side problem shapes: a tiny kernel reads expert_offsets and writes each group's shape, pointers and
 // strides, so the host never learns the group sizes (no synchronisation; host problem shapes are null and
 // the persistent scheduler walks the groups on the device). Groups with no rows get an M of zero and hence
-// no tiles. Include from exactly one .cu per instantiation: each costs minutes of nvcc time.
+// no tiles. Include from exactly one .cu per instantiation (layout x tile configuration): each costs about a
+// minute of nvcc time.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -27,31 +28,76 @@ using GroupShape = ProblemShape::UnderlyingProblemShape;
 //   kWeight: d_e = a[rows of e]^T @ b[rows of e]        (M, N fixed, contraction over the rows of e)
 enum class Grouping { kRows, kWeight };
 
-// 128 x 256 tiles: the expert weight (B) is the wide operand and is multicast to the 2 CTAs of a cluster
-// along M, which work on neighbouring row tiles of one expert.
-using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
 using LayoutD = cutlass::layout::RowMajor;
 constexpr int kAlignment = 8;  // 16 bytes of bf16, what TMA needs
 
-// bf16 output, no source operand (beta = 0). Declared outside the template below, with its shared memory
-// size as a plain constant: nvcc's host pass emits the expanded builder type otherwise, which g++ rejects.
-using CollectiveEpilogue = cutlass::epilogue::collective::CollectiveBuilder<
+// The bf16 output epilogue (no source operand, beta = 0) of one tile configuration.
+template <class TileShape, class ClusterShape, class EpilogueSchedule>
+using EpilogueFor = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignment, Bf16, LayoutD*,
-    kAlignment, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-    cutlass::epilogue::fusion::LinearCombination<Bf16, float, void, float>>::CollectiveOp;
-constexpr int kEpilogueSmemBytes = static_cast<int>(sizeof(CollectiveEpilogue::SharedStorage));
+    kAlignment, EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Bf16, float, void, float>>::CollectiveOp;
 
-template <class LayoutA, class LayoutB>
+// Tile configurations (GemmTiles in moe_cuda.h): CTA tile, cluster, kernel and epilogue schedule. Each is a
+// plain struct with its epilogue's shared memory size as a constant: computed inside the GEMM template below,
+// nvcc's host pass emits the expanded builder type, which g++ rejects.
+//
+// A cluster of 2 CTAs along M shares (multicasts) the expert weight tile, but the grouped tile scheduler
+// rounds every expert's row tiles up to a multiple of the cluster size, and those padding tiles run the full
+// mainloop: with 128-row tiles an expert with 100 rows costs 2 row tiles of work, and one with 1025 rows 10.
+
+// 128 x 256 cooperative (both consumer warp groups on one tile), 2 x 1 cluster: the default.
+struct TilesCooperative128x256Cluster2 {
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using CollectiveEpilogue =
+      EpilogueFor<TileShape, ClusterShape, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  static constexpr int kEpilogueSmemBytes = static_cast<int>(sizeof(CollectiveEpilogue::SharedStorage));
+};
+
+// The default tile without the cluster: no weight multicast, no cluster padding of the row tiles.
+struct TilesCooperative128x256Cluster1 {
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using CollectiveEpilogue =
+      EpilogueFor<TileShape, ClusterShape, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  static constexpr int kEpilogueSmemBytes = static_cast<int>(sizeof(CollectiveEpilogue::SharedStorage));
+};
+
+// Pingpong (each consumer warp group on its own tile, one's epilogue overlapping the other's mainloop) with
+// 64-row tiles and no cluster: the finest row granularity, for few rows per expert.
+struct TilesPingpong64x256Cluster1 {
+  using TileShape = cute::Shape<cute::_64, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using CollectiveEpilogue =
+      EpilogueFor<TileShape, ClusterShape, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
+  static constexpr int kEpilogueSmemBytes = static_cast<int>(sizeof(CollectiveEpilogue::SharedStorage));
+};
+
+// Pingpong 128 x 128 with the default's 2 x 1 cluster: hides the epilogue behind the other warp group's
+// mainloop, which matters for a short contraction (h @ W_down, k = I).
+struct TilesPingpong128x128Cluster2 {
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using CollectiveEpilogue =
+      EpilogueFor<TileShape, ClusterShape, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
+  static constexpr int kEpilogueSmemBytes = static_cast<int>(sizeof(CollectiveEpilogue::SharedStorage));
+};
+
+template <class Tiles, class LayoutA, class LayoutB>
 struct Bf16GroupedGemm {
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA*, kAlignment, Bf16, LayoutB*,
-      kAlignment, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmemBytes>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      kAlignment, float, typename Tiles::TileShape, typename Tiles::ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<Tiles::kEpilogueSmemBytes>,
+      typename Tiles::KernelSchedule>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, typename Tiles::CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
@@ -178,6 +224,24 @@ Status RunGroupedGemm(const void* a, const void* b, void* d, const int32_t* offs
     return std::string("CUTLASS grouped GEMM launch failed: ") + cudaGetErrorString(cudaGetLastError());
   }
   return {};
+}
+
+// The row-grouped GEMMs of RowsGemm with a given tile configuration: B_e is [k, n] row-major (NN), or [n, k]
+// row-major, i.e. the k x n operand in column-major order (NT).
+template <class Tiles>
+Status RowsGemmNNWith(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
+                      int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream) {
+  using G = Bf16GroupedGemm<Tiles, cutlass::layout::RowMajor, cutlass::layout::RowMajor>;
+  return RunGroupedGemm<G, Grouping::kRows>(a, b, d, offsets, num_experts, 0, n, k, /*ld_a=*/k, /*ld_b=*/n,
+                                            scratch, stream);
+}
+
+template <class Tiles>
+Status RowsGemmNTWith(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
+                      int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream) {
+  using G = Bf16GroupedGemm<Tiles, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>;
+  return RunGroupedGemm<G, Grouping::kRows>(a, b, d, offsets, num_experts, 0, n, k, /*ld_a=*/k, /*ld_b=*/k,
+                                            scratch, stream);
 }
 
 }  // namespace jmm::cuda::cutlass_gemm

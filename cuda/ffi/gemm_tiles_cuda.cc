@@ -1,0 +1,94 @@
+// Parser of JMM_GEMM_TILES (grammar in jmm/gemm_tiles.h).
+#include "jmm/gemm_tiles.h"
+
+#include <algorithm>
+#include <string_view>
+
+namespace jmm {
+namespace {
+
+struct NamedTiles {
+  std::string_view name;
+  cuda::GemmTiles tiles;
+};
+
+constexpr NamedTiles kTiles[] = {
+    {"default", cuda::GemmTiles::kDefault},
+    {"coop128x256_c1", cuda::GemmTiles::kCooperative128x256Cluster1},
+    {"pp64x256_c1", cuda::GemmTiles::kPingpong64x256Cluster1},
+    {"pp128x128_c2", cuda::GemmTiles::kPingpong128x128Cluster2},
+};
+
+struct NamedGemm {
+  std::string_view name;
+  cuda::GemmTiles RowsGemmTiles::*field;
+  bool b_transposed;  // which instantiation family serves it (NT or NN)
+};
+
+constexpr NamedGemm kGemms[] = {
+    {"fwd_gate_up", &RowsGemmTiles::fwd_gate_up, false},
+    {"fwd_down", &RowsGemmTiles::fwd_down, false},
+    {"bwd_down", &RowsGemmTiles::bwd_down, true},
+    {"bwd_gate_up", &RowsGemmTiles::bwd_gate_up, true},
+};
+
+const NamedTiles* FindTiles(std::string_view name) {
+  for (const NamedTiles& t : kTiles) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+const NamedGemm* FindGemm(std::string_view name) {
+  for (const NamedGemm& g : kGemms) {
+    if (g.name == name) return &g;
+  }
+  return nullptr;
+}
+
+std::string Accepted() {
+  std::string tiles, gemms;
+  for (const NamedTiles& t : kTiles) tiles += (tiles.empty() ? "" : ", ") + std::string(t.name);
+  for (const NamedGemm& g : kGemms) gemms += (gemms.empty() ? "" : ", ") + std::string(g.name);
+  return "expected <tiles> or a comma list of <gemm>=<tiles>, with <tiles> one of " + tiles +
+         " and <gemm> one of " + gemms;
+}
+
+}  // namespace
+
+std::string ParseGemmTiles(const char* spec, RowsGemmTiles* tiles) {
+  *tiles = RowsGemmTiles{};
+  if (spec == nullptr || *spec == '\0') return {};
+  const std::string_view all(spec);
+  auto error = [&](const std::string& what) {
+    return std::string(kGemmTilesEnv) + "=\"" + spec + "\": " + what + "; " + Accepted();
+  };
+
+  if (all.find('=') == std::string_view::npos) {
+    const NamedTiles* t = FindTiles(all);
+    if (t == nullptr) return error("unknown tiles");
+    for (const NamedGemm& g : kGemms) {
+      if (cuda::RowsGemmTilesBuilt(t->tiles, g.b_transposed)) tiles->*g.field = t->tiles;
+    }
+    return {};
+  }
+
+  for (size_t start = 0; start <= all.size();) {
+    const size_t end = std::min(all.find(',', start), all.size());
+    const std::string_view entry = all.substr(start, end - start);
+    start = end + 1;
+    const size_t eq = entry.find('=');
+    if (eq == std::string_view::npos) return error("entry \"" + std::string(entry) + "\" is not <gemm>=<tiles>");
+    const NamedGemm* g = FindGemm(entry.substr(0, eq));
+    if (g == nullptr) return error("unknown GEMM \"" + std::string(entry.substr(0, eq)) + "\"");
+    const NamedTiles* t = FindTiles(entry.substr(eq + 1));
+    if (t == nullptr) return error("unknown tiles \"" + std::string(entry.substr(eq + 1)) + "\"");
+    if (!cuda::RowsGemmTilesBuilt(t->tiles, g->b_transposed)) {
+      return error(std::string(t->name) + " is not built for " + std::string(g->name));
+    }
+    tiles->*(g->field) = t->tiles;
+  }
+  return {};
+}
+
+}  // namespace jmm

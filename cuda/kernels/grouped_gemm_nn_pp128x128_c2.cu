@@ -1,0 +1,13 @@
+// bf16 row-grouped GEMM with both operands row-major (x_perm @ W_gate_up, h @ W_down),
+// tiles GemmTiles::kPingpong128x128Cluster2.
+#include "jmm/grouped_gemm_cutlass_cuda.h"
+
+namespace jmm::cuda::cutlass_gemm {
+
+Status RowsGemmNNPingpong128x128Cluster2(const void* a, const void* b, void* d, const int32_t* offsets,
+                                         int64_t num_experts, int64_t n, int64_t k, const Scratch& scratch,
+                                         cudaStream_t stream) {
+  return RowsGemmNNWith<TilesPingpong128x128Cluster2>(a, b, d, offsets, num_experts, n, k, scratch, stream);
+}
+
+}  // namespace jmm::cuda::cutlass_gemm
