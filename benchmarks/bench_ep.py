@@ -230,6 +230,9 @@ def main():
     print_table(rows)
     ep_rows = [r for r in rows if r["impl"] != "moe_ffn"]
     failed = [r for r in ep_rows if "error" in r]
+    # The target is for one device, where the difference is pure overhead; with several (or emulated) shards
+    # the ratio also holds the transfers, or eight small problems run in turn: reported, not judged.
+    target = TARGET_OVERHEAD if opts.ep == 1 and opts.emulate is None else None
     result = {
         "benchmark": "moe_ffn_ep overhead vs moe_ffn",
         "device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": git_commit(),
@@ -239,16 +242,17 @@ def main():
                        name=opts.config, dtype="bfloat16", ep=opts.ep, emulated_shards=opts.emulate,
                        backend=",".join(opts.backend),
                        backends=opts.backend),
-        "target_overhead": TARGET_OVERHEAD,
-        "meets_target": not failed and all(r["forward_overhead"] <= TARGET_OVERHEAD and
-                                           r["forward_backward_overhead"] <= TARGET_OVERHEAD for r in ep_rows),
+        "target_overhead": target,
+        "meets_target": None if target is None else not failed and all(
+            r["forward_overhead"] <= target and r["forward_backward_overhead"] <= target for r in ep_rows),
         "failed_backends": sorted({r["backend"] for r in failed}),
         "rows": rows,
     }
     with open(opts.json_path, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"wrote {opts.json_path}; overhead target <= {TARGET_OVERHEAD:.0%}: "
-          f"{'met' if result['meets_target'] else 'NOT met'}")
+    verdict = "" if target is None else (
+        f"; overhead target <= {target:.0%}: {'met' if result['meets_target'] else 'NOT met'}")
+    print(f"wrote {opts.json_path}{verdict}")
     if failed:
         raise SystemExit(f"backends failed: {', '.join(result['failed_backends'])} (errors in the table and JSON)")
 
