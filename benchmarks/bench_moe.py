@@ -5,7 +5,7 @@ stable sort + torch._grouped_mm + index_add scatter), `ragged_dot` (sort + jax.l
 `gshard` (capacity-factor-1.0 dispatch/combine einsums), `tokamax` (tokamax.ragged_dot, only if importable),
 and `ours_tiles_<spec>`: `ours` with the environment variable JMM_GEMM_TILES=<spec> ('+' standing for ',',
 grammar in cuda/include/jmm/gemm_tiles.h), e.g. `ours_tiles_default,ours_tiles_pp64x256_c1,
-ours_tiles_fwd_down=pp128x128_c2+bwd_down=coop128x256_c1` to compare GEMM tile configurations in one run.
+ours_tiles_fwd_down=coop128x256_c2+bwd_down=coop128x256_c1` to compare GEMM tile configurations in one run.
 Configs (bf16, router excluded): q30 (T=16384, H=2048, I=768, E=128, K=8), q235 (H=4096, I=1536), q30s
 (T=2048); uniform and Zipf-skewed routing. Reports forward and forward+backward time (median over samples
 of back-to-back calls, after warm-up; each sample is synchronised once, so the time is device time whenever

@@ -61,8 +61,8 @@ def test_bench_ep_backend_list():
 def test_bench_moe_tiles_impl_names_give_the_gemm_tiles_variable():
     assert bench_moe.gemm_tiles_spec("ours") is None
     assert bench_moe.gemm_tiles_spec("ours_tiles_pp64x256_c1") == "pp64x256_c1"
-    assert (bench_moe.gemm_tiles_spec("ours_tiles_fwd_down=pp128x128_c2+bwd_down=default")
-            == "fwd_down=pp128x128_c2,bwd_down=default")
+    assert (bench_moe.gemm_tiles_spec("ours_tiles_fwd_down=coop128x256_c2+bwd_down=default")
+            == "fwd_down=coop128x256_c2,bwd_down=default")
     with pytest.raises(ValueError, match="empty value"):
         bench_moe.gemm_tiles_spec("ours_tiles_")
 

@@ -26,13 +26,13 @@ pytestmark = [
 ]
 
 ENV = "JMM_GEMM_TILES"
-# Each configuration on every row-grouped GEMM that has it, then one GEMM-by-GEMM mix of all of them.
+# Each configuration on every row-grouped GEMM, then one GEMM-by-GEMM mix of all of them.
 TILE_SPECS = (
     "default",
+    "coop128x256_c2",
     "coop128x256_c1",
     "pp64x256_c1",
-    "pp128x128_c2",
-    "fwd_gate_up=pp64x256_c1,fwd_down=pp128x128_c2,bwd_down=coop128x256_c1,bwd_gate_up=pp64x256_c1",
+    "fwd_gate_up=pp64x256_c1,fwd_down=coop128x256_c2,bwd_down=default,bwd_gate_up=pp64x256_c1",
 )
 OUTPUTS = ("y", "dx", "d_weights", "d_w_gate_up", "d_w_down")
 
@@ -93,7 +93,7 @@ def test_tiles_match_reference(monkeypatch, case_name, spec):
 @pytest.mark.parametrize("spec, message", [
     ("bogus", "unknown tiles"),
     ("fwd_down=pp64x256_c1,bwd_up=default", 'unknown GEMM "bwd_up"'),
-    ("bwd_down=pp128x128_c2", "pp128x128_c2 is not built for bwd_down"),
+    ("bwd_down=pp128x128_c2", 'unknown tiles "pp128x128_c2"'),
 ])
 def test_bad_tile_spec_is_a_clear_error(monkeypatch, spec, message):
     args, dy, _ = problem_and_reference("ragged_contraction")

@@ -2,6 +2,7 @@
 #include "jmm/gemm_tiles.h"
 
 #include <algorithm>
+#include <optional>
 #include <string_view>
 
 namespace jmm {
@@ -13,30 +14,30 @@ struct NamedTiles {
 };
 
 constexpr NamedTiles kTiles[] = {
-    {"default", cuda::GemmTiles::kDefault},
+    {"coop128x256_c2", cuda::GemmTiles::kCooperative128x256Cluster2},
     {"coop128x256_c1", cuda::GemmTiles::kCooperative128x256Cluster1},
     {"pp64x256_c1", cuda::GemmTiles::kPingpong64x256Cluster1},
-    {"pp128x128_c2", cuda::GemmTiles::kPingpong128x128Cluster2},
 };
 
 struct NamedGemm {
   std::string_view name;
   cuda::GemmTiles RowsGemmTiles::*field;
-  bool b_transposed;  // which instantiation family serves it (NT or NN)
 };
 
 constexpr NamedGemm kGemms[] = {
-    {"fwd_gate_up", &RowsGemmTiles::fwd_gate_up, false},
-    {"fwd_down", &RowsGemmTiles::fwd_down, false},
-    {"bwd_down", &RowsGemmTiles::bwd_down, true},
-    {"bwd_gate_up", &RowsGemmTiles::bwd_gate_up, true},
+    {"fwd_gate_up", &RowsGemmTiles::fwd_gate_up},
+    {"fwd_down", &RowsGemmTiles::fwd_down},
+    {"bwd_down", &RowsGemmTiles::bwd_down},
+    {"bwd_gate_up", &RowsGemmTiles::bwd_gate_up},
 };
 
-const NamedTiles* FindTiles(std::string_view name) {
+// The tiles called `name` for `gemm` ("default": that GEMM's default), or nothing for an unknown name.
+std::optional<cuda::GemmTiles> FindTiles(std::string_view name, const NamedGemm& gemm) {
+  if (name == "default") return RowsGemmTiles{}.*gemm.field;
   for (const NamedTiles& t : kTiles) {
-    if (t.name == name) return &t;
+    if (t.name == name) return t.tiles;
   }
-  return nullptr;
+  return std::nullopt;
 }
 
 const NamedGemm* FindGemm(std::string_view name) {
@@ -47,8 +48,8 @@ const NamedGemm* FindGemm(std::string_view name) {
 }
 
 std::string Accepted() {
-  std::string tiles, gemms;
-  for (const NamedTiles& t : kTiles) tiles += (tiles.empty() ? "" : ", ") + std::string(t.name);
+  std::string tiles = "default", gemms;
+  for (const NamedTiles& t : kTiles) tiles += ", " + std::string(t.name);
   for (const NamedGemm& g : kGemms) gemms += (gemms.empty() ? "" : ", ") + std::string(g.name);
   return "expected <tiles> or a comma list of <gemm>=<tiles>, with <tiles> one of " + tiles +
          " and <gemm> one of " + gemms;
@@ -65,10 +66,10 @@ std::string ParseGemmTiles(const char* spec, RowsGemmTiles* tiles) {
   };
 
   if (all.find('=') == std::string_view::npos) {
-    const NamedTiles* t = FindTiles(all);
-    if (t == nullptr) return error("unknown tiles");
     for (const NamedGemm& g : kGemms) {
-      if (cuda::RowsGemmTilesBuilt(t->tiles, g.b_transposed)) tiles->*g.field = t->tiles;
+      const std::optional<cuda::GemmTiles> t = FindTiles(all, g);
+      if (!t) return error("unknown tiles");
+      tiles->*g.field = *t;
     }
     return {};
   }
@@ -81,12 +82,9 @@ std::string ParseGemmTiles(const char* spec, RowsGemmTiles* tiles) {
     if (eq == std::string_view::npos) return error("entry \"" + std::string(entry) + "\" is not <gemm>=<tiles>");
     const NamedGemm* g = FindGemm(entry.substr(0, eq));
     if (g == nullptr) return error("unknown GEMM \"" + std::string(entry.substr(0, eq)) + "\"");
-    const NamedTiles* t = FindTiles(entry.substr(eq + 1));
-    if (t == nullptr) return error("unknown tiles \"" + std::string(entry.substr(eq + 1)) + "\"");
-    if (!cuda::RowsGemmTilesBuilt(t->tiles, g->b_transposed)) {
-      return error(std::string(t->name) + " is not built for " + std::string(g->name));
-    }
-    tiles->*(g->field) = t->tiles;
+    const std::optional<cuda::GemmTiles> t = FindTiles(entry.substr(eq + 1), *g);
+    if (!t) return error("unknown tiles \"" + std::string(entry.substr(eq + 1)) + "\"");
+    tiles->*(g->field) = *t;
   }
   return {};
 }

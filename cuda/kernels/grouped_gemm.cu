@@ -166,10 +166,10 @@ using CutlassRowsGemm = Status (*)(const void* a, const void* b, void* d, const 
                                    int64_t num_experts, int64_t n, int64_t k, const Scratch& scratch,
                                    cudaStream_t stream);
 
-// The instantiation for (tiles, layout of B_e), or null where none is built.
+// The instantiation for (tiles, layout of B_e); null only for a value outside the enum.
 CutlassRowsGemm FindRowsGemm(GemmTiles tiles, bool b_transposed) {
   switch (tiles) {
-    case GemmTiles::kDefault:
+    case GemmTiles::kCooperative128x256Cluster2:
       return b_transposed ? cutlass_gemm::RowsGemmNT : cutlass_gemm::RowsGemmNN;
     case GemmTiles::kCooperative128x256Cluster1:
       return b_transposed ? cutlass_gemm::RowsGemmNTCooperative128x256Cluster1
@@ -177,15 +177,11 @@ CutlassRowsGemm FindRowsGemm(GemmTiles tiles, bool b_transposed) {
     case GemmTiles::kPingpong64x256Cluster1:
       return b_transposed ? cutlass_gemm::RowsGemmNTPingpong64x256Cluster1
                           : cutlass_gemm::RowsGemmNNPingpong64x256Cluster1;
-    case GemmTiles::kPingpong128x128Cluster2:
-      return b_transposed ? nullptr : cutlass_gemm::RowsGemmNNPingpong128x128Cluster2;
   }
   return nullptr;
 }
 
 }  // namespace
-
-bool RowsGemmTilesBuilt(GemmTiles tiles, bool b_transposed) { return FindRowsGemm(tiles, b_transposed) != nullptr; }
 
 bool UseTensorCores(Dtype dtype, int64_t hidden, int64_t intermediate) {
   return dtype == Dtype::kBFloat16 && hidden % 8 == 0 && intermediate % 8 == 0;
@@ -197,7 +193,7 @@ Status RowsGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, vo
   if (rows == 0 || n == 0) return {};
   if (tensor_cores) {
     const CutlassRowsGemm gemm = FindRowsGemm(tiles, b_transposed);
-    if (gemm == nullptr) return "the requested GEMM tiles are not built for this operand layout";
+    if (gemm == nullptr) return "unknown GEMM tiles";
     return gemm(a, b, d, expert_offsets, num_experts, n, k, scratch, stream);
   }
   if (dtype == Dtype::kBFloat16) {

@@ -3,13 +3,13 @@
 // one compiled program) can compare configurations: benchmarks/bench_moe.py's ours_tiles_* implementations,
 // tests/test_gemm_tiles_gpu.py.
 //
-//   unset, "" or "default"   every GEMM uses the default tiles
-//   "<tiles>"                every row-grouped GEMM built with <tiles> uses them, the others the default
-//   "<gemm>=<tiles>,..."     the GEMMs listed use the tiles given, the others the default
+//   unset, "" or "default"   every GEMM uses its default tiles (RowsGemmTiles below)
+//   "<tiles>"                every row-grouped GEMM uses <tiles>
+//   "<gemm>=<tiles>,..."     the GEMMs listed use the tiles given, the others their default
 // <gemm>: fwd_gate_up (x @ W_gate_up), fwd_down (h @ W_down), bwd_down (dy @ W_down^T),
-//         bwd_gate_up (dz @ W_gate_up^T); the weight-gradient GEMMs always use the default tiles.
-// <tiles>: default, coop128x256_c1, pp64x256_c1, pp128x128_c2 (GemmTiles in jmm/moe_cuda.h, in that order;
-//          pp128x128_c2 only for the forward GEMMs, whose expert weights are not transposed).
+//         bwd_gate_up (dz @ W_gate_up^T); the weight-gradient GEMMs always use coop128x256_c2.
+// <tiles>: default, coop128x256_c2, coop128x256_c1, pp64x256_c1 (GemmTiles in jmm/moe_cuda.h, in that order;
+//          coop128x256_c2 was every GEMM's default until 2026-11-29).
 #pragma once
 
 #include <string>
@@ -20,12 +20,13 @@ namespace jmm {
 
 inline constexpr char kGemmTilesEnv[] = "JMM_GEMM_TILES";
 
-// The tiles of each row-grouped GEMM of one forward and backward.
+// The tiles of each row-grouped GEMM of one forward and backward; the initialisers are the defaults (no
+// cluster: its row-tile padding cost more than its weight multicast saved, benchmarks/RESULTS.md).
 struct RowsGemmTiles {
-  cuda::GemmTiles fwd_gate_up = cuda::GemmTiles::kDefault;
-  cuda::GemmTiles fwd_down = cuda::GemmTiles::kDefault;
-  cuda::GemmTiles bwd_down = cuda::GemmTiles::kDefault;
-  cuda::GemmTiles bwd_gate_up = cuda::GemmTiles::kDefault;
+  cuda::GemmTiles fwd_gate_up = cuda::GemmTiles::kCooperative128x256Cluster1;
+  cuda::GemmTiles fwd_down = cuda::GemmTiles::kCooperative128x256Cluster1;
+  cuda::GemmTiles bwd_down = cuda::GemmTiles::kCooperative128x256Cluster1;
+  cuda::GemmTiles bwd_gate_up = cuda::GemmTiles::kCooperative128x256Cluster1;
 };
 
 // Parses a JMM_GEMM_TILES value (null: unset) into `tiles`. Returns an empty string, or a message naming the

@@ -63,15 +63,13 @@ template <int kM, int kN, int kClusterM>
 using PingpongTiles = TilesOf<kM, kN, kClusterM, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                               cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
 
-// 128 x 256 x 64 with a 2 x 1 cluster: the default.
+// 128 x 256 x 64 with a 2 x 1 cluster: the weight GEMMs' tiles.
 using TilesCooperative128x256Cluster2 = CooperativeTiles<128, 256, 2>;
-// The same without the cluster: no weight multicast, no cluster padding of the row tiles.
+// The same without the cluster: no weight multicast, no cluster padding of the row tiles; the row GEMMs'
+// default (measured 4-12% faster at q30 and q30s on an H200, RESULTS.md 2026-11-29).
 using TilesCooperative128x256Cluster1 = CooperativeTiles<128, 256, 1>;
 // 64-row tiles and no cluster: the finest row granularity, for few rows per expert.
 using TilesPingpong64x256Cluster1 = PingpongTiles<64, 256, 1>;
-// 128 x 128 with the default's 2 x 1 cluster: hides the epilogue behind the other warp group's mainloop, which
-// matters for a short contraction (h @ W_down, k = I).
-using TilesPingpong128x128Cluster2 = PingpongTiles<128, 128, 2>;
 
 template <class Tiles, class LayoutA, class LayoutB>
 struct Bf16GroupedGemm {

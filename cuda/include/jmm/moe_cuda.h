@@ -58,18 +58,14 @@ Status ZeroEmptyExperts(Dtype dtype, const int32_t* expert_offsets, int64_t num_
 // Tensor-core (CUTLASS sm90) grouped GEMMs need bf16 and 16-byte aligned rows; otherwise the SIMT path.
 bool UseTensorCores(Dtype dtype, int64_t hidden, int64_t intermediate);
 
-// Tile configurations of the tensor-core row-grouped GEMMs (see grouped_gemm_cutlass_cuda.h), chosen per GEMM
-// at run time (JMM_GEMM_TILES, jmm/gemm_tiles.h). kDefault exists for both B layouts; the others only where
-// RowsGemmTilesBuilt says so. The SIMT path ignores the choice.
+// Tile configurations of the tensor-core row-grouped GEMMs (see grouped_gemm_cutlass_cuda.h), each built for
+// both B layouts and chosen per GEMM at run time (JMM_GEMM_TILES; the defaults are in jmm/gemm_tiles.h). The
+// SIMT path ignores the choice.
 enum class GemmTiles {
-  kDefault,                     // cooperative 128 x 256 x 64, 2 x 1 cluster
+  kCooperative128x256Cluster2,  // cooperative 128 x 256 x 64, 2 x 1 cluster (the weight GEMMs' tiles too)
   kCooperative128x256Cluster1,  // the same without the cluster (no cluster padding of row tiles)
   kPingpong64x256Cluster1,      // pingpong, 64-row tiles, no cluster
-  kPingpong128x128Cluster2,     // pingpong 128 x 128 x 64, 2 x 1 cluster; row-major B only
 };
-
-// Whether `tiles` is instantiated for the row-grouped GEMM with row-major (false) or transposed (true) B_e.
-bool RowsGemmTilesBuilt(GemmTiles tiles, bool b_transposed);
 
 // Row-grouped GEMM: d[rows of e] = a[rows of e] @ B_e, a [rows, k], d [rows, n].
 // B_e = b + e*k*n holds [k, n] row-major, or [n, k] row-major when `b_transposed`. `tiles` picks the CUTLASS
@@ -85,7 +81,8 @@ Status WeightGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, 
                   const Scratch& scratch, cudaStream_t stream);
 
 // The CUTLASS instantiations behind RowsGemm / WeightGemm for bf16, one per .cu (grouped_gemm_*.cu): NN has
-// row-major B_e, NT transposed B_e; the unsuffixed ones use GemmTiles::kDefault, the others the tiles named.
+// row-major B_e, NT transposed B_e; the unsuffixed ones use GemmTiles::kCooperative128x256Cluster2, the others
+// the tiles named.
 namespace cutlass_gemm {
 Status RowsGemmNN(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
                   int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream);
@@ -95,9 +92,6 @@ Status RowsGemmNNCooperative128x256Cluster1(const void* a, const void* b, void* 
 Status RowsGemmNNPingpong64x256Cluster1(const void* a, const void* b, void* d, const int32_t* offsets,
                                         int64_t num_experts, int64_t n, int64_t k, const Scratch& scratch,
                                         cudaStream_t stream);
-Status RowsGemmNNPingpong128x128Cluster2(const void* a, const void* b, void* d, const int32_t* offsets,
-                                         int64_t num_experts, int64_t n, int64_t k, const Scratch& scratch,
-                                         cudaStream_t stream);
 Status RowsGemmNT(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
                   int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream);
 Status RowsGemmNTCooperative128x256Cluster1(const void* a, const void* b, void* d, const int32_t* offsets,
