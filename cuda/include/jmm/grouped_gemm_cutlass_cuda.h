@@ -38,55 +38,40 @@ using EpilogueFor = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignment, Bf16, LayoutD*,
     kAlignment, EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Bf16, float, void, float>>::CollectiveOp;
 
-// Tile configurations (GemmTiles in moe_cuda.h): CTA tile, cluster, kernel and epilogue schedule. Each is a
-// plain struct with its epilogue's shared memory size as a constant: computed inside the GEMM template below,
-// nvcc's host pass emits the expanded builder type, which g++ rejects.
+// Tile configurations (GemmTiles in moe_cuda.h): CTA tile, cluster, kernel and epilogue schedule, with the
+// epilogue's shared memory size as a constant of this class (computed inside the GEMM template below instead,
+// nvcc's host pass emits the expanded builder type, which g++ rejects).
 //
 // A cluster of 2 CTAs along M shares (multicasts) the expert weight tile, but the grouped tile scheduler
 // rounds every expert's row tiles up to a multiple of the cluster size, and those padding tiles run the full
 // mainloop: with 128-row tiles an expert with 100 rows costs 2 row tiles of work, and one with 1025 rows 10.
-
-// 128 x 256 cooperative (both consumer warp groups on one tile), 2 x 1 cluster: the default.
-struct TilesCooperative128x256Cluster2 {
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using CollectiveEpilogue =
-      EpilogueFor<TileShape, ClusterShape, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  static constexpr int kEpilogueSmemBytes = static_cast<int>(sizeof(CollectiveEpilogue::SharedStorage));
+template <int kM, int kN, int kClusterM, class KernelSchedule_, class EpilogueSchedule>
+struct TilesOf {
+  using TileShape = cute::Shape<cute::Int<kM>, cute::Int<kN>, cute::_64>;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
+  using KernelSchedule = KernelSchedule_;
+  using CollectiveEpilogue = EpilogueFor<TileShape, ClusterShape, EpilogueSchedule>;
+  static constexpr int kEpilogueSmemBytes = static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage));
 };
 
-// The default tile without the cluster: no weight multicast, no cluster padding of the row tiles.
-struct TilesCooperative128x256Cluster1 {
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using CollectiveEpilogue =
-      EpilogueFor<TileShape, ClusterShape, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  static constexpr int kEpilogueSmemBytes = static_cast<int>(sizeof(CollectiveEpilogue::SharedStorage));
-};
+// Cooperative: both consumer warp groups on one tile. Pingpong: each consumer warp group on its own tile, one's
+// epilogue overlapping the other's mainloop.
+template <int kM, int kN, int kClusterM>
+using CooperativeTiles = TilesOf<kM, kN, kClusterM, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+template <int kM, int kN, int kClusterM>
+using PingpongTiles = TilesOf<kM, kN, kClusterM, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                              cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
 
-// Pingpong (each consumer warp group on its own tile, one's epilogue overlapping the other's mainloop) with
+// 128 x 256 x 64 with a 2 x 1 cluster: the default.
+using TilesCooperative128x256Cluster2 = CooperativeTiles<128, 256, 2>;
+// The same without the cluster: no weight multicast, no cluster padding of the row tiles.
+using TilesCooperative128x256Cluster1 = CooperativeTiles<128, 256, 1>;
 // 64-row tiles and no cluster: the finest row granularity, for few rows per expert.
-struct TilesPingpong64x256Cluster1 {
-  using TileShape = cute::Shape<cute::_64, cute::_256, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using CollectiveEpilogue =
-      EpilogueFor<TileShape, ClusterShape, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
-  static constexpr int kEpilogueSmemBytes = static_cast<int>(sizeof(CollectiveEpilogue::SharedStorage));
-};
-
-// Pingpong 128 x 128 with the default's 2 x 1 cluster: hides the epilogue behind the other warp group's
-// mainloop, which matters for a short contraction (h @ W_down, k = I).
-struct TilesPingpong128x128Cluster2 {
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using CollectiveEpilogue =
-      EpilogueFor<TileShape, ClusterShape, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
-  static constexpr int kEpilogueSmemBytes = static_cast<int>(sizeof(CollectiveEpilogue::SharedStorage));
-};
+using TilesPingpong64x256Cluster1 = PingpongTiles<64, 256, 1>;
+// 128 x 128 with the default's 2 x 1 cluster: hides the epilogue behind the other warp group's mainloop, which
+// matters for a short contraction (h @ W_down, k = I).
+using TilesPingpong128x128Cluster2 = PingpongTiles<128, 128, 2>;
 
 template <class Tiles, class LayoutA, class LayoutB>
 struct Bf16GroupedGemm {
