@@ -4,8 +4,8 @@
 // (command buffer) compatibility.
 //
 // Forward:  gather x rows -> gate_up = x_perm @ W_gu -> h = swiglu -> out = h @ W_d -> y = weighted combine.
-// Backward: gather dy and w*dy rows -> g = dy @ W_d^T -> swiglu backward (h, dz, d_weights)
-//           -> dx rows = dz @ W_gu^T -> dx = combine; d_W_gu = x_perm^T dz, d_W_d = h^T (w*dy) per expert.
+// Backward: gather dy rows -> g = dy @ W_d^T -> swiglu backward (w*h, dz, d_weights) -> d_W_d = (w*h)^T dy
+//           -> dx rows = dz @ W_gu^T -> dx = combine; d_W_gu = x_perm^T dz per expert.
 // The row-grouped GEMMs' tile configuration comes from JMM_GEMM_TILES, read on every call (jmm/gemm_tiles.h).
 #include <cuda_runtime.h>
 
@@ -92,7 +92,7 @@ ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
   void* row_out = x_perm;
 
   JMM_CUDA_TRY("forward gather", cuda::GatherRows(dtype, x.untyped_data(), H, pair_of_row.typed_data(), offsets,
-                                                  E, rows, d.top_k, x_perm, nullptr, nullptr, stream));
+                                                  E, rows, d.top_k, x_perm, stream));
   JMM_CUDA_TRY("forward gate_up GEMM", cuda::RowsGemm(dtype, tc, x_perm, w_gate_up.untyped_data(),
                                                       gate_up->untyped_data(), offsets, E, rows, 2 * I, H,
                                                       /*b_transposed=*/false, tiles.fwd_gate_up, alloc, stream));
@@ -130,22 +130,25 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
   cuda::Scratch alloc = ScratchFrom(scratch);
   const size_t bytes = ElementBytes(dtype);
 
-  // `rows_h` holds gathered dy, then the per-row dx, then gathered x (each dead before the next).
+  // `rows_h` holds gathered dy (until the d_W_down GEMM), then the per-row dx, then gathered x (each dead
+  // before the next). The routing weight goes into h (rows x I), not into a second copy of dy (rows x H).
   void* rows_h = alloc(rows * H * bytes);
-  void* wdy = alloc(rows * H * bytes);
   void* g = alloc(rows * I * bytes);
-  void* h = alloc(rows * I * bytes);
+  void* weighted_h = alloc(rows * I * bytes);
   void* dz = alloc(rows * 2 * I * bytes);
-  if (!rows_h || !wdy || !g || !h || !dz) return Internal("backward", "out of scratch memory");
+  if (!rows_h || !g || !weighted_h || !dz) return Internal("backward", "out of scratch memory");
 
-  JMM_CUDA_TRY("backward gather dy and w*dy",
-               cuda::GatherRows(dtype, dy.untyped_data(), H, pairs, offsets, E, rows, K, rows_h, w, wdy, stream));
+  JMM_CUDA_TRY("backward gather dy",
+               cuda::GatherRows(dtype, dy.untyped_data(), H, pairs, offsets, E, rows, K, rows_h, stream));
   JMM_CUDA_TRY("backward dy @ W_down^T GEMM", cuda::RowsGemm(dtype, tc, rows_h, w_down.untyped_data(), g,
                                                              offsets, E, rows, I, H, /*b_transposed=*/true,
                                                              tiles.bwd_down, alloc, stream));
   JMM_CUDA_TRY("backward swiglu",
                cuda::SwigluBackward(dtype, gate_up.untyped_data(), g, w, pairs, row_of_pair.typed_data(), offsets,
-                                    E, rows, I, h, dz, static_cast<float*>(d_weights->untyped_data()), stream));
+                                    E, rows, I, weighted_h, dz, static_cast<float*>(d_weights->untyped_data()),
+                                    stream));
+  JMM_CUDA_TRY("backward d_w_down GEMM", cuda::WeightGemm(dtype, tc, weighted_h, rows_h, d_w_down->untyped_data(),
+                                                          offsets, E, rows, I, H, alloc, stream));
   JMM_CUDA_TRY("backward dz @ W_gate_up^T GEMM", cuda::RowsGemm(dtype, tc, dz, w_gate_up.untyped_data(), rows_h,
                                                                 offsets, E, rows, H, 2 * I,
                                                                 /*b_transposed=*/true, tiles.bwd_gate_up, alloc,
@@ -153,12 +156,9 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
   JMM_CUDA_TRY("backward dx combine", cuda::CombineRows(dtype, rows_h, row_of_pair.typed_data(), nullptr,
                                                         d.tokens, K, H, dx->untyped_data(), stream));
   JMM_CUDA_TRY("backward gather x",
-               cuda::GatherRows(dtype, x.untyped_data(), H, pairs, offsets, E, rows, K, rows_h, nullptr, nullptr,
-                                stream));
+               cuda::GatherRows(dtype, x.untyped_data(), H, pairs, offsets, E, rows, K, rows_h, stream));
   JMM_CUDA_TRY("backward d_w_gate_up GEMM", cuda::WeightGemm(dtype, tc, rows_h, dz, d_w_gate_up->untyped_data(),
                                                              offsets, E, rows, H, 2 * I, alloc, stream));
-  JMM_CUDA_TRY("backward d_w_down GEMM", cuda::WeightGemm(dtype, tc, h, wdy, d_w_down->untyped_data(), offsets,
-                                                          E, rows, I, H, alloc, stream));
   return ffi::Error::Success();
 }
 

@@ -45,26 +45,15 @@ Status LaunchStatus(const char* what) {
   return {};
 }
 
-// One read of each source row feeds both outputs: the plain copy and the copy scaled by the pair's weight.
-template <typename T, int V, bool kPlain, bool kScaled>
+template <typename T, int V>
 __global__ void GatherRowsKernel(const T* src, int64_t width, const int32_t* pair_of_row,
-                                 const int32_t* kept_rows, int top_k, T* dst, const float* scale, T* dst_scaled) {
+                                 const int32_t* kept_rows, int top_k, T* dst) {
   const int64_t r = blockIdx.x;
   if (r >= *kept_rows) return;
   const int32_t pair = pair_of_row[r];
   const auto* in = reinterpret_cast<const Vec<T, V>*>(src + static_cast<int64_t>(pair / top_k) * width);
   auto* out = reinterpret_cast<Vec<T, V>*>(dst + r * width);
-  auto* out_scaled = reinterpret_cast<Vec<T, V>*>(dst_scaled + r * width);
-  const float w = kScaled ? scale[pair] : 1.0f;
-  for (int64_t i = threadIdx.x; i < width / V; i += blockDim.x) {
-    Vec<T, V> v = in[i];
-    if constexpr (kPlain) out[i] = v;
-    if constexpr (kScaled) {
-#pragma unroll
-      for (int j = 0; j < V; ++j) v.v[j] = FromFloat<T>(w * ToFloat(v.v[j]));
-      out_scaled[i] = v;
-    }
-  }
+  for (int64_t i = threadIdx.x; i < width / V; i += blockDim.x) out[i] = in[i];
 }
 
 template <typename T, int V>
@@ -140,7 +129,7 @@ template <typename T, int V>
 __global__ void __launch_bounds__(kBackwardThreads) SwigluBackwardKernel(
     const T* __restrict__ gate_up, const T* __restrict__ g, const float* __restrict__ weights,
     const int32_t* __restrict__ pair_of_row, const int32_t* __restrict__ kept_rows, int64_t intermediate,
-    T* __restrict__ h, T* __restrict__ dz, float* __restrict__ d_weights) {
+    T* __restrict__ weighted_h, T* __restrict__ dz, float* __restrict__ d_weights) {
   const int lane = threadIdx.x % 32;
   const int64_t kept = *kept_rows;
   const int64_t n = intermediate / V;
@@ -154,7 +143,7 @@ __global__ void __launch_bounds__(kBackwardThreads) SwigluBackwardKernel(
     const int32_t next_pair = r + warps < kept ? pair_of_row[r + warps] : 0;
     const auto* z = reinterpret_cast<const Vec<T, V>*>(gate_up + r * 2 * intermediate);
     const auto* grad_row = reinterpret_cast<const Vec<T, V>*>(g + r * intermediate);
-    auto* h_row = reinterpret_cast<Vec<T, V>*>(h + r * intermediate);
+    auto* weighted_h_row = reinterpret_cast<Vec<T, V>*>(weighted_h + r * intermediate);
     auto* dz_row = reinterpret_cast<Vec<T, V>*>(dz + r * 2 * intermediate);
     float dw[kSumGroups] = {};  // dw[s]: the running sum of summation thread 32 * s + lane
     for (int64_t base = 0; base < n; base += kSumThreads) {
@@ -175,19 +164,19 @@ __global__ void __launch_bounds__(kBackwardThreads) SwigluBackwardKernel(
         for (int b = 0; b < kLoadBatch; ++b) {
           const int64_t i = base + 32 * (s0 + b) + lane;
           if (i >= n) break;
-          Vec<T, V> act_out, dgate, dup;
+          Vec<T, V> weighted_act, dgate, dup;
 #pragma unroll
           for (int j = 0; j < V; ++j) {
             const float zg = ToFloat(gate[b].v[j]), zu = ToFloat(up[b].v[j]), gr = ToFloat(grad[b].v[j]);
             const float sig = Sigmoid(zg), silu = zg * sig;
             const float act = Round<T>(silu * zu);
-            act_out.v[j] = FromFloat<T>(act);
+            weighted_act.v[j] = FromFloat<T>(w * act);
             dw[s0 + b] += gr * act;
             const float dact = w * gr;
             dgate.v[j] = FromFloat<T>(dact * zu * sig * (1.0f + zg * (1.0f - sig)));
             dup.v[j] = FromFloat<T>(dact * silu);
           }
-          h_row[i] = act_out;
+          weighted_h_row[i] = weighted_act;
           dz_row[i] = dgate;
           dz_row[n + i] = dup;
         }
@@ -244,26 +233,14 @@ Status WithType(Dtype dtype, Fn&& fn) {
 
 Status GatherRows(Dtype dtype, const void* src, int64_t width, const int32_t* pair_of_row,
                   const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t top_k, void* dst,
-                  const float* scale, void* dst_scaled, cudaStream_t stream) {
+                  cudaStream_t stream) {
   if (rows == 0) return {};
   return WithType(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     return WithVectorWidth<T>(width, [&](auto v) {
       constexpr int V = decltype(v)::value;
-      const T* s = static_cast<const T*>(src);
-      T* d = static_cast<T*>(dst);
-      T* ds = static_cast<T*>(dst_scaled);
-      const int32_t* kept = expert_offsets + num_experts;
-      if (d && scale) {
-        GatherRowsKernel<T, V, true, true><<<rows, 128, 0, stream>>>(s, width, pair_of_row, kept, top_k, d, scale,
-                                                                    ds);
-      } else if (scale) {
-        GatherRowsKernel<T, V, false, true><<<rows, 128, 0, stream>>>(s, width, pair_of_row, kept, top_k, d,
-                                                                     scale, ds);
-      } else {
-        GatherRowsKernel<T, V, true, false><<<rows, 128, 0, stream>>>(s, width, pair_of_row, kept, top_k, d,
-                                                                     scale, ds);
-      }
+      GatherRowsKernel<T, V><<<rows, 128, 0, stream>>>(static_cast<const T*>(src), width, pair_of_row,
+                                                       expert_offsets + num_experts, top_k, static_cast<T*>(dst));
       return LaunchStatus("gather rows");
     });
   });
@@ -300,7 +277,7 @@ Status CombineRows(Dtype dtype, const void* row_values, const int32_t* row_of_pa
 
 Status SwigluBackward(Dtype dtype, const void* gate_up, const void* g, const float* weights,
                       const int32_t* pair_of_row, const int32_t* row_of_pair, const int32_t* expert_offsets,
-                      int64_t num_experts, int64_t rows, int64_t intermediate, void* h, void* dz,
+                      int64_t num_experts, int64_t rows, int64_t intermediate, void* weighted_h, void* dz,
                       float* d_weights, cudaStream_t stream) {
   if (rows == 0) return {};
   ZeroDroppedWeightsKernel<<<(rows + 255) / 256, 256, 0, stream>>>(row_of_pair, rows, d_weights);
@@ -317,7 +294,7 @@ Status SwigluBackward(Dtype dtype, const void* gate_up, const void* g, const flo
       const auto blocks = static_cast<unsigned>(std::min(resident, (rows + kBackwardWarps - 1) / kBackwardWarps));
       kernel<<<blocks, kBackwardThreads, 0, stream>>>(static_cast<const T*>(gate_up), static_cast<const T*>(g),
                                                       weights, pair_of_row, expert_offsets + num_experts,
-                                                      intermediate, static_cast<T*>(h), static_cast<T*>(dz),
+                                                      intermediate, static_cast<T*>(weighted_h), static_cast<T*>(dz),
                                                       d_weights);
       return LaunchStatus("swiglu backward");
     });

@@ -28,12 +28,10 @@ Status SortPairsByExpert(const int32_t* experts, int64_t num_pairs, int64_t num_
                          int32_t* row_of_pair, int32_t* pair_of_row, int32_t* expert_offsets,
                          const Scratch& scratch, cudaStream_t stream);
 
-// dst[r] = src[pair_of_row[r] / top_k] for every kept row r, and with `scale`, dst_scaled[r] = that copy
-// times scale[pair_of_row[r]], rounded to the storage type. One read of src feeds both; dst may be null
-// when only the scaled copy is wanted.
+// dst[r] = src[pair_of_row[r] / top_k] for every kept row r.
 Status GatherRows(Dtype dtype, const void* src, int64_t width, const int32_t* pair_of_row,
                   const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t top_k, void* dst,
-                  const float* scale, void* dst_scaled, cudaStream_t stream);
+                  cudaStream_t stream);
 
 // h[r] = round(silu(gate) * up) for kept rows; gate_up rows past the kept ones are set to zero.
 Status SwigluForward(Dtype dtype, void* gate_up, void* h, const int32_t* expert_offsets,
@@ -43,12 +41,13 @@ Status SwigluForward(Dtype dtype, void* gate_up, void* h, const int32_t* expert_
 Status CombineRows(Dtype dtype, const void* row_values, const int32_t* row_of_pair, const float* weights,
                    int64_t tokens, int64_t top_k, int64_t width, void* out, cudaStream_t stream);
 
-// The SwiGLU backward of kept rows, given g = dy @ W_down^T (row r in row order):
-//   h = round(silu(zg) * zu); d_weights[pair] = <g, h>; dz = round(w * g * d(silu(zg) * zu)).
-// d_weights of dropped pairs is set to zero.
+// The SwiGLU backward of kept rows, given g = dy @ W_down^T (row r in row order), with h = round(silu(zg) * zu):
+//   weighted_h = round(w * h); d_weights[pair] = <g, h>; dz = round(w * g * d(silu(zg) * zu)).
+// weighted_h feeds d_W_down = weighted_h^T dy, so no copy of w * dy is needed. d_weights of dropped pairs is
+// set to zero.
 Status SwigluBackward(Dtype dtype, const void* gate_up, const void* g, const float* weights,
                       const int32_t* pair_of_row, const int32_t* row_of_pair, const int32_t* expert_offsets,
-                      int64_t num_experts, int64_t rows, int64_t intermediate, void* h, void* dz,
+                      int64_t num_experts, int64_t rows, int64_t intermediate, void* weighted_h, void* dz,
                       float* d_weights, cudaStream_t stream);
 
 // Zeroes the `per_expert` elements of expert e in `w` for every expert without rows.
