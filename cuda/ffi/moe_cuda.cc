@@ -131,12 +131,13 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
   const size_t bytes = ElementBytes(dtype);
 
   // `rows_h` holds gathered dy (until the d_W_down GEMM), then the per-row dx, then gathered x (each dead
-  // before the next). The routing weight goes into h (rows x I), not into a second copy of dy (rows x H).
+  // before the next). The routing weight goes into h (rows x I), not into a second copy of dy (rows x H),
+  // and w * h is written over g, which the SwiGLU backward is the last to read.
   void* rows_h = alloc(rows * H * bytes);
   void* g = alloc(rows * I * bytes);
-  void* weighted_h = alloc(rows * I * bytes);
   void* dz = alloc(rows * 2 * I * bytes);
-  if (!rows_h || !g || !weighted_h || !dz) return Internal("backward", "out of scratch memory");
+  if (!rows_h || !g || !dz) return Internal("backward", "out of scratch memory");
+  void* weighted_h = g;
 
   JMM_CUDA_TRY("backward gather dy",
                cuda::GatherRows(dtype, dy.untyped_data(), H, pairs, offsets, E, rows, K, rows_h, stream));
