@@ -10,9 +10,14 @@ Configs (bf16, router excluded): q30 (T=16384, H=2048, I=768, E=128, K=8), q235 
 (T=2048); uniform and Zipf-skewed routing. Reports forward and forward+backward time (median over samples
 of back-to-back calls, after warm-up; each sample is synchronised once, so the time is device time whenever
 the device is the bottleneck), peak device memory, effective TF/s (6*T*K*H*I per forward, 3x that for
-forward+backward) and the fraction of a bf16 matmul measured in the same run.
+forward+backward) and the fraction of a bf16 matmul (torch, 8192^3) measured in the same run.
 
-Each implementation runs in its own subprocess (configs in ascending size), so peak memory is its own.
+Peak memory (`peak_gib`) is that of the inputs plus ONE synchronised forward+backward call, measured before
+any timing: the timing loops keep several calls in flight, and JAX frees a call's outputs only when it
+completes, so a peak read after them counts two sets of weight gradients for JAX and one for torch. Every
+row (implementation, config, routing) runs in its own subprocess, so its peak is its own; `peak_by_call`
+says whether the call set it (False: input creation or compilation went higher, and `peak_gib` is that;
+None: no memory statistics, e.g. on a CPU).
 Usage: python benchmarks/bench_moe.py [--configs q30s,q30,q235] [--impls ...] [--json F] [--png F]
 """
 
@@ -133,52 +138,57 @@ def time_calls(fn, args, sync, samples, inner):
     return statistics.median(times), min(times)
 
 
-def run_jax(name, configs, routings, samples, inner):
+def run_jax(name, cname, routing, samples, inner):
     import jax
     import jax.numpy as jnp
+    row = dict(impl=name, config=cname, routing=routing)
     if name == "tokamax":
         try:
             import tokamax  # noqa: F401
         except Exception as err:  # noqa: BLE001 - any import failure means the peer is unavailable
-            return [dict(impl=name, config=c, routing=r, status=f"skipped: tokamax not importable ({err!r})")
-                    for c in configs for r in routings]
+            return dict(row, status=f"skipped: tokamax not importable ({err!r})")
     moe = jax_impl(name)
-    device = jax.devices()[0]
-    rows = []
-    for cname in configs:
-        t, h, i, e, k = CONFIGS[cname]
-        for routing in routings:
-            row = dict(impl=name, config=cname, routing=routing)
-            rows.append(row)
-            if (name, cname) in SKIP:
-                row["status"] = SKIP[(name, cname)]
-                continue
-            try:
-                keys = jax.random.split(jax.random.PRNGKey(7), 4)
-                x = jax.random.normal(keys[0], (t, h), jnp.bfloat16)
-                gu = (jax.random.normal(keys[1], (e, h, 2 * i), jnp.bfloat16) / math.sqrt(h)).astype(jnp.bfloat16)
-                d = (jax.random.normal(keys[2], (e, i, h), jnp.bfloat16) / math.sqrt(i)).astype(jnp.bfloat16)
-                dy = jax.random.normal(keys[3], (t, h), jnp.bfloat16)
-                w, ids = jax_routing(t, e, k, routing, seed=11)
-                fwd = jax.jit(moe)
-                fwd_bwd = jax.jit(lambda x, w, ids, gu, d, dy: jax.vjp(
-                    lambda a, b, c, f: moe(a, b, ids, c, f), x, w, gu, d)[1](dy))
-                sync = lambda out: jax.block_until_ready(out)
-                row["fwd_ms"], row["fwd_min_ms"] = time_calls(fwd, (x, w, ids, gu, d), sync, samples, inner)
-                row["fwd_bwd_ms"], row["fwd_bwd_min_ms"] = time_calls(fwd_bwd, (x, w, ids, gu, d, dy), sync,
-                                                                      samples, inner)
-                row["peak_gib"] = device.memory_stats().get("peak_bytes_in_use", float("nan")) / 2**30
-                row["status"] = "ok"
-            except Exception as err:  # noqa: BLE001 - OOM and compile failures are results here
-                msg = str(err).splitlines()[0][:200]
-                row["status"] = ("OOM: " if "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower()
-                                 else "error: ") + msg
-    return rows
+    # Without memory statistics (a CPU) the peak is NaN.
+    peak_bytes = lambda: (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", float("nan"))
+    t, h, i, e, k = CONFIGS[cname]
+    try:
+        keys = jax.random.split(jax.random.PRNGKey(7), 4)
+        x = jax.random.normal(keys[0], (t, h), jnp.bfloat16)
+        gu = (jax.random.normal(keys[1], (e, h, 2 * i), jnp.bfloat16) / math.sqrt(h)).astype(jnp.bfloat16)
+        d = (jax.random.normal(keys[2], (e, i, h), jnp.bfloat16) / math.sqrt(i)).astype(jnp.bfloat16)
+        dy = jax.random.normal(keys[3], (t, h), jnp.bfloat16)
+        w, ids = jax_routing(t, e, k, routing, seed=11)
+        sync = lambda out: jax.block_until_ready(out)
+        fwd = jax.jit(moe)
+        fwd_bwd = jax.jit(lambda x, w, ids, gu, d, dy: jax.vjp(
+            lambda a, b, c, f: moe(a, b, ids, c, f), x, w, gu, d)[1](dy)).lower(x, w, ids, gu, d, dy).compile()
+        before = peak_bytes()
+        sync(fwd_bwd(x, w, ids, gu, d, dy))
+        peak = peak_bytes()
+        row.update(peak_gib=peak / 2**30, peak_by_call=bool(peak > before) if math.isfinite(peak) else None)
+        row["fwd_ms"], row["fwd_min_ms"] = time_calls(fwd, (x, w, ids, gu, d), sync, samples, inner)
+        row["fwd_bwd_ms"], row["fwd_bwd_min_ms"] = time_calls(fwd_bwd, (x, w, ids, gu, d, dy), sync,
+                                                              samples, inner)
+        row["status"] = "ok"
+    except Exception as err:  # noqa: BLE001 - OOM and compile failures are results here
+        msg = str(err).splitlines()[0][:200]
+        row["status"] = ("OOM: " if "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower()
+                         else "error: ") + msg
+    return row
 
 
 # --------------------------------------------------------------------------------------------- torch side
 
-def run_torch(configs, routings, samples, inner):
+def run_matmul():
+    """The bf16 matmul rate (8192^3, torch) of this GPU, the base of every row's "%mm"."""
+    import torch
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms, _ = time_calls(torch.matmul, (a, b), lambda _: torch.cuda.synchronize(), 10, 10)
+    return dict(impl="bf16_matmul_8192", status="ok", tflops=2 * 8192**3 / mm_ms / 1e9, ms=mm_ms)
+
+
+def run_torch(cname, routing, samples, inner):
     import torch
     import torch.nn.functional as F
     dev = torch.device("cuda")
@@ -199,64 +209,68 @@ def run_torch(configs, routings, samples, inner):
     def sync(_):
         torch.cuda.synchronize()
 
-    # bf16 matmul ceiling measured in this run
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    mm_ms, _ = time_calls(torch.matmul, (a, b), sync, 10, 10)
-    matmul_tfs = 2 * 8192**3 / mm_ms / 1e9
-    del a, b
-    rows = [dict(impl="bf16_matmul_8192", status="ok", tflops=matmul_tfs, ms=mm_ms)]
-    for cname in configs:
-        t, h, i, e, k = CONFIGS[cname]
-        for routing in routings:
-            row = dict(impl="torch_grouped_mm", config=cname, routing=routing)
-            rows.append(row)
-            try:
-                gen = torch.Generator(device=dev).manual_seed(3)
-                x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
-                gu = torch.randn(e, h, 2 * i, device=dev, dtype=torch.bfloat16, generator=gen) / math.sqrt(h)
-                d = torch.randn(e, i, h, device=dev, dtype=torch.bfloat16, generator=gen) / math.sqrt(i)
-                dy = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
-                log_p = torch.zeros(e, device=dev) if routing == "uniform" else \
-                    -1.2 * torch.log1p(torch.arange(e, device=dev, dtype=torch.float32))
-                gumbel = -torch.log(-torch.log(torch.rand(t, e, device=dev, generator=gen)))
-                ids = torch.topk(log_p + gumbel, k, dim=-1).indices
-                w = torch.softmax(torch.randn(t, k, device=dev, generator=gen), dim=-1)
-                params = [p.requires_grad_() for p in (x, w, gu, d)]
+    row = dict(impl="torch_grouped_mm", config=cname, routing=routing)
+    t, h, i, e, k = CONFIGS[cname]
+    try:
+        gen = torch.Generator(device=dev).manual_seed(3)
+        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
+        gu = torch.randn(e, h, 2 * i, device=dev, dtype=torch.bfloat16, generator=gen) / math.sqrt(h)
+        d = torch.randn(e, i, h, device=dev, dtype=torch.bfloat16, generator=gen) / math.sqrt(i)
+        dy = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
+        log_p = torch.zeros(e, device=dev) if routing == "uniform" else \
+            -1.2 * torch.log1p(torch.arange(e, device=dev, dtype=torch.float32))
+        gumbel = -torch.log(-torch.log(torch.rand(t, e, device=dev, generator=gen)))
+        ids = torch.topk(log_p + gumbel, k, dim=-1).indices
+        w = torch.softmax(torch.randn(t, k, device=dev, generator=gen), dim=-1)
+        params = [p.requires_grad_() for p in (x, w, gu, d)]
 
-                def fwd(x, w, gu, d):
-                    with torch.no_grad():
-                        return moe(x, w, ids, gu, d)
+        def fwd(x, w, gu, d):
+            with torch.no_grad():
+                return moe(x, w, ids, gu, d)
 
-                def fwd_bwd(x, w, gu, d):
-                    y = moe(x, w, ids, gu, d)
-                    return torch.autograd.grad(y, (x, w, gu, d), dy)
+        def fwd_bwd(x, w, gu, d):
+            y = moe(x, w, ids, gu, d)
+            return torch.autograd.grad(y, (x, w, gu, d), dy)
 
-                torch.cuda.reset_peak_memory_stats()
-                row["fwd_ms"], row["fwd_min_ms"] = time_calls(fwd, params, sync, samples, inner)
-                row["fwd_bwd_ms"], row["fwd_bwd_min_ms"] = time_calls(fwd_bwd, params, sync, samples, inner)
-                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                row["status"] = "ok"
-                del x, w, gu, d, dy, params
-            except Exception as err:  # noqa: BLE001
-                msg = str(err).splitlines()[0][:200]
-                row["status"] = ("OOM: " if "out of memory" in msg.lower() else "error: ") + msg
-            torch.cuda.empty_cache()
-    return rows
+        torch.cuda.reset_peak_memory_stats()  # the inputs stay counted: they are allocated
+        sync(fwd_bwd(*params))
+        row.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30, peak_by_call=True)
+        row["fwd_ms"], row["fwd_min_ms"] = time_calls(fwd, params, sync, samples, inner)
+        row["fwd_bwd_ms"], row["fwd_bwd_min_ms"] = time_calls(fwd_bwd, params, sync, samples, inner)
+        row["status"] = "ok"
+    except Exception as err:  # noqa: BLE001
+        msg = str(err).splitlines()[0][:200]
+        row["status"] = ("OOM: " if "out of memory" in msg.lower() else "error: ") + msg
+    return row
 
 
 # ------------------------------------------------------------------------------------------------ driver
 
 def child(args):
-    configs, routings = args.configs.split(","), args.routings.split(",")
+    """One row (one config and routing given), or the matmul rate, printed as JSON for the driver."""
     spec = gemm_tiles_spec(args.child)
     if spec is not None:
         os.environ["JMM_GEMM_TILES"] = spec  # read by the CUDA handlers on every call
-    if args.child == "torch_grouped_mm":
-        rows = run_torch(configs, routings, args.samples, args.inner)
+    if args.child == "bf16_matmul_8192":
+        row = run_matmul()
+    elif args.child == "torch_grouped_mm":
+        row = run_torch(args.configs, args.routings, args.samples, args.inner)
     else:
-        rows = run_jax(args.child, configs, routings, args.samples, args.inner)
-    print("JMM_BENCH_ROWS " + json.dumps(rows))
+        row = run_jax(args.child, args.configs, args.routings, args.samples, args.inner)
+    print("JMM_BENCH_ROW " + json.dumps(row))
+
+
+def run_child(impl, cname="all", routing="all", samples=0, inner=0):
+    """`child` in a subprocess of its own: its row, or a row saying how it crashed."""
+    cmd = [sys.executable, __file__, "--child", impl, "--configs", cname, "--routings", routing,
+           "--samples", str(samples), "--inner", str(inner)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    found = [line for line in proc.stdout.splitlines() if line.startswith("JMM_BENCH_ROW ")]
+    if found:
+        return json.loads(found[-1][len("JMM_BENCH_ROW "):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return dict(impl=impl, config=cname, routing=routing,
+                status=f"crashed rc={proc.returncode}: " + " | ".join(tail)[:300])
 
 
 def table(rows, matmul_tfs):
@@ -272,7 +286,9 @@ def table(rows, matmul_tfs):
             continue
         lines.append(f"{r['impl']:<{w}}{r['config']:<7}{r['routing']:<9}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>7.0f}"
                      f"{r['fwd_pct_matmul']:>6.0f}{r['fwd_bwd_ms']:>9.3f}{r['fwd_bwd_tflops']:>7.0f}"
-                     f"{r['fwd_bwd_pct_matmul']:>6.0f}{r['peak_gib']:>10.2f}  ok")
+                     f"{r['fwd_bwd_pct_matmul']:>6.0f}{r['peak_gib']:>10.2f}{'*' if r['peak_by_call'] is False else '':1} ok")
+    if any(r.get("status") == "ok" and r.get("peak_by_call") is False for r in rows):
+        lines.append("* peak set before the call (input creation or compilation): the call's own peak is lower")
     return "\n".join(lines)
 
 
@@ -316,22 +332,22 @@ def main():
     if args.child:
         return child(args)
 
-    rows = []
+    configs, routings = args.configs.split(","), args.routings.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; known: {sorted(CONFIGS)}")
+    rows = [run_child("bf16_matmul_8192")]
     for impl in args.impls.split(","):
-        cmd = [sys.executable, __file__, "--child", impl, "--configs", args.configs, "--routings", args.routings,
-               "--samples", str(args.samples), "--inner", str(args.inner)]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-        found = [line for line in proc.stdout.splitlines() if line.startswith("JMM_BENCH_ROWS ")]
-        if found:
-            rows += json.loads(found[-1][len("JMM_BENCH_ROWS "):])
-        else:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            rows.append(dict(impl=impl, config="all", routing="all", status=f"crashed rc={proc.returncode}: "
-                             + " | ".join(tail)[:300]))
+        for cname in configs:
+            for routing in routings:
+                if (impl, cname) in SKIP:
+                    rows.append(dict(impl=impl, config=cname, routing=routing, status=SKIP[(impl, cname)]))
+                else:
+                    rows.append(run_child(impl, cname, routing, args.samples, args.inner))
         print(f"[{impl}: {time.perf_counter() - start:.0f} s]", flush=True)
 
-    matmul = next((r for r in rows if r.get("impl") == "bf16_matmul_8192"), None)
+    matmul = next((r for r in rows if r.get("impl") == "bf16_matmul_8192" and r.get("status") == "ok"), None)
     matmul_tfs = matmul["tflops"] if matmul else float("nan")
     for r in rows:
         if r.get("status") == "ok" and "config" in r:

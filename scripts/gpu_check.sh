@@ -12,7 +12,7 @@
 #   env STEPS="build test memcheck cputest profile bench epbench emubench trainrecord" (the default),
 #             multi-GPU steps, named explicitly: "mpgpu concurrency ep2bench ep2profile",
 #       GPU_TESTS="..." (pytest selection, default: tests/ — every test marked gpu), GPU_TEST_WORKERS=N,
-#       BENCH_ARGS="..." (passed to benchmarks/bench_moe.py),
+#       BENCH_ARGS="..." (passed to benchmarks/bench_moe.py), PROFILE_CONFIG=q30s|q30|q235 (default q30),
 #       TRAIN_RECORD_ARGS="..." (passed to benchmarks/train_record.py), TRAIN_RECORD_TIMEOUT=seconds,
 #       CONCURRENCY_ARGS="..." (passed to benchmarks/nccl_concurrency.py, e.g. "--iters 200 --backend xla"),
 #       CONCURRENCY_CTAS="unset 32" (one concurrency run per NCCL_MAX_CTAS value; "unset" leaves it unset),
@@ -101,11 +101,13 @@ if want cputest && [[ -n $cpu_tests ]]; then
   step cpu-tests cpu_tests.log env JAX_PLATFORMS=cpu $PY -m pytest -q -p no:cacheprovider $cpu_tests
 fi
 
-# Per-kernel device time of one q30 forward+backward (bf16, uniform routing), read by Nsight Compute.
+# Per-kernel device time and DRAM bytes of one forward+backward (bf16, uniform routing) at PROFILE_CONFIG
+# (q30s, q30 or q235; default q30), read by Nsight Compute.
 cat > /tmp/jmm_profile.py <<'PYEOF'
-import math, jax, jax.numpy as jnp, torch
+import math, sys, jax, jax.numpy as jnp, torch
 import jax_megamoe as jmm
-t, h, i, e, k = 16384, 2048, 768, 128, 8
+t, h, i, e, k = {"q30s": (2048, 2048, 768, 128, 8), "q30": (16384, 2048, 768, 128, 8),
+                 "q235": (16384, 4096, 1536, 128, 8)}[sys.argv[1]]
 ks = jax.random.split(jax.random.PRNGKey(0), 6)
 x = jax.random.normal(ks[0], (t, h), jnp.bfloat16)
 gu = (jax.random.normal(ks[1], (e, h, 2 * i)) / math.sqrt(h)).astype(jnp.bfloat16)
@@ -121,20 +123,29 @@ jax.block_until_ready(f(x, w, gu, d, dy))
 torch.cuda.profiler.stop()
 PYEOF
 profile() {
-  ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
-    $PY /tmp/jmm_profile.py > /tmp/jmm_ncu_q30.csv || return 1
-  $PY - /tmp/jmm_ncu_q30.csv <<'PYEOF'
+  local config=${PROFILE_CONFIG:-q30}
+  ncu --profile-from-start off --clock-control none --csv \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+    $PY /tmp/jmm_profile.py "$config" > "/tmp/jmm_ncu_$config.csv" || return 1
+  echo "config $config: per kernel, in launch order"
+  $PY - "/tmp/jmm_ncu_$config.csv" <<'PYEOF'
 import csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 head, body = rows[0], rows[1:]
-name, unit, value = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
-total = 0.0
+col = {c: head.index(c) for c in ("ID", "Kernel Name", "Metric Name", "Metric Unit", "Metric Value")}
+scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
+         "byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}  # to us and MB
+kernels = {}  # ID -> name and metrics, in launch order
 for r in body:
-    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[r[unit]]
-    us = float(r[value].replace(",", "")) * scale
-    total += us
-    print(f"{us:10.1f} us  {r[name][:110]}")
-print(f"{total:10.1f} us  total of {len(body)} kernels")
+    entry = kernels.setdefault(r[col["ID"]], {"name": r[col["Kernel Name"]]})
+    entry[r[col["Metric Name"]]] = float(r[col["Metric Value"]].replace(",", "")) * scale[r[col["Metric Unit"]]]
+total = [0.0, 0.0, 0.0]
+print(f"{'time us':>10} {'read MB':>9} {'write MB':>9}  kernel")
+for m in kernels.values():
+    vals = [m.get("gpu__time_duration.sum", 0.0), m.get("dram__bytes_read.sum", 0.0), m.get("dram__bytes_write.sum", 0.0)]
+    total = [a + b for a, b in zip(total, vals)]
+    print(f"{vals[0]:10.1f} {vals[1]:9.1f} {vals[2]:9.1f}  {m['name'][:100]}")
+print(f"{total[0]:10.1f} {total[1]:9.1f} {total[2]:9.1f}  total of {len(kernels)} kernels")
 PYEOF
 }
 want profile && step profile profile.log profile

@@ -70,7 +70,7 @@ def test_bench_moe_tiles_impl_names_give_the_gemm_tiles_variable():
 def test_bench_moe_table_fits_long_impl_names():
     row = dict(impl="ours_tiles_fwd_gate_up=pp64x256_c1", config="q30s", routing="uniform", status="ok",
                fwd_ms=0.5, fwd_tflops=300.0, fwd_pct_matmul=43.0, fwd_bwd_ms=1.5, fwd_bwd_tflops=310.0,
-               fwd_bwd_pct_matmul=44.0, peak_gib=3.7)
+               fwd_bwd_pct_matmul=44.0, peak_gib=3.7, peak_by_call=True)
     header, line = bench_moe.table([row], 698.0).splitlines()[1:]
     assert line.startswith(row["impl"] + "  q30s") and header.index("config") == line.index("q30s")
 
