@@ -2,7 +2,10 @@
 
 Implementations: `ours` (jax_megamoe.moe_ffn, backend="cuda"), `torch_grouped_mm` (torchtitan style:
 stable sort + torch._grouped_mm + index_add scatter), `ragged_dot` (sort + jax.lax.ragged_dot),
-`gshard` (capacity-factor-1.0 dispatch/combine einsums), `tokamax` (tokamax.ragged_dot, only if importable),
+`gshard` (capacity-factor-1.0 dispatch/combine einsums), `tokamax` (tokamax.ragged_dot with its Mosaic GPU
+kernel, pinned so that no silent fallback to XLA is timed; only if importable: packages missing from the
+image can be put in the folder named by JMM_PEER_SITE, which is appended to sys.path so the image's own
+packages win),
 and `ours_tiles_<spec>`: `ours` with the environment variable JMM_GEMM_TILES=<spec> ('+' standing for ',',
 grammar in cuda/include/jmm/gemm_tiles.h), e.g. `ours_tiles_default,ours_tiles_pp64x256_c1,
 ours_tiles_fwd_down=coop128x256_c2+bwd_down=coop128x256_c1` to compare GEMM tile configurations in one run.
@@ -84,7 +87,7 @@ def jax_impl(name):
     if name in ("ragged_dot", "tokamax"):
         if name == "tokamax":
             import tokamax
-            ragged = lambda a, b, s: tokamax.ragged_dot(a, b, s)
+            ragged = lambda a, b, s: tokamax.ragged_dot(a, b, s, implementation="mosaic")
         else:
             ragged = lambda a, b, s: jax.lax.ragged_dot(a, b, s)
 
@@ -143,6 +146,8 @@ def run_jax(name, cname, routing, samples, inner):
     import jax.numpy as jnp
     row = dict(impl=name, config=cname, routing=routing)
     if name == "tokamax":
+        if os.environ.get("JMM_PEER_SITE"):
+            sys.path.append(os.environ["JMM_PEER_SITE"])
         try:
             import tokamax  # noqa: F401
         except Exception as err:  # noqa: BLE001 - any import failure means the peer is unavailable

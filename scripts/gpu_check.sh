@@ -6,7 +6,7 @@
 # deadlock test and the EP=2 backend comparison.
 # Works offline (no package registry needed) when the build requirements are installed; the wheels of
 # nvidia-cutlass (and pytest-xdist, execnet) found in .whl/ are installed into /tmp/site first (the H200
-# machine has none).
+# machine has none), those in .whl/peers/ (tokamax and its dependencies) into /tmp/site-peers for the bench.
 #
 # Usage: scripts/gpu_check.sh OUTDIR
 #   env STEPS="build test memcheck cputest profile bench epbench emubench trainrecord" (the default),
@@ -46,6 +46,12 @@ step() {  # step NAME LOG CMD...: runs CMD, tees its output into LOG, records fa
 if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# Peers' packages (tokamax and what it needs) go to a folder of their own that only the bench's tokamax
+# child appends to its path, so they can never shadow the image's packages.
+if compgen -G ".whl/peers/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site-peers .whl/peers/*.whl
+  export JMM_PEER_SITE=/tmp/site-peers
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv 2>&1 | tee "$OUTDIR/gpu.txt"
 git log -1 --format='commit %H %cd' 2>/dev/null | tee -a "$OUTDIR/gpu.txt"
