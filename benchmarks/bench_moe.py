@@ -251,7 +251,7 @@ def child(args):
     configs, routings = args.configs.split(","), args.routings.split(",")
     spec = gemm_tiles_spec(args.child)
     if spec is not None:
-        os.environ["JMM_GEMM_TILES"] = spec  # read by the CUDA handlers on every call
+        os.environ["JMM_GEMM_TILES"] = spec  # read when moe_ffn is traced, before any
     if args.child == "torch_grouped_mm":
         rows = run_torch(configs, routings, args.samples, args.inner)
     else:
