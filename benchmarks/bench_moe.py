@@ -255,7 +255,7 @@ def child(args):
     """One row (one config and routing given), or the matmul rate, printed as JSON for the driver."""
     spec = gemm_tiles_spec(args.child)
     if spec is not None:
-        os.environ["JMM_GEMM_TILES"] = spec  # read by the CUDA handlers on every call
+        os.environ["JMM_GEMM_TILES"] = spec  # read when moe_ffn is traced, before any
     if args.child == "bf16_matmul_8192":
         row = run_matmul()
     elif args.child == "torch_grouped_mm":

@@ -1,7 +1,7 @@
 """Every GEMM tile configuration of the CUDA backend against the float32 reference (marker `gpu`).
 
-The CUDA handlers read JMM_GEMM_TILES on every call (grammar in cuda/include/jmm/gemm_tiles.h), so one compiled
-function runs each configuration in turn. bf16 only (float32 takes the SIMT path, which has no tiles); forward
+JMM_GEMM_TILES is read when moe_ffn is traced (grammar in cuda/include/jmm/gemm_tiles.h), so each configuration
+is a fresh jit of the same function. bf16 only (float32 takes the SIMT path, which has no tiles); forward
 and all four gradients, normwise relative error <= 1e-2 against the float32 reference, every value finite.
 Run on an H200 by scripts/gpu_check.sh.
 """
@@ -74,7 +74,9 @@ def problem_and_reference(case_name):
     return args, dy, [np.asarray(w, np.float32) for w in want]
 
 
-_cuda_value_and_grads = jax.jit(lambda args, dy: value_and_grads(cuda_fn, args, dy))
+def cuda_value_and_grads(args, dy):
+    """A fresh jit, traced (and so reading JMM_GEMM_TILES) now."""
+    return jax.jit(lambda args, dy: value_and_grads(cuda_fn, args, dy))(args, dy)
 
 
 @pytest.mark.parametrize("spec", TILE_SPECS)
@@ -82,7 +84,7 @@ _cuda_value_and_grads = jax.jit(lambda args, dy: value_and_grads(cuda_fn, args, 
 def test_tiles_match_reference(monkeypatch, case_name, spec):
     args, dy, want = problem_and_reference(case_name)
     monkeypatch.setenv(ENV, spec)
-    got = jax.block_until_ready(_cuda_value_and_grads(args, dy))  # every GEMM done before the variable changes
+    got = jax.block_until_ready(cuda_value_and_grads(args, dy))
     for name, g, w in zip(OUTPUTS, got, want):
         g = np.asarray(g.astype(jnp.float32))
         assert np.all(np.isfinite(g)), f"{spec}, {name}: non-finite values (unwritten or NaN output)"
@@ -99,4 +101,4 @@ def test_bad_tile_spec_is_a_clear_error(monkeypatch, spec, message):
     args, dy, _ = problem_and_reference("ragged_contraction")
     monkeypatch.setenv(ENV, spec)
     with pytest.raises(jax.errors.JaxRuntimeError, match=f"{ENV}=.*{message}"):
-        jax.block_until_ready(_cuda_value_and_grads(args, dy))
+        jax.block_until_ready(cuda_value_and_grads(args, dy))

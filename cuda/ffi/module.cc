@@ -1,9 +1,14 @@
 // The Python extension: one registration table mapping FFI target names to handler capsules.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+#include <string>
 
 #include "jmm/handlers.h"
 #ifdef JMM_WITH_CUDA
+#include "jmm/moe_host.h"
 #include "jmm/nvlink_cuda.h"
 #endif
 
@@ -36,6 +41,29 @@ NB_MODULE(_ext, m) {
   m.def("registrations", &Registrations, "FFI target name -> handler capsule.");
 #ifdef JMM_WITH_CUDA
   m.attr("with_cuda") = true;
+  m.def(
+      "cuda_workspace_bytes",
+      [](const std::string& op, bool bfloat16, int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
+         int64_t experts) -> size_t {
+        if (op == "moe_layout") return jmm::MoeLayoutWorkspaceBytes(tokens * top_k, experts);
+        if (op == "moe_forward") return jmm::MoeForwardWorkspaceBytes(bfloat16, tokens, top_k, hidden, intermediate, experts);
+        if (op == "moe_backward") return jmm::MoeBackwardWorkspaceBytes(bfloat16, tokens, top_k, hidden, intermediate, experts);
+        throw std::invalid_argument("cuda_workspace_bytes: unknown op " + op);
+      },
+      nb::arg("op"), nb::arg("bfloat16"), nb::arg("tokens"), nb::arg("top_k"), nb::arg("hidden"),
+      nb::arg("intermediate"), nb::arg("experts"),
+      "Bytes of the workspace result the CUDA handler of `op` takes (jmm/moe_host.h).");
+  m.def(
+      "cuda_graph_recorded_calls",
+      [] {
+        const jmm::MoeRecordedCalls calls = jmm::MoeCallsRecordedIntoGraphs();
+        nb::dict counts;
+        counts["moe_layout"] = calls.layout;
+        counts["moe_forward"] = calls.forward;
+        counts["moe_backward"] = calls.backward;
+        return counts;
+      },
+      "Calls of each CUDA MoE handler this process recorded into CUDA graphs (jmm/moe_host.h).");
   m.def("nvlink_create", &jmm::nvlink::CreateWorkspace, nb::arg("groups"), nb::arg("emulated"),
         nb::arg("block_bytes"), nb::arg("timeout_ms"), nb::arg("blocks_per_peer"),
         "Allocates an NVLink exchange workspace over groups of CUDA devices; returns its id.");

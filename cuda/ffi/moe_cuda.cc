@@ -1,21 +1,28 @@
 // CUDA FFI handlers of the MoE op family (contract in jmm/handlers.h): argument checks, scratch buffers and
 // the order of the kernels in cuda/kernels/. Everything is enqueued on XLA's stream; nothing waits on the
-// host. Temporaries come from XLA's scratch allocator, which is why the handlers do not claim CUDA-graph
-// (command buffer) compatibility.
+// host. Temporaries are carved out of a trailing `workspace` result that XLA allocates (sized by
+// jmm/moe_host.h), never allocated by the handler, so XLA may capture the calls into CUDA graphs
+// (command buffers), which replay the kernels a call enqueued when it was recorded.
 //
 // Forward:  gather x rows -> gate_up = x_perm @ W_gu -> h = swiglu -> out = h @ W_d -> y = weighted combine.
 // Backward: gather dy rows -> g = dy @ W_d^T -> swiglu backward (w*h, dz, d_weights) -> d_W_d = (w*h)^T dy
 //           -> dx rows = dz @ W_gu^T -> dx = combine; d_W_gu = x_perm^T dz per expert.
-// The row-grouped GEMMs' tile configuration comes from JMM_GEMM_TILES, read on every call (jmm/gemm_tiles.h).
+// The row-grouped GEMMs' tile configuration is the value JMM_GEMM_TILES had when the calling function was
+// traced, passed as the `gemm_tiles` attribute (jmm/gemm_tiles.h): part of the compiled program, so a call
+// captured into a CUDA graph and its replays agree.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdlib>
+#include <string>
+#include <string_view>
 
 #include "jmm/ffi_common.h"
 #include "jmm/gemm_tiles.h"
 #include "jmm/moe_bindings.h"
 #include "jmm/handlers.h"
 #include "jmm/moe_cuda.h"
+#include "jmm/moe_host.h"
 
 namespace jmm {
 namespace {
@@ -24,12 +31,42 @@ ffi::Error Internal(const std::string& stage, const std::string& message) {
   return ffi::Error(ffi::ErrorCode::kInternal, "jax_megamoe CUDA " + stage + ": " + message);
 }
 
-cuda::Scratch ScratchFrom(ffi::ScratchAllocator& allocator) {
-  return [&allocator](size_t bytes) -> void* {
-    // XLA accepts alignments up to 16; its device allocations are 256-byte aligned regardless.
-    auto ptr = allocator.Allocate(bytes == 0 ? 1 : bytes, 16);
-    return ptr.has_value() ? *ptr : nullptr;
-  };
+using Workspace = ffi::Result<ffi::Buffer<ffi::U8>>;
+
+// Hands out the workspace front to back (XLA's buffers are 256-byte aligned, and so is every piece).
+class WorkspaceCursor {
+ public:
+  explicit WorkspaceCursor(Workspace& workspace)
+      : next_(workspace->typed_data()), end_(workspace->typed_data() + workspace->element_count()) {}
+  size_t bytes_left() const { return static_cast<size_t>(end_ - next_); }
+  cuda::Scratch scratch() {
+    return [this](size_t bytes) -> void* {
+      const size_t take = cuda::ScratchFootprint(bytes);
+      if (take > bytes_left()) return nullptr;
+      void* piece = next_;
+      next_ += take;
+      return piece;
+    };
+  }
+
+ private:
+  uint8_t* next_;
+  uint8_t* end_;
+};
+
+std::atomic<int64_t> recorded_layout{0}, recorded_forward{0}, recorded_backward{0};
+
+// Counts the call if XLA is recording `stream` into a CUDA graph.
+void CountIfRecorded(cudaStream_t stream, std::atomic<int64_t>& counter) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) == cudaSuccess && status == cudaStreamCaptureStatusActive) ++counter;
+}
+
+// A workspace smaller than the handler needs (sized for other shapes) is an error naming both sizes.
+ffi::Error CheckWorkspace(const std::string& op, Workspace& workspace, size_t needed) {
+  if (workspace->element_count() >= needed) return ffi::Error::Success();
+  return InvalidArgument("the " + op + " workspace holds " + std::to_string(workspace->element_count()) +
+                         " bytes, the call needs " + std::to_string(needed));
 }
 
 #define JMM_CUDA_TRY(stage, expr)                                    \
@@ -47,9 +84,9 @@ ffi::Error ReadDtype(ffi::DataType type, cuda::Dtype* dtype) {
   }
 }
 
-// Read per call rather than once per process, so that a benchmark or test can switch tiles between calls.
-ffi::Error ReadGemmTiles(RowsGemmTiles* tiles) {
-  if (std::string err = ParseGemmTiles(std::getenv(kGemmTilesEnv), tiles); !err.empty()) {
+ffi::Error ReadGemmTiles(std::string_view spec, RowsGemmTiles* tiles) {
+  const std::string value(spec);  // empty: JMM_GEMM_TILES was unset, the defaults
+  if (std::string err = ParseGemmTiles(value.empty() ? nullptr : value.c_str(), tiles); !err.empty()) {
     return InvalidArgument(err);
   }
   return ffi::Error::Success();
@@ -57,33 +94,79 @@ ffi::Error ReadGemmTiles(RowsGemmTiles* tiles) {
 
 size_t ElementBytes(cuda::Dtype dtype) { return dtype == cuda::Dtype::kBFloat16 ? 2 : 4; }
 
-ffi::Error MoeLayoutCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::S32> experts,
-                         ffi::ResultBuffer<ffi::S32> row_of_pair, ffi::ResultBuffer<ffi::S32> pair_of_row,
-                         ffi::ResultBuffer<ffi::S32> expert_offsets, int64_t num_experts) {
+size_t GemmsScratchBytes(int gemms, bool tensor_cores, int64_t experts) {
+  return tensor_cores ? gemms * cuda::GroupedGemmScratchBytes(experts) : 0;
+}
+
+}  // namespace
+
+// The sums below follow the handlers' Scratch requests one by one (each rounded by ScratchFootprint).
+size_t MoeLayoutWorkspaceBytes(int64_t num_pairs, int64_t num_experts) {
+  return cuda::SortPairsScratchBytes(num_pairs, num_experts);
+}
+
+size_t MoeForwardWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, int64_t hidden,
+                                int64_t intermediate, int64_t experts) {
+  const cuda::Dtype dtype = bfloat16 ? cuda::Dtype::kBFloat16 : cuda::Dtype::kFloat32;
+  const size_t rows = tokens * top_k, bytes = ElementBytes(dtype);
+  return cuda::ScratchFootprint(rows * hidden * bytes) + cuda::ScratchFootprint(rows * intermediate * bytes) +
+         GemmsScratchBytes(2, cuda::UseTensorCores(dtype, hidden, intermediate), experts);
+}
+
+size_t MoeBackwardWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, int64_t hidden,
+                                 int64_t intermediate, int64_t experts) {
+  const cuda::Dtype dtype = bfloat16 ? cuda::Dtype::kBFloat16 : cuda::Dtype::kFloat32;
+  const size_t rows = tokens * top_k, bytes = ElementBytes(dtype);
+  return cuda::ScratchFootprint(rows * hidden * bytes) + cuda::ScratchFootprint(rows * intermediate * bytes) +
+         cuda::ScratchFootprint(rows * 2 * intermediate * bytes) +
+         GemmsScratchBytes(4, cuda::UseTensorCores(dtype, hidden, intermediate), experts);
+}
+
+MoeRecordedCalls MoeCallsRecordedIntoGraphs() {
+  return {recorded_layout.load(), recorded_forward.load(), recorded_backward.load()};
+}
+
+namespace {
+
+ffi::Error MoeLayoutCuda(cudaStream_t stream, ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::S32> row_of_pair,
+                         ffi::ResultBuffer<ffi::S32> pair_of_row, ffi::ResultBuffer<ffi::S32> expert_offsets,
+                         int64_t num_experts, Workspace workspace) {
   if (expert_offsets->element_count() != static_cast<size_t>(num_experts + 1)) {
     return InvalidArgument("expert_offsets must hold num_experts + 1 entries");
   }
-  JMM_CUDA_TRY("layout", cuda::SortPairsByExpert(experts.typed_data(), experts.element_count(), num_experts,
-                                                 row_of_pair->typed_data(), pair_of_row->typed_data(),
-                                                 expert_offsets->typed_data(), ScratchFrom(scratch), stream));
+  const int64_t pairs = experts.element_count();
+  if (auto err = CheckWorkspace("layout", workspace, MoeLayoutWorkspaceBytes(pairs, num_experts)); err.failure()) {
+    return err;
+  }
+  CountIfRecorded(stream, recorded_layout);
+  WorkspaceCursor cursor(workspace);
+  JMM_CUDA_TRY("layout", cuda::SortPairsByExpert(experts.typed_data(), pairs, num_experts, row_of_pair->typed_data(),
+                                                 pair_of_row->typed_data(), expert_offsets->typed_data(),
+                                                 cursor.scratch(), stream));
   return ffi::Error::Success();
 }
 
-ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                          ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
-                          ffi::Buffer<ffi::S32> row_of_pair, ffi::Buffer<ffi::S32> pair_of_row,
+ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up,
+                          ffi::AnyBuffer w_down, ffi::Buffer<ffi::S32> row_of_pair, ffi::Buffer<ffi::S32> pair_of_row,
                           ffi::Buffer<ffi::S32> expert_offsets, ffi::Result<ffi::AnyBuffer> y,
-                          ffi::Result<ffi::AnyBuffer> gate_up) {
+                          ffi::Result<ffi::AnyBuffer> gate_up, std::string_view gemm_tiles, Workspace workspace) {
   MoeDims d;
   if (auto err = ReadMoeDims(x, weights, w_gate_up, w_down, &d); err.failure()) return err;
   cuda::Dtype dtype;
   if (auto err = ReadDtype(x.element_type(), &dtype); err.failure()) return err;
   RowsGemmTiles tiles;
-  if (auto err = ReadGemmTiles(&tiles); err.failure()) return err;
+  if (auto err = ReadGemmTiles(gemm_tiles, &tiles); err.failure()) return err;
   const int64_t rows = d.tokens * d.top_k, H = d.hidden, I = d.intermediate, E = d.experts;
   const bool tc = cuda::UseTensorCores(dtype, H, I);
   const int32_t* offsets = expert_offsets.typed_data();
-  cuda::Scratch alloc = ScratchFrom(scratch);
+  if (auto err = CheckWorkspace("forward", workspace,
+                                MoeForwardWorkspaceBytes(dtype == cuda::Dtype::kBFloat16, d.tokens, d.top_k, H, I, E));
+      err.failure()) {
+    return err;
+  }
+  CountIfRecorded(stream, recorded_forward);
+  WorkspaceCursor cursor(workspace);
+  cuda::Scratch alloc = cursor.scratch();
 
   // x_perm [rows, H] is dead after the first GEMM, so the per-row outputs reuse it.
   void* x_perm = alloc(rows * H * ElementBytes(dtype));
@@ -107,12 +190,12 @@ ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
   return ffi::Error::Success();
 }
 
-ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer dy,
-                           ffi::AnyBuffer x, ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up,
-                           ffi::AnyBuffer w_down, ffi::AnyBuffer gate_up, ffi::Buffer<ffi::S32> row_of_pair,
-                           ffi::Buffer<ffi::S32> pair_of_row, ffi::Buffer<ffi::S32> expert_offsets,
-                           ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> d_weights,
-                           ffi::Result<ffi::AnyBuffer> d_w_gate_up, ffi::Result<ffi::AnyBuffer> d_w_down) {
+ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weights,
+                           ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down, ffi::AnyBuffer gate_up,
+                           ffi::Buffer<ffi::S32> row_of_pair, ffi::Buffer<ffi::S32> pair_of_row,
+                           ffi::Buffer<ffi::S32> expert_offsets, ffi::Result<ffi::AnyBuffer> dx,
+                           ffi::Result<ffi::AnyBuffer> d_weights, ffi::Result<ffi::AnyBuffer> d_w_gate_up,
+                           ffi::Result<ffi::AnyBuffer> d_w_down, std::string_view gemm_tiles, Workspace workspace) {
   MoeDims d;
   if (auto err = ReadMoeDims(x, weights, w_gate_up, w_down, &d); err.failure()) return err;
   cuda::Dtype dtype;
@@ -121,13 +204,20 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
     return InvalidArgument("dy and gate_up must have x's dtype");
   }
   RowsGemmTiles tiles;
-  if (auto err = ReadGemmTiles(&tiles); err.failure()) return err;
+  if (auto err = ReadGemmTiles(gemm_tiles, &tiles); err.failure()) return err;
   const int64_t rows = d.tokens * d.top_k, H = d.hidden, I = d.intermediate, E = d.experts, K = d.top_k;
   const bool tc = cuda::UseTensorCores(dtype, H, I);
   const int32_t* offsets = expert_offsets.typed_data();
   const int32_t* pairs = pair_of_row.typed_data();
   const float* w = static_cast<const float*>(weights.untyped_data());
-  cuda::Scratch alloc = ScratchFrom(scratch);
+  if (auto err = CheckWorkspace("backward", workspace,
+                                MoeBackwardWorkspaceBytes(dtype == cuda::Dtype::kBFloat16, d.tokens, K, H, I, E));
+      err.failure()) {
+    return err;
+  }
+  CountIfRecorded(stream, recorded_backward);
+  WorkspaceCursor cursor(workspace);
+  cuda::Scratch alloc = cursor.scratch();
   const size_t bytes = ElementBytes(dtype);
 
   // `rows_h` holds gathered dy (until the d_W_down GEMM), then the per-row dx, then gathered x (each dead
@@ -165,19 +255,30 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
 
 #undef JMM_CUDA_TRY
 
-// Every CUDA handler runs on XLA's stream and takes its temporaries from XLA's scratch allocator.
-auto CudaBinding() {
-  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>();
+// Every CUDA handler runs on XLA's stream; its temporaries come from its trailing workspace result.
+auto CudaBinding() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
+
+template <typename Binding>
+auto WithWorkspace(Binding binding) {
+  return std::move(binding).template Ret<ffi::Buffer<ffi::U8>>();
+}
+
+template <typename Binding>
+auto WithTilesAndWorkspace(Binding binding) {
+  return WithWorkspace(std::move(binding).template Attr<std::string_view>("gemm_tiles"));
 }
 
 }  // namespace
 }  // namespace jmm
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_moe_layout, jmm::MoeLayoutCuda,
-                              jmm::BindMoeLayout(jmm::CudaBinding()));
+                              jmm::WithWorkspace(jmm::BindMoeLayout(jmm::CudaBinding())),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_moe_forward, jmm::MoeForwardCuda,
-                              jmm::BindMoeForward(jmm::CudaBinding()));
+                              jmm::WithTilesAndWorkspace(jmm::BindMoeForward(jmm::CudaBinding())),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_moe_backward, jmm::MoeBackwardCuda,
-                              jmm::BindMoeBackward(jmm::CudaBinding()));
+                              jmm::WithTilesAndWorkspace(jmm::BindMoeBackward(jmm::CudaBinding())),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

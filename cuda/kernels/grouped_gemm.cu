@@ -183,6 +183,14 @@ CutlassRowsGemm FindRowsGemm(GemmTiles tiles, bool b_transposed) {
 
 }  // namespace
 
+size_t GroupedGemmScratchBytes(int64_t num_experts) {
+  int device = 0, sm_count = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+  return ScratchFootprint(cutlass_gemm::GroupArraysBound(num_experts)) +
+         ScratchFootprint(cutlass_gemm::CutlassWorkspaceBound(sm_count));
+}
+
 bool UseTensorCores(Dtype dtype, int64_t hidden, int64_t intermediate) {
   return dtype == Dtype::kBFloat16 && hidden % 8 == 0 && intermediate % 8 == 0;
 }

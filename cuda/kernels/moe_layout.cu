@@ -45,7 +45,23 @@ int KeyBits(int64_t num_experts) {
   return bits;
 }
 
+size_t SortTempBytes(int n, int64_t num_experts) {
+  size_t temp_bytes = 0;
+  int32_t* none = nullptr;
+  if (cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, none, none, none, none, n, 0, KeyBits(num_experts)) !=
+      cudaSuccess) {
+    return 0;
+  }
+  return temp_bytes;
+}
+
 }  // namespace
+
+size_t SortPairsScratchBytes(int64_t num_pairs, int64_t num_experts) {
+  if (num_pairs == 0) return 0;
+  return ScratchFootprint(4 * num_pairs * sizeof(int32_t)) +
+         ScratchFootprint(SortTempBytes(static_cast<int>(num_pairs), num_experts));
+}
 
 Status SortPairsByExpert(const int32_t* experts, int64_t num_pairs, int64_t num_experts,
                          int32_t* row_of_pair, int32_t* pair_of_row, int32_t* expert_offsets,
@@ -60,11 +76,8 @@ Status SortPairsByExpert(const int32_t* experts, int64_t num_pairs, int64_t num_
   if (buffers == nullptr) return "out of scratch memory for the expert sort";
   int32_t *keys = buffers, *pairs = buffers + n, *sorted_keys = buffers + 2 * n, *sorted_pairs = buffers + 3 * n;
   const int bits = KeyBits(num_experts);
-  size_t temp_bytes = 0;
-  if (cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys, sorted_keys, pairs, sorted_pairs, n, 0, bits,
-                                      stream) != cudaSuccess) {
-    return "cub radix sort size query failed";
-  }
+  size_t temp_bytes = SortTempBytes(n, num_experts);
+  if (temp_bytes == 0) return "cub radix sort size query failed";
   void* temp = scratch(temp_bytes);
   if (temp == nullptr) return "out of scratch memory for the expert sort";
   MakeSortKeys<<<Blocks(n), kThreads, 0, stream>>>(experts, n, static_cast<int>(num_experts), keys, pairs);

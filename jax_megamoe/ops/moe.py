@@ -9,6 +9,7 @@ Three FFI ops per platform (contract in cuda/include/jmm/handlers.h):
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -54,6 +55,31 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+# Read when a function is traced: the CUDA forward and backward get it as an attribute (grammar in
+# cuda/include/jmm/gemm_tiles.h), so it is part of the compiled program; trace again to change it.
+GEMM_TILES_ENV = "JMM_GEMM_TILES"
+
+
+def _call(platform, op, result_shapes, dims, *args, **attrs):
+    """`_ffi.call` of an MoE op. The CUDA handlers take one more result, last: their temporaries (a uint8
+    workspace XLA allocates, so that it may capture them into CUDA graphs; handlers.h), dropped here.
+    `dims` = (bfloat16, tokens, top_k, hidden, intermediate, experts) sizes it. The CUDA forward and
+    backward also take the GEMM tiles (`GEMM_TILES_ENV`)."""
+    if platform != "cuda":
+        return _ffi.call(platform, op, result_shapes, *args, **attrs)
+    if op != "moe_layout":
+        attrs["gemm_tiles"] = os.environ.get(GEMM_TILES_ENV, "")
+    workspace = jax.ShapeDtypeStruct((_ffi.extension().cuda_workspace_bytes(op, *dims),), jnp.uint8)
+    return _ffi.call(platform, op, (*result_shapes, workspace), *args, **attrs)[:-1]
+
+
+def _dims(x, weights, w_gate_up):
+    """The sizes `_call` passes for a forward or backward call."""
+    (tokens, hidden), top_k = x.shape, weights.shape[1]
+    experts, _, two_inter = w_gate_up.shape
+    return (bool(x.dtype == jnp.bfloat16), tokens, top_k, hidden, two_inter // 2, experts)
+
+
 class Layout(NamedTuple):
     """Expert-sorted order of the (token, k) pairs; see `moe_layout`."""
     row_of_pair: jax.Array     # [T*K] int32, -1 for dropped pairs
@@ -66,8 +92,9 @@ def moe_layout(experts: jax.Array, num_experts: int, platform: str) -> Layout:
     num_pairs = experts.size
     shapes = (jax.ShapeDtypeStruct((num_pairs,), jnp.int32), jax.ShapeDtypeStruct((num_pairs,), jnp.int32),
               jax.ShapeDtypeStruct((num_experts + 1,), jnp.int32))
-    return Layout(*_ffi.call(platform, "moe_layout", shapes, experts.astype(jnp.int32),
-                             num_experts=np.int64(num_experts)))
+    dims = (False, *experts.shape, 0, 0, num_experts)
+    return Layout(*_call(platform, "moe_layout", shapes, dims, experts.astype(jnp.int32),
+                         num_experts=np.int64(num_experts)))
 
 
 def _forward(platform, x, weights, w_gate_up, w_down, layout):
@@ -75,7 +102,8 @@ def _forward(platform, x, weights, w_gate_up, w_down, layout):
     top_k = weights.shape[1]
     shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype),
               jax.ShapeDtypeStruct((tokens * top_k, w_gate_up.shape[2]), x.dtype))
-    return _ffi.call(platform, "moe_forward", shapes, x, weights, w_gate_up, w_down, *layout)
+    return _call(platform, "moe_forward", shapes, _dims(x, weights, w_gate_up), x, weights, w_gate_up, w_down,
+                 *layout)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -95,8 +123,9 @@ def _moe_ffn_kernels_bwd(platform, residuals, dy):
     shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(weights.shape, weights.dtype),
               jax.ShapeDtypeStruct(w_gate_up.shape, w_gate_up.dtype),
               jax.ShapeDtypeStruct(w_down.shape, w_down.dtype))
-    dx, d_weights, d_w_gate_up, d_w_down = _ffi.call(
-        platform, "moe_backward", shapes, dy.astype(x.dtype), x, weights, w_gate_up, w_down, gate_up, *layout)
+    dx, d_weights, d_w_gate_up, d_w_down = _call(
+        platform, "moe_backward", shapes, _dims(x, weights, w_gate_up), dy.astype(x.dtype), x, weights, w_gate_up,
+        w_down, gate_up, *layout)
     return dx, d_weights, None, d_w_gate_up, d_w_down
 
 

@@ -1,7 +1,7 @@
 // Run-time choice of the CUTLASS tile configuration (cuda::GemmTiles) of each row-grouped bf16 GEMM of the CUDA
-// handlers. The handlers read the environment variable JMM_GEMM_TILES on every call, so one process (one build,
-// one compiled program) can compare configurations: benchmarks/bench_moe.py's ours_tiles_* implementations,
-// tests/test_gemm_tiles_gpu.py.
+// handlers: the value of the environment variable JMM_GEMM_TILES when the calling function is traced, passed to
+// the handlers as an attribute (jax_megamoe/ops/moe.py), so one build compares configurations by tracing again:
+// benchmarks/bench_moe.py's ours_tiles_* implementations, tests/test_gemm_tiles_gpu.py.
 //
 //   unset, "" or "default"   every GEMM uses its default tiles (RowsGemmTiles below)
 //   "<tiles>"                every row-grouped GEMM uses <tiles>

@@ -152,8 +152,12 @@ Status RunGroupedGemm(const void* a, const void* b, void* d, const int32_t* offs
                       cudaStream_t stream) {
   const int experts = static_cast<int>(num_experts);
   const size_t align = 128;
-  size_t sizes[7] = {sizeof(GroupShape), sizeof(void*), sizeof(void*), sizeof(void*),
-                     sizeof(typename G::StrideA), sizeof(typename G::StrideB), sizeof(typename G::StrideD)};
+  constexpr size_t sizes[7] = {sizeof(GroupShape), sizeof(void*), sizeof(void*), sizeof(void*),
+                               sizeof(typename G::StrideA), sizeof(typename G::StrideB), sizeof(typename G::StrideD)};
+  static_assert(sizeof(GroupShape) <= kMaxGroupArrayElement && sizeof(typename G::StrideA) <= kMaxGroupArrayElement &&
+                    sizeof(typename G::StrideB) <= kMaxGroupArrayElement &&
+                    sizeof(typename G::StrideD) <= kMaxGroupArrayElement,
+                "GroupArraysBound no longer bounds the group arrays");
   size_t total = 0;
   size_t offset[7];
   for (int i = 0; i < 7; ++i) {
@@ -197,6 +201,10 @@ Status RunGroupedGemm(const void* a, const void* b, void* d, const int32_t* offs
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return "CUTLASS cannot implement this grouped GEMM";
   void* workspace = nullptr;
   if (size_t bytes = G::Gemm::get_workspace_size(args); bytes > 0) {
+    if (bytes > CutlassWorkspaceBound(sm_count)) {
+      return "CUTLASS needs " + std::to_string(bytes) + " workspace bytes, more than the bound the workspace was "
+             "sized with (CutlassWorkspaceBound)";
+    }
     workspace = scratch(bytes);
     if (workspace == nullptr) return "out of scratch memory for the grouped GEMM workspace";
   }

@@ -9,6 +9,9 @@
 //               pair_of_row, expert_offsets) -> y [T,H], gate_up [T*K, 2I] (x's dtype, saved for backward)
 //   moe_backward(dy [T,H], x, weights, w_gate_up, w_down, gate_up, row_of_pair, pair_of_row,
 //                expert_offsets) -> dx [T,H], d_weights [T,K] (weights' dtype), d_w_gate_up, d_w_down
+// The CUDA handlers return one more result, last: workspace [bytes] u8, their temporaries (sized by
+// jmm/moe_host.h; its contents are garbage), which lets XLA capture them into CUDA graphs. The CUDA forward
+// and backward also take the string attribute gemm_tiles (grammar in jmm/gemm_tiles.h).
 #pragma once
 
 #include "xla/ffi/api/ffi.h"

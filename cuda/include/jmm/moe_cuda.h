@@ -1,13 +1,15 @@
 // Host entry points of the CUDA MoE kernels (cuda/kernels/*.cu), called by cuda/ffi/moe_cuda.cc.
 //
 // Every function only enqueues work on `stream`: no host synchronisation, no device allocation (temporary
-// memory comes from `Scratch`, which the FFI handler backs with XLA's scratch allocator).
+// memory comes from `Scratch`, which the FFI handler carves out of the workspace XLA allocated for the call,
+// so that a CUDA graph capturing the call keeps valid addresses).
 // Rows are (token, k) pairs in expert-sorted order: expert e owns rows [offsets[e], offsets[e+1]); rows at
 // or past offsets[E] are dropped pairs and are never read.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -16,9 +18,21 @@ namespace jmm::cuda {
 
 enum class Dtype { kFloat32, kBFloat16 };
 
-// Returns device memory of at least `bytes` (256-byte aligned) that lives until the handler returns,
-// or nullptr when the allocator is exhausted.
+// Returns device memory of at least `bytes` (kScratchAlignment-aligned) that lives until the handler's work
+// has run, or nullptr when the workspace is exhausted.
 using Scratch = std::function<void*(size_t bytes)>;
+constexpr size_t kScratchAlignment = 256;
+
+// What one Scratch request of `bytes` takes from the workspace (a request of 0 bytes still gets a pointer).
+inline size_t ScratchFootprint(size_t bytes) {
+  return (std::max<size_t>(bytes, 1) + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment;
+}
+
+// Upper bounds of what the steps below take from Scratch, for sizing the workspace: SortPairsByExpert (CUB's
+// own size query; needs the current device), and one tensor-core RowsGemm or WeightGemm of any tile
+// configuration (the SIMT path takes nothing).
+size_t SortPairsScratchBytes(int64_t num_pairs, int64_t num_experts);
+size_t GroupedGemmScratchBytes(int64_t num_experts);
 
 // An empty message means success.
 using Status = std::string;
@@ -83,6 +97,15 @@ Status WeightGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, 
 // row-major B_e, NT transposed B_e; the unsuffixed ones use GemmTiles::kCooperative128x256Cluster2, the others
 // the tiles named.
 namespace cutlass_gemm {
+// Bounds of the two Scratch requests of one instantiation, checked by it at run time: its group arrays (7
+// arrays of one element per expert, an element at most kMaxGroupArrayElement bytes, each array rounded up
+// to 128 bytes) and CUTLASS's workspace (TMA descriptors per SM, and the tile scheduler's).
+constexpr size_t kMaxGroupArrayElement = 32;
+inline size_t GroupArraysBound(int64_t experts) {
+  return 7 * ((kMaxGroupArrayElement * experts + 127) / 128 * 128);
+}
+inline size_t CutlassWorkspaceBound(int sm_count) { return 1024 * static_cast<size_t>(sm_count) + 4096; }
+
 Status RowsGemmNN(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
                   int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream);
 Status RowsGemmNNCooperative128x256Cluster1(const void* a, const void* b, void* d, const int32_t* offsets,
