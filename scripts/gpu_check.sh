@@ -13,6 +13,7 @@
 #             multi-GPU steps, named explicitly: "mpgpu concurrency ep2bench ep2profile",
 #       GPU_TESTS="..." (pytest selection, default: tests/ — every test marked gpu), GPU_TEST_WORKERS=N,
 #       BENCH_ARGS="..." (passed to benchmarks/bench_moe.py), PROFILE_CONFIG=q30s|q30|q235 (default q30),
+#       PROFILE_ROUTING=uniform|zipf (default uniform),
 #       TRAIN_RECORD_ARGS="..." (passed to benchmarks/train_record.py), TRAIN_RECORD_TIMEOUT=seconds,
 #       CONCURRENCY_ARGS="..." (passed to benchmarks/nccl_concurrency.py, e.g. "--iters 200 --backend xla"),
 #       CONCURRENCY_CTAS="unset 32" (one concurrency run per NCCL_MAX_CTAS value; "unset" leaves it unset),
@@ -107,7 +108,7 @@ if want cputest && [[ -n $cpu_tests ]]; then
   step cpu-tests cpu_tests.log env JAX_PLATFORMS=cpu $PY -m pytest -q -p no:cacheprovider $cpu_tests
 fi
 
-# Per-kernel device time and DRAM bytes of one forward+backward (bf16, uniform routing) at PROFILE_CONFIG
+# Per-kernel device time and DRAM bytes of one forward+backward (bf16) at PROFILE_CONFIG and PROFILE_ROUTING
 # (q30s, q30 or q235; default q30), read by Nsight Compute.
 cat > /tmp/jmm_profile.py <<'PYEOF'
 import math, sys, jax, jax.numpy as jnp, torch
@@ -119,7 +120,8 @@ x = jax.random.normal(ks[0], (t, h), jnp.bfloat16)
 gu = (jax.random.normal(ks[1], (e, h, 2 * i)) / math.sqrt(h)).astype(jnp.bfloat16)
 d = (jax.random.normal(ks[2], (e, i, h)) / math.sqrt(i)).astype(jnp.bfloat16)
 dy = jax.random.normal(ks[3], (t, h), jnp.bfloat16)
-ids = jax.lax.top_k(jax.random.gumbel(ks[4], (t, e)), k)[1].astype(jnp.int32)
+log_p = jnp.zeros(e) if sys.argv[2] == "uniform" else -1.2 * jnp.log1p(jnp.arange(e))  # as bench_moe.py
+ids = jax.lax.top_k(log_p + jax.random.gumbel(ks[4], (t, e)), k)[1].astype(jnp.int32)
 w = jax.nn.softmax(jax.random.normal(ks[5], (t, k)), axis=-1)
 f = jax.jit(lambda *a: jax.vjp(lambda x, w, gu, d: jmm.moe_ffn(x, w, ids, gu, d, backend="cuda"), *a[:4])[1](a[4]))
 for _ in range(2):
@@ -129,11 +131,11 @@ jax.block_until_ready(f(x, w, gu, d, dy))
 torch.cuda.profiler.stop()
 PYEOF
 profile() {
-  local config=${PROFILE_CONFIG:-q30}
+  local config=${PROFILE_CONFIG:-q30} routing=${PROFILE_ROUTING:-uniform}
   ncu --profile-from-start off --clock-control none --csv \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
-    $PY /tmp/jmm_profile.py "$config" > "/tmp/jmm_ncu_$config.csv" || return 1
-  echo "config $config: per kernel, in launch order"
+    $PY /tmp/jmm_profile.py "$config" "$routing" > "/tmp/jmm_ncu_$config.csv" || return 1
+  echo "config $config, $routing routing: per kernel, in launch order"
   $PY - "/tmp/jmm_ncu_$config.csv" <<'PYEOF'
 import csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
