@@ -53,7 +53,8 @@ git log -1 --format='commit %H %cd' 2>/dev/null | tee -a "$OUTDIR/gpu.txt"
 # a throw-away index) names what ran; compare it with `git rev-parse <commit>^{tree}`. .devrun (scripts carried
 # to the device, ignored only through .git/info/exclude here) is left out.
 tree_index=$(mktemp -u)
-echo "tree $(GIT_INDEX_FILE=$tree_index git add -A -- . ':!.devrun' 2>/dev/null &&
+echo "tree $(GIT_INDEX_FILE=$tree_index git add -A . 2>/dev/null &&
+             GIT_INDEX_FILE=$tree_index git rm -r -q --cached --ignore-unmatch .devrun 2>/dev/null &&
              GIT_INDEX_FILE=$tree_index git write-tree 2>/dev/null)" |
   tee -a "$OUTDIR/gpu.txt"
 rm -f "$tree_index"
