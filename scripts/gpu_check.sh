@@ -56,6 +56,15 @@ if compgen -G ".whl/peers/*.whl" > /dev/null; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv 2>&1 | tee "$OUTDIR/gpu.txt"
 git log -1 --format='commit %H %cd' 2>/dev/null | tee -a "$OUTDIR/gpu.txt"
+# The device copy's git metadata can be older than its files: the tree hash of the files actually here (through
+# a throw-away index) names what ran; compare it with `git rev-parse <commit>^{tree}`. .devrun (scripts carried
+# to the device, ignored only through .git/info/exclude here) is left out.
+tree_index=$(mktemp -u)
+echo "tree $(GIT_INDEX_FILE=$tree_index git add -A . 2>/dev/null &&
+             GIT_INDEX_FILE=$tree_index git rm -r -q --cached --ignore-unmatch .devrun 2>/dev/null &&
+             GIT_INDEX_FILE=$tree_index git write-tree 2>/dev/null)" |
+  tee -a "$OUTDIR/gpu.txt"
+rm -f "$tree_index"
 
 build() {
   export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
