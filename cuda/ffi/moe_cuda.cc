@@ -13,7 +13,6 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <string>
 #include <string_view>
 
