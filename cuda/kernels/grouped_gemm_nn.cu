@@ -5,7 +5,8 @@ namespace jmm::cuda::cutlass_gemm {
 
 Status RowsGemmNN(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
                   int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream) {
-  return RowsGemmNNWith<TilesCooperative128x256Cluster2>(a, b, d, offsets, num_experts, n, k, scratch, stream);
+  return RowsGemmWith<TilesCooperative128x256Cluster2, cutlass::layout::RowMajor>(a, b, d, offsets, num_experts, n, k,
+      scratch, stream);
 }
 
 }  // namespace jmm::cuda::cutlass_gemm

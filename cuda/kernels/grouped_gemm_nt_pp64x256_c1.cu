@@ -7,7 +7,8 @@ namespace jmm::cuda::cutlass_gemm {
 Status RowsGemmNTPingpong64x256Cluster1(const void* a, const void* b, void* d, const int32_t* offsets,
                                         int64_t num_experts, int64_t n, int64_t k, const Scratch& scratch,
                                         cudaStream_t stream) {
-  return RowsGemmNTWith<TilesPingpong64x256Cluster1>(a, b, d, offsets, num_experts, n, k, scratch, stream);
+  return RowsGemmWith<TilesPingpong64x256Cluster1, cutlass::layout::ColumnMajor>(a, b, d, offsets, num_experts, n, k,
+      scratch, stream);
 }
 
 }  // namespace jmm::cuda::cutlass_gemm

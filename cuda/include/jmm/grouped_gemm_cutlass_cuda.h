@@ -7,6 +7,8 @@
 // minute of nvcc time.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
@@ -217,22 +219,15 @@ Status RunGroupedGemm(const void* a, const void* b, void* d, const int32_t* offs
   return {};
 }
 
-// The row-grouped GEMMs of RowsGemm with a given tile configuration: B_e is [k, n] row-major (NN), or [n, k]
-// row-major, i.e. the k x n operand in column-major order (NT).
-template <class Tiles>
-Status RowsGemmNNWith(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
-                      int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream) {
-  using G = Bf16GroupedGemm<Tiles, cutlass::layout::RowMajor, cutlass::layout::RowMajor>;
-  return RunGroupedGemm<G, Grouping::kRows>(a, b, d, offsets, num_experts, 0, n, k, /*ld_a=*/k, /*ld_b=*/n,
-                                            scratch, stream);
-}
-
-template <class Tiles>
-Status RowsGemmNTWith(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
-                      int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream) {
-  using G = Bf16GroupedGemm<Tiles, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>;
-  return RunGroupedGemm<G, Grouping::kRows>(a, b, d, offsets, num_experts, 0, n, k, /*ld_a=*/k, /*ld_b=*/k,
-                                            scratch, stream);
+// The row-grouped GEMM of RowsGemm with a given tile configuration: B_e is [k, n] row-major (LayoutB RowMajor,
+// "NN"), or [n, k] row-major, i.e. the k x n operand in column-major order (LayoutB ColumnMajor, "NT").
+template <class Tiles, class LayoutB>
+Status RowsGemmWith(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts, int64_t n,
+                    int64_t k, const Scratch& scratch, cudaStream_t stream) {
+  using G = Bf16GroupedGemm<Tiles, cutlass::layout::RowMajor, LayoutB>;
+  constexpr bool kRowMajorB = std::is_same_v<LayoutB, cutlass::layout::RowMajor>;
+  return RunGroupedGemm<G, Grouping::kRows>(a, b, d, offsets, num_experts, 0, n, k, /*ld_a=*/k,
+                                            /*ld_b=*/kRowMajorB ? n : k, scratch, stream);
 }
 
 }  // namespace jmm::cuda::cutlass_gemm
