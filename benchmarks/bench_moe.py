@@ -148,6 +148,8 @@ def run_jax(name, cname, routing, samples, inner):
     if name == "tokamax":
         if os.environ.get("JMM_PEER_SITE"):
             sys.path.append(os.environ["JMM_PEER_SITE"])
+        # tokamax's absl flags parse sys.argv and refuse this child's own (already parsed) arguments.
+        sys.argv = sys.argv[:1]
         try:
             import tokamax  # noqa: F401
         except Exception as err:  # noqa: BLE001 - any import failure means the peer is unavailable
