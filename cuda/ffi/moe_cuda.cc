@@ -6,7 +6,8 @@
 //
 // Forward:  gather x rows -> gate_up = x_perm @ W_gu -> h = swiglu -> out = h @ W_d -> y = weighted combine.
 // Backward: gather dy rows -> g = dy @ W_d^T -> swiglu backward (w*h, dz, d_weights) -> d_W_d = (w*h)^T dy
-//           -> dx rows = dz @ W_gu^T -> dx = combine; d_W_gu = x_perm^T dz per expert.
+//           -> dx rows = dz @ W_gu^T -> dx = combine; d_W_gu = x_perm^T dz per expert. dz is a result that
+//           the caller aliases to gate_up (handlers.h), so it takes no scratch of its own.
 // The row-grouped GEMMs' tile configuration is the value JMM_GEMM_TILES had when the calling function was
 // traced, passed as the `gemm_tiles` attribute (jmm/gemm_tiles.h): part of the compiled program, so a call
 // captured into a CUDA graph and its replays agree.
@@ -117,7 +118,6 @@ size_t MoeBackwardWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, i
   const cuda::Dtype dtype = bfloat16 ? cuda::Dtype::kBFloat16 : cuda::Dtype::kFloat32;
   const size_t rows = tokens * top_k, bytes = ElementBytes(dtype);
   return cuda::ScratchFootprint(rows * hidden * bytes) + cuda::ScratchFootprint(rows * intermediate * bytes) +
-         cuda::ScratchFootprint(rows * 2 * intermediate * bytes) +
          GemmsScratchBytes(4, cuda::UseTensorCores(dtype, hidden, intermediate), experts);
 }
 
@@ -194,13 +194,15 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffe
                            ffi::Buffer<ffi::S32> row_of_pair, ffi::Buffer<ffi::S32> pair_of_row,
                            ffi::Buffer<ffi::S32> expert_offsets, ffi::Result<ffi::AnyBuffer> dx,
                            ffi::Result<ffi::AnyBuffer> d_weights, ffi::Result<ffi::AnyBuffer> d_w_gate_up,
-                           ffi::Result<ffi::AnyBuffer> d_w_down, std::string_view gemm_tiles, Workspace workspace) {
+                           ffi::Result<ffi::AnyBuffer> d_w_down, ffi::Result<ffi::AnyBuffer> dz_result,
+                           std::string_view gemm_tiles, Workspace workspace) {
   MoeDims d;
   if (auto err = ReadMoeDims(x, weights, w_gate_up, w_down, &d); err.failure()) return err;
   cuda::Dtype dtype;
   if (auto err = ReadDtype(x.element_type(), &dtype); err.failure()) return err;
-  if (dy.element_type() != x.element_type() || gate_up.element_type() != x.element_type()) {
-    return InvalidArgument("dy and gate_up must have x's dtype");
+  if (dy.element_type() != x.element_type() || gate_up.element_type() != x.element_type() ||
+      dz_result->element_type() != x.element_type() || dz_result->element_count() != gate_up.element_count()) {
+    return InvalidArgument("dy, gate_up and the dz result must have x's dtype, dz gate_up's size");
   }
   RowsGemmTiles tiles;
   if (auto err = ReadGemmTiles(gemm_tiles, &tiles); err.failure()) return err;
@@ -220,13 +222,14 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffe
   const size_t bytes = ElementBytes(dtype);
 
   // `rows_h` holds gathered dy (until the d_W_down GEMM), then the per-row dx, then gathered x (each dead
-  // before the next). The routing weight goes into h (rows x I), not into a second copy of dy (rows x H),
-  // and w * h is written over g, which the SwiGLU backward is the last to read.
+  // before the next). The routing weight goes into h (rows x I), not into a second copy of dy (rows x H);
+  // the SwiGLU backward is the last reader of g and of gate_up, and writes w * h over g and dz over gate_up
+  // (when the caller aliased them, as jax_megamoe does).
   void* rows_h = alloc(rows * H * bytes);
   void* g = alloc(rows * I * bytes);
-  void* dz = alloc(rows * 2 * I * bytes);
-  if (!rows_h || !g || !dz) return Internal("backward", "out of scratch memory");
+  if (!rows_h || !g) return Internal("backward", "out of scratch memory");
   void* weighted_h = g;
+  void* dz = dz_result->untyped_data();
 
   JMM_CUDA_TRY("backward gather dy",
                cuda::GatherRows(dtype, dy.untyped_data(), H, pairs, offsets, E, rows, K, rows_h, stream));
@@ -279,5 +282,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_moe_forward, jmm::MoeForwardCuda,
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_moe_backward, jmm::MoeBackwardCuda,
-                              jmm::WithTilesAndWorkspace(jmm::BindMoeBackward(jmm::CudaBinding())),
+                              jmm::WithTilesAndWorkspace(jmm::BindMoeBackward(jmm::CudaBinding())
+                                                             .Ret<xla::ffi::AnyBuffer>()),  // dz (on gate_up)
                               {xla::ffi::Traits::kCmdBufferCompatible});
