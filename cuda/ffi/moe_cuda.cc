@@ -98,6 +98,18 @@ size_t GemmsScratchBytes(int gemms, bool tensor_cores, int64_t experts) {
   return tensor_cores ? gemms * cuda::GroupedGemmScratchBytes(experts) : 0;
 }
 
+// The backward stages gathered dy and then g (rows x H and rows x I elements) in d_w_gate_up's buffer
+// (E x H x 2I), which nothing reads and only the last GEMM writes, when they fit: always at Qwen3-MoE sizes
+// (rows = T*K). g starts at this byte offset, aligned for the kernels' vector loads.
+size_t BackwardStagedGOffset(size_t rows, size_t hidden, size_t bytes) {
+  return (rows * hidden * bytes + 255) / 256 * 256;
+}
+bool BackwardStagesInWeightGradient(size_t rows, size_t hidden, size_t intermediate, size_t experts,
+                                    size_t bytes) {
+  return BackwardStagedGOffset(rows, hidden, bytes) + rows * intermediate * bytes <=
+         experts * hidden * 2 * intermediate * bytes;
+}
+
 }  // namespace
 
 // The sums below follow the handlers' Scratch requests one by one (each rounded by ScratchFootprint).
@@ -117,7 +129,10 @@ size_t MoeBackwardWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, i
                                  int64_t intermediate, int64_t experts) {
   const cuda::Dtype dtype = bfloat16 ? cuda::Dtype::kBFloat16 : cuda::Dtype::kFloat32;
   const size_t rows = tokens * top_k, bytes = ElementBytes(dtype);
-  return cuda::ScratchFootprint(rows * hidden * bytes) + cuda::ScratchFootprint(rows * intermediate * bytes) +
+  const size_t g = BackwardStagesInWeightGradient(rows, hidden, intermediate, experts, bytes)
+                       ? 0
+                       : cuda::ScratchFootprint(rows * intermediate * bytes);
+  return cuda::ScratchFootprint(rows * hidden * bytes) + g +
          GemmsScratchBytes(4, cuda::UseTensorCores(dtype, hidden, intermediate), experts);
 }
 
@@ -221,13 +236,21 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffe
   cuda::Scratch alloc = cursor.scratch();
   const size_t bytes = ElementBytes(dtype);
 
-  // `rows_h` holds gathered dy (until the d_W_down GEMM), then the per-row dx, then gathered x (each dead
-  // before the next). The routing weight goes into h (rows x I), not into a second copy of dy (rows x H);
-  // the SwiGLU backward is the last reader of g and of gate_up, and writes w * h over g and dz over gate_up
-  // (when the caller aliased them, as jax_megamoe does).
-  void* rows_h = alloc(rows * H * bytes);
-  void* g = alloc(rows * I * bytes);
-  if (!rows_h || !g) return Internal("backward", "out of scratch memory");
+  // `rows_h` holds gathered dy (until the d_W_down GEMM), then the per-row dx; `x_rows` gathered x for the last
+  // GEMM. rows_h and g live in d_w_gate_up's buffer until that GEMM writes it, when they fit, else in the
+  // workspace with x_rows over rows_h (dead by then). The routing weight goes into h (rows x I), not into a
+  // second copy of dy (rows x H); the SwiGLU backward is the last reader of g and of gate_up, and writes
+  // w * h over g and dz over gate_up (when the caller aliased them, as jax_megamoe does).
+  void* x_rows = alloc(rows * H * bytes);
+  void* rows_h = x_rows;
+  void* g = nullptr;
+  if (BackwardStagesInWeightGradient(rows, H, I, E, bytes)) {
+    rows_h = d_w_gate_up->untyped_data();
+    g = static_cast<char*>(rows_h) + BackwardStagedGOffset(rows, H, bytes);
+  } else {
+    g = alloc(rows * I * bytes);
+  }
+  if (!x_rows || !g) return Internal("backward", "out of scratch memory");
   void* weighted_h = g;
   void* dz = dz_result->untyped_data();
 
@@ -249,8 +272,8 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffe
   JMM_CUDA_TRY("backward dx combine", cuda::CombineRows(dtype, rows_h, row_of_pair.typed_data(), nullptr,
                                                         d.tokens, K, H, dx->untyped_data(), stream));
   JMM_CUDA_TRY("backward gather x",
-               cuda::GatherRows(dtype, x.untyped_data(), H, pairs, offsets, E, rows, K, rows_h, stream));
-  JMM_CUDA_TRY("backward d_w_gate_up GEMM", cuda::WeightGemm(dtype, tc, rows_h, dz, d_w_gate_up->untyped_data(),
+               cuda::GatherRows(dtype, x.untyped_data(), H, pairs, offsets, E, rows, K, x_rows, stream));
+  JMM_CUDA_TRY("backward d_w_gate_up GEMM", cuda::WeightGemm(dtype, tc, x_rows, dz, d_w_gate_up->untyped_data(),
                                                              offsets, E, rows, H, 2 * I, alloc, stream));
   return ffi::Error::Success();
 }
