@@ -55,8 +55,12 @@ def vary_alike(*values):
     return tuple(_mark_varying(v, axes) for v in values)
 
 
-def call(platform: str, op: str, result_shapes, *args, vmap_method: str = "sequential", **attrs):
+def call(platform: str, op: str, result_shapes, *args, vmap_method: str = "sequential",
+         input_output_aliases=None, **attrs):
     """Calls FFI target `jmm_{platform}_{op}` on operands made alike by `vary_alike`.
+
+    `input_output_aliases` ({operand index: result index}, see `jax.ffi.ffi_call`) lets a result be written
+    over an operand; XLA copies the operand first if anything else still reads it.
 
     Under `jax.vmap` the op runs once per batch element (`vmap_method`, see `jax.ffi.ffi_call`).
 
@@ -66,5 +70,6 @@ def call(platform: str, op: str, result_shapes, *args, vmap_method: str = "seque
     if extension() is None:
         raise RuntimeError("jax_megamoe's compiled extension is missing: reinstall with `pip install .`")
     axes = frozenset().union(*(_varying_axes(a) for a in args))
-    results = jax.ffi.ffi_call(f"jmm_{platform}_{op}", result_shapes, vmap_method=vmap_method)(*args, **attrs)
+    results = jax.ffi.ffi_call(f"jmm_{platform}_{op}", result_shapes, vmap_method=vmap_method,
+                               input_output_aliases=input_output_aliases)(*args, **attrs)
     return type(results)(_mark_varying(r, axes) for r in results)

@@ -187,6 +187,25 @@ def test_jit_and_checkpoint_match_plain_grad():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def test_backward_passes_sharing_one_forward():
+    """The backward writes dz over its gate_up operand (an aliased result, handlers.h): backward passes that
+    share one forward must each still read the forward's gate_up (XLA copies it for all but the last), in one
+    jit and eagerly, and give the gradients of separate forward+backward calls bit for bit."""
+    x, weights, experts, w_gate_up, w_down, dy = make_problem(512, 128, 64, 8, 2, jnp.bfloat16, "zipf")
+    cotangents = (dy, (-2 * dy.astype(jnp.float32)).astype(dy.dtype))
+
+    def shared(*args):
+        _, vjp = jax.vjp(lambda a, w, g, d: cuda_fn(a, w, experts, g, d), *args)
+        return [vjp(ct) for ct in cotangents]
+
+    args = (x, weights, w_gate_up, w_down)
+    separate = [jax.jit(lambda *a: run_with_grads(cuda_fn, *a))(x, weights, experts, w_gate_up, w_down, ct)[1]
+                for ct in cotangents]
+    for got in (jax.jit(shared)(*args), shared(*args)):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(separate)):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
 def test_auto_backend_uses_cuda_and_matches():
     x, weights, experts, w_gate_up, w_down, _ = make_problem(64, 64, 32, 4, 2, jnp.float32)
     y_auto = jmm.moe_ffn(x, weights, experts, w_gate_up, w_down)

@@ -65,3 +65,18 @@ def test_cpu_calls_have_no_workspace_result():
                    ).lower(x).as_text()
     results = re.findall(r"stablehlo\.custom_call @jmm_cpu_moe_forward\(.*\) -> \((.*)\)", text)
     assert results and "ui8" not in results[0]
+
+
+def test_cuda_backward_writes_dz_over_gate_up(monkeypatch):
+    """The CUDA backward returns dz (gate_up's gradient) aliased to its gate_up operand, so it needs no
+    rows x 2I scratch of its own (handlers.h): the alias is in the lowered call, on a result of gate_up's type."""
+    text, _ = lowered_cuda_step(jnp.bfloat16, monkeypatch)
+    call = next(line for line in text.splitlines() if "@jmm_cuda_moe_backward" in line)
+    operands = re.search(r"\} : \((.*)\) -> \((.*)\)$", call)
+    operand_types, result_types = operands.group(1).split(", "), operands.group(2).split(", ")
+    alias = re.search(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call)
+    assert alias, call
+    result, operand = int(alias.group(1)), int(alias.group(2))
+    assert operand == moe_ops._BACKWARD_GATE_UP_OPERAND
+    assert operand_types[operand] == result_types[result] == f"tensor<{T * K}x{2 * I}xbf16>"
+    assert result == len(result_types) - 2  # dz, then the workspace

@@ -6,7 +6,8 @@
 //
 // Forward:  gather x rows -> gate_up = x_perm @ W_gu -> h = swiglu -> out = h @ W_d -> y = weighted combine.
 // Backward: gather dy rows -> g = dy @ W_d^T -> swiglu backward (w*h, dz, d_weights) -> d_W_d = (w*h)^T dy
-//           -> dx rows = dz @ W_gu^T -> dx = combine; d_W_gu = x_perm^T dz per expert.
+//           -> dx rows = dz @ W_gu^T -> dx = combine; d_W_gu = x_perm^T dz per expert. dz is a result that
+//           the caller aliases to gate_up (handlers.h), so it takes no scratch of its own.
 // The row-grouped GEMMs' tile configuration is the value JMM_GEMM_TILES had when the calling function was
 // traced, passed as the `gemm_tiles` attribute (jmm/gemm_tiles.h): part of the compiled program, so a call
 // captured into a CUDA graph and its replays agree.
@@ -97,6 +98,18 @@ size_t GemmsScratchBytes(int gemms, bool tensor_cores, int64_t experts) {
   return tensor_cores ? gemms * cuda::GroupedGemmScratchBytes(experts) : 0;
 }
 
+// The backward stages gathered dy and then g (rows x H and rows x I elements) in d_w_gate_up's buffer
+// (E x H x 2I), which nothing reads and only the last GEMM writes, when they fit: always at Qwen3-MoE sizes
+// (rows = T*K). g starts at this byte offset, aligned for the kernels' vector loads.
+size_t BackwardStagedGOffset(size_t rows, size_t hidden, size_t bytes) {
+  return (rows * hidden * bytes + 255) / 256 * 256;
+}
+bool BackwardStagesInWeightGradient(size_t rows, size_t hidden, size_t intermediate, size_t experts,
+                                    size_t bytes) {
+  return BackwardStagedGOffset(rows, hidden, bytes) + rows * intermediate * bytes <=
+         experts * hidden * 2 * intermediate * bytes;
+}
+
 }  // namespace
 
 // The sums below follow the handlers' Scratch requests one by one (each rounded by ScratchFootprint).
@@ -116,8 +129,10 @@ size_t MoeBackwardWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, i
                                  int64_t intermediate, int64_t experts) {
   const cuda::Dtype dtype = bfloat16 ? cuda::Dtype::kBFloat16 : cuda::Dtype::kFloat32;
   const size_t rows = tokens * top_k, bytes = ElementBytes(dtype);
-  return cuda::ScratchFootprint(rows * hidden * bytes) + cuda::ScratchFootprint(rows * intermediate * bytes) +
-         cuda::ScratchFootprint(rows * 2 * intermediate * bytes) +
+  const size_t g = BackwardStagesInWeightGradient(rows, hidden, intermediate, experts, bytes)
+                       ? 0
+                       : cuda::ScratchFootprint(rows * intermediate * bytes);
+  return cuda::ScratchFootprint(rows * hidden * bytes) + g +
          GemmsScratchBytes(4, cuda::UseTensorCores(dtype, hidden, intermediate), experts);
 }
 
@@ -194,13 +209,15 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffe
                            ffi::Buffer<ffi::S32> row_of_pair, ffi::Buffer<ffi::S32> pair_of_row,
                            ffi::Buffer<ffi::S32> expert_offsets, ffi::Result<ffi::AnyBuffer> dx,
                            ffi::Result<ffi::AnyBuffer> d_weights, ffi::Result<ffi::AnyBuffer> d_w_gate_up,
-                           ffi::Result<ffi::AnyBuffer> d_w_down, std::string_view gemm_tiles, Workspace workspace) {
+                           ffi::Result<ffi::AnyBuffer> d_w_down, ffi::Result<ffi::AnyBuffer> dz_result,
+                           std::string_view gemm_tiles, Workspace workspace) {
   MoeDims d;
   if (auto err = ReadMoeDims(x, weights, w_gate_up, w_down, &d); err.failure()) return err;
   cuda::Dtype dtype;
   if (auto err = ReadDtype(x.element_type(), &dtype); err.failure()) return err;
-  if (dy.element_type() != x.element_type() || gate_up.element_type() != x.element_type()) {
-    return InvalidArgument("dy and gate_up must have x's dtype");
+  if (dy.element_type() != x.element_type() || gate_up.element_type() != x.element_type() ||
+      dz_result->element_type() != x.element_type() || dz_result->element_count() != gate_up.element_count()) {
+    return InvalidArgument("dy, gate_up and the dz result must have x's dtype, dz gate_up's size");
   }
   RowsGemmTiles tiles;
   if (auto err = ReadGemmTiles(gemm_tiles, &tiles); err.failure()) return err;
@@ -219,14 +236,23 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffe
   cuda::Scratch alloc = cursor.scratch();
   const size_t bytes = ElementBytes(dtype);
 
-  // `rows_h` holds gathered dy (until the d_W_down GEMM), then the per-row dx, then gathered x (each dead
-  // before the next). The routing weight goes into h (rows x I), not into a second copy of dy (rows x H),
-  // and w * h is written over g, which the SwiGLU backward is the last to read.
-  void* rows_h = alloc(rows * H * bytes);
-  void* g = alloc(rows * I * bytes);
-  void* dz = alloc(rows * 2 * I * bytes);
-  if (!rows_h || !g || !dz) return Internal("backward", "out of scratch memory");
+  // `rows_h` holds gathered dy (until the d_W_down GEMM), then the per-row dx; `x_rows` gathered x for the last
+  // GEMM. rows_h and g live in d_w_gate_up's buffer until that GEMM writes it, when they fit, else in the
+  // workspace with x_rows over rows_h (dead by then). The routing weight goes into h (rows x I), not into a
+  // second copy of dy (rows x H); the SwiGLU backward is the last reader of g and of gate_up, and writes
+  // w * h over g and dz over gate_up (when the caller aliased them, as jax_megamoe does).
+  void* x_rows = alloc(rows * H * bytes);
+  void* rows_h = x_rows;
+  void* g = nullptr;
+  if (BackwardStagesInWeightGradient(rows, H, I, E, bytes)) {
+    rows_h = d_w_gate_up->untyped_data();
+    g = static_cast<char*>(rows_h) + BackwardStagedGOffset(rows, H, bytes);
+  } else {
+    g = alloc(rows * I * bytes);
+  }
+  if (!x_rows || !g) return Internal("backward", "out of scratch memory");
   void* weighted_h = g;
+  void* dz = dz_result->untyped_data();
 
   JMM_CUDA_TRY("backward gather dy",
                cuda::GatherRows(dtype, dy.untyped_data(), H, pairs, offsets, E, rows, K, rows_h, stream));
@@ -246,8 +272,8 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffe
   JMM_CUDA_TRY("backward dx combine", cuda::CombineRows(dtype, rows_h, row_of_pair.typed_data(), nullptr,
                                                         d.tokens, K, H, dx->untyped_data(), stream));
   JMM_CUDA_TRY("backward gather x",
-               cuda::GatherRows(dtype, x.untyped_data(), H, pairs, offsets, E, rows, K, rows_h, stream));
-  JMM_CUDA_TRY("backward d_w_gate_up GEMM", cuda::WeightGemm(dtype, tc, rows_h, dz, d_w_gate_up->untyped_data(),
+               cuda::GatherRows(dtype, x.untyped_data(), H, pairs, offsets, E, rows, K, x_rows, stream));
+  JMM_CUDA_TRY("backward d_w_gate_up GEMM", cuda::WeightGemm(dtype, tc, x_rows, dz, d_w_gate_up->untyped_data(),
                                                              offsets, E, rows, H, 2 * I, alloc, stream));
   return ffi::Error::Success();
 }
@@ -279,5 +305,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_moe_forward, jmm::MoeForwardCuda,
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_moe_backward, jmm::MoeBackwardCuda,
-                              jmm::WithTilesAndWorkspace(jmm::BindMoeBackward(jmm::CudaBinding())),
+                              jmm::WithTilesAndWorkspace(jmm::BindMoeBackward(jmm::CudaBinding())
+                                                             .Ret<xla::ffi::AnyBuffer>()),  // dz (on gate_up)
                               {xla::ffi::Traits::kCmdBufferCompatible});

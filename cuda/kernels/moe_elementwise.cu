@@ -127,11 +127,12 @@ static_assert(kSumGroups % kLoadBatch == 0, "a load batch must not straddle two 
 
 template <typename T, int V>
 __global__ void __launch_bounds__(kBackwardThreads) SwigluBackwardKernel(
-    const T* __restrict__ gate_up, const T* g, const float* __restrict__ weights,
+    const T* gate_up, const T* g, const float* __restrict__ weights,
     const int32_t* __restrict__ pair_of_row, const int32_t* __restrict__ kept_rows, int64_t intermediate,
-    T* weighted_h, T* __restrict__ dz, float* __restrict__ d_weights) {
-  // g and weighted_h may be one buffer (no __restrict__ on them): every vector of g is loaded by the lane that
-  // later stores that vector of weighted_h, and a lane past the row's end discards the vector it loads.
+    T* weighted_h, T* dz, float* __restrict__ d_weights) {
+  // g and weighted_h may be one buffer, and gate_up and dz another (no __restrict__ on them): every vector of
+  // g and gate_up is loaded by the lane that later stores that vector of weighted_h and dz, and a lane past
+  // the row's end discards the vectors it loads.
   const int lane = threadIdx.x % 32;
   const int64_t kept = *kept_rows;
   const int64_t n = intermediate / V;

@@ -55,6 +55,10 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+# Where `_moe_ffn_kernels_bwd` passes gate_up among the backward's operands (dy, x, weights, w_gate_up,
+# w_down, gate_up, layout...).
+_BACKWARD_GATE_UP_OPERAND = 5
+
 # Read when a function is traced: the CUDA forward and backward get it as an attribute (grammar in
 # cuda/include/jmm/gemm_tiles.h), so it is part of the compiled program; trace again to change it.
 GEMM_TILES_ENV = "JMM_GEMM_TILES"
@@ -64,13 +68,21 @@ def _call(platform, op, result_shapes, dims, *args, **attrs):
     """`_ffi.call` of an MoE op. The CUDA handlers take one more result, last: their temporaries (a uint8
     workspace XLA allocates, so that it may capture them into CUDA graphs; handlers.h), dropped here.
     `dims` = (bfloat16, tokens, top_k, hidden, intermediate, experts) sizes it. The CUDA forward and
-    backward also take the GEMM tiles (`GEMM_TILES_ENV`)."""
+    backward also take the GEMM tiles (`GEMM_TILES_ENV`). The CUDA backward also returns dz, the gradient
+    of gate_up, written over its gate_up operand (handlers.h; one rows x 2I buffer less), dropped here."""
     if platform != "cuda":
         return _ffi.call(platform, op, result_shapes, *args, **attrs)
     if op != "moe_layout":
         attrs["gemm_tiles"] = os.environ.get(GEMM_TILES_ENV, "")
+    extra, aliases = (), None
+    if op == "moe_backward":
+        gate_up = args[_BACKWARD_GATE_UP_OPERAND]
+        extra = (jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype),)
+        aliases = {_BACKWARD_GATE_UP_OPERAND: len(result_shapes)}
     workspace = jax.ShapeDtypeStruct((_ffi.extension().cuda_workspace_bytes(op, *dims),), jnp.uint8)
-    return _ffi.call(platform, op, (*result_shapes, workspace), *args, **attrs)[:-1]
+    results = _ffi.call(platform, op, (*result_shapes, *extra, workspace), *args, input_output_aliases=aliases,
+                        **attrs)
+    return results[:len(result_shapes)]
 
 
 def _dims(x, weights, w_gate_up):

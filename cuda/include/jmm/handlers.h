@@ -11,7 +11,9 @@
 //                expert_offsets) -> dx [T,H], d_weights [T,K] (weights' dtype), d_w_gate_up, d_w_down
 // The CUDA handlers return one more result, last: workspace [bytes] u8, their temporaries (sized by
 // jmm/moe_host.h; its contents are garbage), which lets XLA capture them into CUDA graphs. The CUDA forward
-// and backward also take the string attribute gemm_tiles (grammar in jmm/gemm_tiles.h).
+// and backward also take the string attribute gemm_tiles (grammar in jmm/gemm_tiles.h). The CUDA backward
+// returns dz [T*K, 2I] before the workspace, the gradient of gate_up (garbage to the caller), which the
+// caller aliases to the gate_up operand: dz is written over gate_up, its last reader being the backward.
 #pragma once
 
 #include "xla/ffi/api/ffi.h"

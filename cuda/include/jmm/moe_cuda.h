@@ -58,7 +58,7 @@ Status CombineRows(Dtype dtype, const void* row_values, const int32_t* row_of_pa
 // The SwiGLU backward of kept rows, given g = dy @ W_down^T (row r in row order), with h = round(silu(zg) * zu):
 //   weighted_h = round(w * h); d_weights[pair] = <g, h>; dz = round(w * g * d(silu(zg) * zu)).
 // weighted_h feeds d_W_down = weighted_h^T dy, so no copy of w * dy is needed; it may be written over g (the
-// same pointer), no other buffers may overlap. d_weights of dropped pairs is set to zero.
+// same pointer), and dz over gate_up; no other buffers may overlap. d_weights of dropped pairs is set to zero.
 Status SwigluBackward(Dtype dtype, const void* gate_up, const void* g, const float* weights,
                       const int32_t* pair_of_row, const int32_t* row_of_pair, const int32_t* expert_offsets,
                       int64_t num_experts, int64_t rows, int64_t intermediate, void* weighted_h, void* dz,
