@@ -12,6 +12,7 @@
 #   env STEPS="build test memcheck cputest profile bench epbench emubench trainrecord" (the default),
 #             multi-GPU steps, named explicitly: "mpgpu concurrency ep2bench ep2profile",
 #       GPU_TESTS="..." (pytest selection, default: tests/ — every test marked gpu), GPU_TEST_WORKERS=N,
+#       GPU_TEST_TIMEOUT=S (seconds for the test step, default unbounded),
 #       BENCH_ARGS="..." (passed to benchmarks/bench_moe.py), PROFILE_CONFIG=q30s|q30|q235 (default q30),
 #       PROFILE_ROUTING=uniform|zipf (default uniform),
 #       TRAIN_RECORD_ARGS="..." (passed to benchmarks/train_record.py), TRAIN_RECORD_TIMEOUT=seconds,
@@ -75,8 +76,10 @@ want build && step build build.log build
 
 # GPU_TEST_WORKERS=N runs the GPU tests in N pytest-xdist processes sharing the GPU(s): their time is
 # mostly XLA compilation, which then runs on N cores (pytest-xdist and execnet come as wheels in .whl/).
-want test && step gpu-tests gpu_tests.log $PY -m pytest -m gpu -q -rA -p no:cacheprovider \
-  ${GPU_TEST_WORKERS:+-n $GPU_TEST_WORKERS} ${GPU_TESTS:-tests/}
+# -v names each test as it finishes, so a step cut short still says which passed; GPU_TEST_TIMEOUT=S bounds
+# the step (0, the default: unbounded) so that the steps after it still run.
+want test && step gpu-tests gpu_tests.log timeout "${GPU_TEST_TIMEOUT:-0}" $PY -m pytest -m gpu -v -rA \
+  -p no:cacheprovider ${GPU_TEST_WORKERS:+-n $GPU_TEST_WORKERS} ${GPU_TESTS:-tests/}
 
 cat > /tmp/jmm_memcheck.py <<'PYEOF'
 import jax, jax.numpy as jnp, numpy as np
