@@ -199,8 +199,8 @@ def test_backward_passes_sharing_one_forward():
         return [vjp(ct) for ct in cotangents]
 
     args = (x, weights, w_gate_up, w_down)
-    separate = [jax.jit(lambda *a: run_with_grads(cuda_fn, *a))(x, weights, experts, w_gate_up, w_down, ct)[1]
-                for ct in cotangents]
+    one_pass = jax.jit(lambda *a: run_with_grads(cuda_fn, *a))
+    separate = [one_pass(x, weights, experts, w_gate_up, w_down, ct)[1] for ct in cotangents]
     for got in (jax.jit(shared)(*args), shared(*args)):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(separate)):
             np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
