@@ -76,10 +76,27 @@ want build && step build build.log build
 
 # GPU_TEST_WORKERS=N runs the GPU tests in N pytest-xdist processes sharing the GPU(s): their time is
 # mostly XLA compilation, which then runs on N cores (pytest-xdist and execnet come as wheels in .whl/).
-# -v names each test as it finishes, so a step cut short still says which passed; GPU_TEST_TIMEOUT=S bounds
-# the step (0, the default: unbounded) so that the steps after it still run.
-want test && step gpu-tests gpu_tests.log timeout "${GPU_TEST_TIMEOUT:-0}" $PY -m pytest -m gpu -v -rA \
-  -p no:cacheprovider ${GPU_TEST_WORKERS:+-n $GPU_TEST_WORKERS} ${GPU_TESTS:-tests/}
+# Tests marked `alone` (large models) run afterwards, one at a time. -v names each test as it finishes, so
+# a step cut short still says which passed; GPU_TEST_TIMEOUT=S bounds the step (0, the default: unbounded)
+# so that the steps after it still run.
+gpu_tests() {
+  local end=$((SECONDS + ${GPU_TEST_TIMEOUT:-0})) rc=0 code marks workers
+  for marks in "gpu and not alone" "gpu and alone"; do
+    workers=()
+    [[ $marks == *"not alone" && -n ${GPU_TEST_WORKERS:-} ]] && workers=(-n "$GPU_TEST_WORKERS")
+    local limit=0  # timeout's 0: unbounded
+    if (( ${GPU_TEST_TIMEOUT:-0} > 0 )); then
+      limit=$((end - SECONDS))
+      (( limit > 0 )) || { echo "GPU_TEST_TIMEOUT spent before: $marks"; return 124; }
+    fi
+    timeout "$limit" $PY -m pytest -m "$marks" -v -rA -p no:cacheprovider ${workers[@]+"${workers[@]}"} \
+      ${GPU_TESTS:-tests/}
+    code=$?
+    [[ $code == 0 || $code == 5 ]] || rc=$code  # 5: the selection has no such test
+  done
+  return $rc
+}
+want test && step gpu-tests gpu_tests.log gpu_tests
 
 cat > /tmp/jmm_memcheck.py <<'PYEOF'
 import jax, jax.numpy as jnp, numpy as np

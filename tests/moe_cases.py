@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_megamoe import reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +84,19 @@ def value_and_grads(fn, args, dy) -> tuple:
     x, weights, ids, w_gate_up, w_down = args
     y, vjp = jax.vjp(lambda a, w, g, d: fn(a, w, ids, g, d), x, weights, w_gate_up, w_down)
     return (y, *vjp(dy.astype(y.dtype)))
+
+
+def reference_value_and_grads(args, dy) -> tuple:
+    """The float32 reference's `(y, dx, d_weights, d_w_gate_up, d_w_down)` for `(x, weights, experts,
+    w_gate_up, w_down)` and cotangent `dy`, as numpy arrays; bf16 inputs are promoted to float32.
+
+    Computed by one jit on the host CPU, wherever the inputs live: there the reference is exact float32 and
+    compiles in seconds. Jitted on a GPU, XLA autotunes each of its unrolled per-expert matmuls, which took
+    minutes per problem and stalled parallel GPU test workers (2026-11-30 H200 runs)."""
+    widen = lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
+    args, dy = jax.device_put((tuple(args), dy), jax.devices("cpu")[0])
+    out = jax.jit(functools.partial(value_and_grads, reference.moe_ffn))(tuple(map(widen, args)), widen(dy))
+    return tuple(np.asarray(o) for o in out)
 
 
 def rel_error(actual, expected) -> float:

@@ -18,11 +18,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_megamoe as jmm
-from jax_megamoe import reference
 from jax_megamoe.parallel import ep as ep_module
 from jax_megamoe.parallel import transport
 from jax_megamoe.parallel.plan import make_plan
-from moe_cases import random_problem, rel_error, value_and_grads
+from moe_cases import random_problem, reference_value_and_grads, rel_error, value_and_grads
 
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason="needs an NVIDIA GPU")]
@@ -44,8 +43,7 @@ def ep_function(devices, **options):
 
 
 def assert_close_to_reference(results, args, dy, dtype):
-    args32 = tuple(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args)
-    expected = jax.jit(functools.partial(value_and_grads, reference.moe_ffn))(args32, dy.astype(jnp.float32))
+    expected = reference_value_and_grads(args, dy)
     for name, got, want in zip(("y", "dx", "d_weights", "d_w_gate_up", "d_w_down"), results, expected):
         err = rel_error(got, want)
         assert err <= TOLERANCE[dtype], f"{name}: relative error {err:.2e} > {TOLERANCE[dtype]}"

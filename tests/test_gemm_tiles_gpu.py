@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 import jax_megamoe as jmm
-from jax_megamoe import reference
-from moe_cases import TOLERANCE, random_problem, rel_error, value_and_grads
+from moe_cases import TOLERANCE, random_problem, reference_value_and_grads, rel_error, value_and_grads
 
 pytestmark = [
     pytest.mark.gpu,
@@ -67,11 +66,7 @@ def problem_and_reference(case_name):
     args, dy = random_problem(seed, tokens, hidden, inter, experts, top_k, jnp.bfloat16, log_p)
     if isinstance(routing, tuple):
         args = (args[0], args[1], jnp.asarray(ids), *args[3:])  # the explicit expert sizes
-    f32 = lambda a: a.astype(jnp.float32)
-    x, weights, ids, w_gate_up, w_down = args
-    with jax.default_matmul_precision("float32"):
-        want = value_and_grads(reference.moe_ffn, (f32(x), weights, ids, f32(w_gate_up), f32(w_down)), f32(dy))
-    return args, dy, [np.asarray(w, np.float32) for w in want]
+    return args, dy, reference_value_and_grads(args, dy)
 
 
 def cuda_value_and_grads(args, dy):

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import jax_megamoe as jmm
-from jax_megamoe import _ffi, reference
+from jax_megamoe import _ffi
 from jax_megamoe.ops import moe as moe_ops
-from moe_cases import rel_error
+from moe_cases import reference_value_and_grads, rel_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,13 +64,6 @@ def run_with_grads(fn, x, weights, experts, w_gate_up, w_down, dy):
     return y, vjp(dy.astype(y.dtype))
 
 
-def reference_with_grads(x, weights, experts, w_gate_up, w_down, dy):
-    """The float32 reference at full float32 matmul precision (no tf32)."""
-    f32 = lambda a: a.astype(jnp.float32)
-    with jax.default_matmul_precision("float32"):
-        return run_with_grads(reference.moe_ffn, f32(x), weights, experts, f32(w_gate_up), f32(w_down), f32(dy))
-
-
 def assert_close(name, got, want, dtype):
     got = np.asarray(jnp.asarray(got, jnp.float32))
     assert np.all(np.isfinite(got)), f"{name}: non-finite values (unwritten or NaN output)"
@@ -81,7 +74,7 @@ def assert_close(name, got, want, dtype):
 def check_parity(tokens, hidden, inter, num_experts, top_k, dtype, skew="uniform", experts=None):
     problem = make_problem(tokens, hidden, inter, num_experts, top_k, dtype, skew, experts)
     y, grads = jax.jit(lambda *a: run_with_grads(cuda_fn, *a))(*problem)
-    y_ref, grads_ref = reference_with_grads(*problem)
+    y_ref, *grads_ref = reference_value_and_grads(problem[:5], problem[5])
     assert y.dtype == dtype and y.shape == (tokens, hidden)
     assert_close("y", y, y_ref, dtype)
     for name, g, g_ref in zip(("dx", "d_weights", "d_w_gate_up", "d_w_down"), grads, grads_ref):

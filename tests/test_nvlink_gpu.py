@@ -27,9 +27,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_megamoe as jmm
-from jax_megamoe import reference
 from jax_megamoe.parallel import nvlink
-from moe_cases import random_problem, rel_error, value_and_grads
+from moe_cases import random_problem, reference_value_and_grads, rel_error, value_and_grads
 
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason="needs an NVIDIA GPU")]
@@ -83,10 +82,8 @@ def make_shards(seed, ranks, tokens, hidden, inter, experts, top_k, dtype, routi
 
 def assert_close_to_reference(results, args, dy):
     """Compares sharded results with the float32 reference on the gathered problem."""
-    merge = lambda a: jnp.asarray(a).reshape((-1,) + a.shape[2:]).astype(
-        jnp.float32 if a.dtype == jnp.bfloat16 else a.dtype)
-    args32 = tuple(merge(a) for a in args)
-    expected = jax.jit(functools.partial(value_and_grads, reference.moe_ffn))(args32, merge(dy))
+    merge = lambda a: jnp.asarray(a).reshape((-1,) + a.shape[2:])
+    expected = reference_value_and_grads(tuple(merge(a) for a in args), merge(dy))
     tolerance = 1e-2 if args[0].dtype == jnp.bfloat16 else 3e-4
     for name, got, want in zip(GRAD_NAMES, results, expected):
         err = rel_error(merge(got), want)

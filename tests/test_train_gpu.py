@@ -54,6 +54,7 @@ def test_cuda_loss_curve_matches_reference_backend(tmp_path):
     np.testing.assert_allclose(cuda, ref, rtol=1e-2)  # bf16, 40 steps apart only by rounding
 
 
+@pytest.mark.alone  # ragged_dot's autotuning alone asks for 32 GiB; beside other workers it ran out (2026-11-30)
 @pytest.mark.parametrize("backend", ["cuda", "ragged_dot"])
 def test_qwen3_30b_a3b_width_preset_trains(tmp_path, backend):
     records = train(tmp_path / backend, "--preset", "qwen3-30b-a3b-4layer", "--backend", backend, "--steps", "8",
