@@ -27,9 +27,10 @@
 
 namespace jmm::cuda::cutlass_gemm {
 
-// What a timed-out wait leaves behind (written once, by the first thread that gives up).
+// What a timed-out wait leaves behind. Every thread that gives up writes it (plain stores: atomics on host-mapped
+// memory need PCIe atomics), so with several it holds one of them, possibly fields of different ones.
 struct ArrivalFailure {
-  uint32_t failed;  // 0 until a wait times out, then 1
+  uint32_t failed;  // 0 until a wait times out, then 1 (written after the other fields)
   int32_t group;
   uint64_t seen, target;
 };
@@ -67,11 +68,12 @@ __device__ __forceinline__ void WaitForGroup(GroupArrival const& arrival, int gr
   uint64_t seen;
   while ((seen = LoadAcquireSystem(counter)) < target) {
     if (GlobalTimerNs() - start > arrival.timeout_ns) {
-      ArrivalFailure* failure = arrival.failure;
-      if (failure != nullptr && atomicCAS(&failure->failed, 0u, 1u) == 0u) {
+      if (volatile ArrivalFailure* failure = arrival.failure; failure != nullptr) {
         failure->group = group;
         failure->seen = seen;
         failure->target = target;
+        __threadfence_system();
+        failure->failed = 1;
         __threadfence_system();
       }
       __trap();
