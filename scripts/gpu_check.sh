@@ -10,7 +10,7 @@
 #
 # Usage: scripts/gpu_check.sh OUTDIR
 #   env STEPS="build test memcheck cputest profile bench epbench emubench trainrecord" (the default), and
-#             "arrivalbench" (the arrival-gated GEMM beside a row copy, ARRIVAL_BENCH_ARGS="copy_blocks"),
+#             "arrivalbench" (the arrival-gated GEMM beside a row transfer, ARRIVAL_BENCH_ARGS="copy kernel blocks..."),
 #             multi-GPU steps, named explicitly: "mpgpu concurrency ep2bench ep2profile",
 #       GPU_TESTS="..." (pytest selection, default: tests/ — every test marked gpu), GPU_TEST_WORKERS=N,
 #       GPU_TEST_TIMEOUT=S (seconds for the test step, default unbounded),
@@ -214,8 +214,9 @@ train_record() {
 }
 want trainrecord && step train-record train_record.log train_record
 
-# The arrival-gated GEMM beside a row copy on one GPU (cuda/tests/arrival_gemm_bench.cu; nvlink stage 2): how much
-# of the copy the overlap hides, for both group orders. Not in the default steps.
+# The arrival-gated GEMM beside a row transfer (cuda/tests/arrival_gemm_bench.cu; nvlink stage 2): how much of it
+# the overlap hides, by copy engine and by copy kernels, both group orders; over NVLink from GPU 1 where there are
+# two GPUs. Not in the default steps.
 arrival_bench() {
   local include
   include=$($PY -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))") || return 1

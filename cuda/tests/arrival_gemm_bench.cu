@@ -1,20 +1,25 @@
-// How much of a row transfer hides behind the expert GEMM when the two share the GPU (nvlink stage 2, one GPU).
+// How much of a row transfer hides behind the expert GEMM when the two run together (nvlink stage 2).
 //
 // The q30 gate_up GEMM of one GPU at EP = 2: 64 local experts, 1024 rows per (expert, source), K = 2048,
-// N = 1536; source 0's rows are local, source 1's arrive by a copy kernel (here from local memory, so faster than
-// NVLink would be) that releases a counter block by block. Timed with CUDA events, median of 20 after 3 warm-ups:
-//   gemm          the GEMM alone on all SMs, nothing gated;
-//   gemm_reserved the GEMM alone with `copy_blocks` SMs left free;
-//   copy          the copy kernel alone;
-//   overlapped    copy on a second stream and the gated GEMM (SMs reserved) started together, until both end.
-// hidden = (gemm + copy - overlapped) / copy: the share of the copy that the overlap hides (1 = all of it).
-// Two group orders: source-major (own rows' groups first, the peer's after: each expert's weights are read twice)
-// and expert-major (each expert's two groups adjacent: weights once, but gated tiles early in the order).
-// The copy's speed is set by its block count (local copies are faster than NVLink's ~0.4 TB/s per direction):
-// few blocks make it NVLink-like and cost the GEMM few SMs. Usage: arrival_gemm_bench [copy_blocks...]
-// (default 4 8 16).
+// N = 1536. Source 0's rows are local; source 1's (268 MB) arrive during the GEMM, from GPU 1 over NVLink when
+// there are two GPUs (from this GPU's memory otherwise), by one of two transfers:
+//   kernel:b  a copy kernel of b blocks (b SMs left free for it) that releases a counter block by block;
+//   ce        the copy engine (cudaMemcpyAsync, no SM) followed by cuStreamWriteValue64 of the counter, which
+//             fences before writing: no SM is left free except none at all.
+// Timed with CUDA events, median of 20 after 3 warm-ups:
+//   copy           the transfer alone;
+//   gemm           the GEMM alone on all SMs, nothing gated;
+//   gemm_reserved  the GEMM alone on the SMs the transfer leaves;
+//   overlapped     transfer on a second stream and the gated GEMM started together, until both end;
+//   hidden = (gemm + copy - overlapped) / copy: the share of the transfer the overlap hides (1 = all of it).
+// Two group orders: source-major (own rows' groups first, the peer's after: each expert's weights read twice) and
+// expert-major (each expert's two groups adjacent: weights once, but gated tiles early in the order).
+// Usage: arrival_gemm_bench [copy kernel block counts...] (default 4 8 16; the copy engine always runs).
+#include <cuda.h>
+
 #include <algorithm>
 #include <cstdlib>
+#include <string>
 
 #include "arrival_gemm_common.cuh"
 
@@ -54,7 +59,7 @@ float Median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
-// Median milliseconds of `body(iteration)` enqueued on `stream` between two events.
+// Median milliseconds of `body()` enqueued on `stream` between two events.
 template <class Body>
 float TimeMs(cudaStream_t stream, Body body) {
   cudaEvent_t start, stop;
@@ -63,7 +68,7 @@ float TimeMs(cudaStream_t stream, Body body) {
   std::vector<float> ms;
   for (int it = 0; it < 23; ++it) {
     CHECK_CUDA(cudaEventRecord(start, stream));
-    body(it);
+    body();
     CHECK_CUDA(cudaEventRecord(stop, stream));
     CHECK_CUDA(cudaEventSynchronize(stop));
     float t = 0;
@@ -73,26 +78,55 @@ float TimeMs(cudaStream_t stream, Body body) {
   return Median(ms);
 }
 
-// Buffers, streams and the release counter shared by every configuration.
-struct Setup {
-  int sms = 0;
-  int64_t half_rows = 0, chunks = 0;
-  Bf16 *a = nullptr, *b = nullptr, *peer_src = nullptr, *d = nullptr;
-  uint64_t* counter = nullptr;
-  uint64_t releases = 0;  // the counter's value: it only grows, so each overlapped run waits for its own copy
-  cudaStream_t main_stream, copy_stream;
-  cudaEvent_t fork, join;
-};
+// cuStreamWriteValue64 through the runtime's driver entry point, so that the program needs no -lcuda.
+using StreamWriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
-void Copy(Setup& s, int copy_blocks, cudaStream_t stream) {
-  CopyAndRelease<<<copy_blocks, 512, 0, stream>>>(reinterpret_cast<const uint4*>(s.peer_src),
-                                                  reinterpret_cast<uint4*>(s.a + s.half_rows * kK), s.chunks,
-                                                  s.counter);
-  s.releases += copy_blocks;
+StreamWriteValue64 LoadStreamWriteValue64() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault, &found));
+  if (found != cudaDriverEntryPointSuccess || fn == nullptr) std::printf("no cuStreamWriteValue64\n"), std::exit(2);
+  return reinterpret_cast<StreamWriteValue64>(fn);
 }
 
+// Buffers and streams shared by every configuration.
+struct Setup {
+  int sms = 0;
+  int64_t half_rows = 0;
+  size_t peer_bytes = 0;
+  Bf16 *a = nullptr, *b = nullptr, *peer_src = nullptr, *d = nullptr;
+  cudaStream_t main_stream, copy_stream;
+  cudaEvent_t fork, join;
+  StreamWriteValue64 stream_write_value = nullptr;
+};
+
+// One way of moving the peer's rows into the second half of A and releasing `counter` when they are there.
+struct Transfer {
+  std::string name;
+  int blocks = 0;  // copy kernel blocks (SMs left to it); 0: the copy engine
+  uint64_t* counter = nullptr;
+  uint64_t value = 0;  // the counter after the last transfer: it only grows, so each run waits for its own copy
+
+  uint64_t next_value() const { return value + (blocks > 0 ? blocks : 1); }
+
+  void Enqueue(const Setup& s, cudaStream_t stream) {
+    Bf16* dst = s.a + s.half_rows * kK;
+    if (blocks > 0) {
+      CopyAndRelease<<<blocks, 512, 0, stream>>>(reinterpret_cast<const uint4*>(s.peer_src),
+                                                 reinterpret_cast<uint4*>(dst), int64_t(s.peer_bytes / 16), counter);
+    } else {
+      CHECK_CUDA(cudaMemcpyAsync(dst, s.peer_src, s.peer_bytes, cudaMemcpyDefault, stream));
+      if (s.stream_write_value(stream, reinterpret_cast<CUdeviceptr>(counter), next_value(),
+                               CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
+        std::printf("cuStreamWriteValue64 failed\n"), std::exit(2);
+      }
+    }
+    value = next_value();
+  }
+};
+
 // One group order: groups (expert, source), source-major (own rows' groups first) or expert-major.
-void MeasureOrder(Setup& s, int copy_blocks, float copy_ms, bool source_major) {
+void MeasureOrder(Setup& s, Transfer& transfer, float copy_ms, bool source_major) {
   GroupedProblem problem;
   problem.k = kK, problem.n = kN;
   std::vector<int> source_of;
@@ -105,66 +139,80 @@ void MeasureOrder(Setup& s, int copy_blocks, float copy_ms, bool source_major) {
   }
   const int groups = int(source_of.size());
   std::vector<const uint64_t*> counter_of(groups);
-  for (int g = 0; g < groups; ++g) counter_of[g] = source_of[g] == 1 ? s.counter : nullptr;
+  for (int g = 0; g < groups; ++g) counter_of[g] = source_of[g] == 1 ? transfer.counter : nullptr;
   uint64_t* d_targets = Upload(std::vector<uint64_t>(groups, 0));
   const cg::GroupArrival gate{Upload(counter_of), d_targets};
+  const int gemm_sms = s.sms - transfer.blocks;
 
   Gemm plain, reserved, gated;
   Initialise(plain, MakeArguments(problem, s.a, s.b, s.d, cg::GroupArrival{}, s.sms), s.main_stream);
-  Initialise(reserved, MakeArguments(problem, s.a, s.b, s.d, cg::GroupArrival{}, s.sms - copy_blocks), s.main_stream);
-  Initialise(gated, MakeArguments(problem, s.a, s.b, s.d, gate, s.sms - copy_blocks), s.main_stream);
+  Initialise(reserved, MakeArguments(problem, s.a, s.b, s.d, cg::GroupArrival{}, gemm_sms), s.main_stream);
+  Initialise(gated, MakeArguments(problem, s.a, s.b, s.d, gate, gemm_sms), s.main_stream);
   auto run = [&](Gemm& gemm) {
     if (gemm.run(s.main_stream) != cutlass::Status::kSuccess) std::printf("launch failed\n"), std::exit(2);
   };
-  const float gemm_ms = TimeMs(s.main_stream, [&](int) { run(plain); });
-  const float reserved_ms = TimeMs(s.main_stream, [&](int) { run(reserved); });
+  const float gemm_ms = TimeMs(s.main_stream, [&] { run(plain); });
+  const float reserved_ms = TimeMs(s.main_stream, [&] { run(reserved); });
   std::vector<uint64_t> targets(groups);
-  const float overlapped_ms = TimeMs(s.main_stream, [&](int) {
-    for (int g = 0; g < groups; ++g) targets[g] = source_of[g] == 1 ? s.releases + copy_blocks : 0;
+  const float overlapped_ms = TimeMs(s.main_stream, [&] {
+    for (int g = 0; g < groups; ++g) targets[g] = source_of[g] == 1 ? transfer.next_value() : 0;
     CHECK_CUDA(cudaMemcpyAsync(d_targets, targets.data(), groups * sizeof(uint64_t), cudaMemcpyHostToDevice,
                                s.main_stream));
     CHECK_CUDA(cudaEventRecord(s.fork, s.main_stream));
     CHECK_CUDA(cudaStreamWaitEvent(s.copy_stream, s.fork));
-    Copy(s, copy_blocks, s.copy_stream);
+    transfer.Enqueue(s, s.copy_stream);
     run(gated);
     CHECK_CUDA(cudaEventRecord(s.join, s.copy_stream));
     CHECK_CUDA(cudaStreamWaitEvent(s.main_stream, s.join));
   });
-  std::printf("  %s: gemm %.3f ms, gemm_reserved %.3f ms, overlapped %.3f ms (gemm + copy %.3f), hidden %.2f\n",
-              source_major ? "source-major" : "expert-major", gemm_ms, reserved_ms, overlapped_ms, gemm_ms + copy_ms,
-              (gemm_ms + copy_ms - overlapped_ms) / copy_ms);
+  std::printf("  %s, %s: gemm %.3f ms, gemm on %d SMs %.3f ms, overlapped %.3f ms (gemm + copy %.3f), hidden %.2f\n",
+              transfer.name.c_str(), source_major ? "source-major" : "expert-major", gemm_ms, gemm_sms, reserved_ms,
+              overlapped_ms, gemm_ms + copy_ms, (gemm_ms + copy_ms - overlapped_ms) / copy_ms);
 }
 
 int main(int argc, char** argv) {
-  std::vector<int> copy_block_counts;
-  for (int i = 1; i < argc; ++i) copy_block_counts.push_back(std::atoi(argv[i]));
-  if (copy_block_counts.empty()) copy_block_counts = {4, 8, 16};
   Setup s;
-  int device = 0;
-  CHECK_CUDA(cudaGetDevice(&device));
-  CHECK_CUDA(cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, device));
+  int devices = 0;
+  CHECK_CUDA(cudaGetDeviceCount(&devices));
+  CHECK_CUDA(cudaSetDevice(0));
+  CHECK_CUDA(cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, 0));
 
-  // A holds source 0's rows (expert by expert) and then source 1's: the copy is one contiguous half.
+  // A holds source 0's rows (expert by expert) and then source 1's: the transfer is one contiguous half.
   s.half_rows = int64_t(kExperts) * kRowsPerGroup;
+  s.peer_bytes = size_t(s.half_rows) * kK * sizeof(Bf16);
   const int64_t rows = kSources * s.half_rows;
   s.a = DevicePattern(rows * kK, 1, 1.0f);
   s.b = DevicePattern(int64_t(kExperts) * kK * kN, 2, 0.02f);
-  s.peer_src = DevicePattern(s.half_rows * kK, 3, 1.0f);
   CHECK_CUDA(cudaMalloc(&s.d, size_t(rows) * kN * sizeof(Bf16)));
-  s.counter = Upload(std::vector<uint64_t>{0});
-  s.chunks = s.half_rows * kK * int64_t(sizeof(Bf16)) / 16;
+  const bool over_nvlink = devices > 1;
+  if (over_nvlink) {  // the peer's rows live on GPU 1 and cross NVLink, as they would in the fused transport
+    CHECK_CUDA(cudaSetDevice(1));
+    s.peer_src = DevicePattern(s.half_rows * kK, 3, 1.0f);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(cudaSetDevice(0));
+    CHECK_CUDA(cudaDeviceEnablePeerAccess(1, 0));
+  } else {
+    s.peer_src = DevicePattern(s.half_rows * kK, 3, 1.0f);
+  }
   CHECK_CUDA(cudaStreamCreateWithFlags(&s.main_stream, cudaStreamNonBlocking));
   CHECK_CUDA(cudaStreamCreateWithFlags(&s.copy_stream, cudaStreamNonBlocking));
   CHECK_CUDA(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
   CHECK_CUDA(cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming));
+  s.stream_write_value = LoadStreamWriteValue64();
 
-  std::printf("q30 gate_up GEMM at EP = 2 on one GPU: %d experts x %d sources x %d rows, K %d, N %d; the copy "
-              "moves %.0f MB; %d SMs\n", kExperts, kSources, kRowsPerGroup, kK, kN, s.chunks * 16 / 1e6, s.sms);
-  for (const int copy_blocks : copy_block_counts) {
-    const float copy_ms = TimeMs(s.main_stream, [&](int) { Copy(s, copy_blocks, s.main_stream); });
-    std::printf("copy with %d blocks alone: %.3f ms (%.2f TB/s)\n", copy_blocks, copy_ms,
-                s.chunks * 16 / (copy_ms * 1e9));
-    for (const bool source_major : {true, false}) MeasureOrder(s, copy_blocks, copy_ms, source_major);
+  std::vector<Transfer> transfers{{"ce", 0}};
+  for (int i = 1; i < argc; ++i) transfers.push_back({"kernel:" + std::string(argv[i]), std::atoi(argv[i])});
+  if (argc == 1) {
+    for (const int blocks : {4, 8, 16}) transfers.push_back({"kernel:" + std::to_string(blocks), blocks});
+  }
+  std::printf("q30 gate_up GEMM at EP = 2: %d experts x %d sources x %d rows, K %d, N %d, %d SMs; the peer's "
+              "%.0f MB of rows come %s\n", kExperts, kSources, kRowsPerGroup, kK, kN, s.sms, s.peer_bytes / 1e6,
+              over_nvlink ? "from GPU 1 over NVLink" : "from this GPU's memory (one GPU)");
+  for (Transfer& transfer : transfers) {
+    transfer.counter = Upload(std::vector<uint64_t>{0});
+    const float copy_ms = TimeMs(s.main_stream, [&] { transfer.Enqueue(s, s.main_stream); });
+    std::printf("%s alone: %.3f ms (%.2f TB/s)\n", transfer.name.c_str(), copy_ms, s.peer_bytes / (copy_ms * 1e9));
+    for (const bool source_major : {true, false}) MeasureOrder(s, transfer, copy_ms, source_major);
   }
   return 0;
 }
