@@ -15,9 +15,6 @@
 // Two group orders: source-major (own rows' groups first, the peer's after: each expert's weights read twice) and
 // expert-major (each expert's two groups adjacent: weights once, but gated tiles early in the order).
 // Usage: arrival_gemm_bench [copy kernel block counts...] (default 4 8 16; the copy engine always runs).
-#include <cuda.h>
-
-#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -35,58 +32,6 @@ __global__ void CopyAndRelease(const uint4* src, uint4* dst, int64_t chunks, uin
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(counter), "l"(uint64_t{1}) : "memory");
-}
-
-// Deterministic values in [-scale, scale) (only the timing matters here, not the numbers).
-__global__ void FillPattern(Bf16* out, int64_t n, uint32_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
-    out[i] = Bf16(scale * (float(h & 0xFFFF) / 32768.0f - 1.0f));
-  }
-}
-
-Bf16* DevicePattern(int64_t n, uint32_t seed, float scale) {
-  Bf16* p = nullptr;
-  CHECK_CUDA(cudaMalloc(&p, n * sizeof(Bf16)));
-  FillPattern<<<1024, 256>>>(p, n, seed, scale);
-  CHECK_CUDA(cudaGetLastError());
-  return p;
-}
-
-float Median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Median milliseconds of `body()` enqueued on `stream` between two events.
-template <class Body>
-float TimeMs(cudaStream_t stream, Body body) {
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<float> ms;
-  for (int it = 0; it < 23; ++it) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    body();
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-    if (it >= 3) ms.push_back(t);
-  }
-  return Median(ms);
-}
-
-// cuStreamWriteValue64 through the runtime's driver entry point, so that the program needs no -lcuda.
-using StreamWriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
-
-StreamWriteValue64 LoadStreamWriteValue64() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found;
-  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault, &found));
-  if (found != cudaDriverEntryPointSuccess || fn == nullptr) std::printf("no cuStreamWriteValue64\n"), std::exit(2);
-  return reinterpret_cast<StreamWriteValue64>(fn);
 }
 
 // Buffers and streams shared by every configuration.
@@ -151,10 +96,10 @@ void MeasureOrder(Setup& s, Transfer& transfer, float copy_ms, bool source_major
   auto run = [&](Gemm& gemm) {
     if (gemm.run(s.main_stream) != cutlass::Status::kSuccess) std::printf("launch failed\n"), std::exit(2);
   };
-  const float gemm_ms = TimeMs(s.main_stream, [&] { run(plain); });
-  const float reserved_ms = TimeMs(s.main_stream, [&] { run(reserved); });
+  const float gemm_ms = MedianMs(s.main_stream, [] {}, [&] { run(plain); });
+  const float reserved_ms = MedianMs(s.main_stream, [] {}, [&] { run(reserved); });
   std::vector<uint64_t> targets(groups);
-  const float overlapped_ms = TimeMs(s.main_stream, [&] {
+  const float overlapped_ms = MedianMs(s.main_stream, [] {}, [&] {
     for (int g = 0; g < groups; ++g) targets[g] = source_of[g] == 1 ? transfer.next_value() : 0;
     CHECK_CUDA(cudaMemcpyAsync(d_targets, targets.data(), groups * sizeof(uint64_t), cudaMemcpyHostToDevice,
                                s.main_stream));
@@ -210,7 +155,7 @@ int main(int argc, char** argv) {
               over_nvlink ? "from GPU 1 over NVLink" : "from this GPU's memory (one GPU)");
   for (Transfer& transfer : transfers) {
     transfer.counter = Upload(std::vector<uint64_t>{0});
-    const float copy_ms = TimeMs(s.main_stream, [&] { transfer.Enqueue(s, s.main_stream); });
+    const float copy_ms = MedianMs(s.main_stream, [] {}, [&] { transfer.Enqueue(s, s.main_stream); });
     std::printf("%s alone: %.3f ms (%.2f TB/s)\n", transfer.name.c_str(), copy_ms, s.peer_bytes / (copy_ms * 1e9));
     for (const bool source_major : {true, false}) MeasureOrder(s, transfer, copy_ms, source_major);
   }

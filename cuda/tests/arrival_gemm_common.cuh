@@ -1,10 +1,13 @@
 // What the arrival-gated GEMM's check and benchmark programs share: the kernel type (the MoE row GEMMs' default
-// tiles, 128 x 256 x 64 cooperative without a cluster, with the gated mainloop), error checking, uploads, and the
-// ptr-array arguments of one grouped problem. Not part of the library.
+// tiles, 128 x 256 x 64 cooperative without a cluster, with the gated mainloop), error checking, uploads, the
+// ptr-array arguments of one grouped problem, timing, fill patterns and the stream-write signal. Not part of the
+// library.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -89,6 +92,58 @@ inline void Initialise(Gemm& gemm, const Gemm::Arguments& args, cudaStream_t str
   void* workspace = nullptr;
   CHECK_CUDA(cudaMalloc(&workspace, std::max<size_t>(Gemm::get_workspace_size(args), 1)));
   if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) std::printf("init failed\n"), std::exit(2);
+}
+
+// Deterministic values in [-scale, scale) (for the benchmarks, where only the timing matters).
+__global__ void FillPattern(Bf16* out, int64_t n, uint32_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
+    out[i] = Bf16(scale * (float(h & 0xFFFF) / 32768.0f - 1.0f));
+  }
+}
+
+// n elements of FillPattern on the current device.
+inline Bf16* DevicePattern(int64_t n, uint32_t seed, float scale) {
+  Bf16* p = nullptr;
+  CHECK_CUDA(cudaMalloc(&p, n * sizeof(Bf16)));
+  FillPattern<<<1024, 256>>>(p, n, seed, scale);
+  CHECK_CUDA(cudaGetLastError());
+  return p;
+}
+
+// Median milliseconds of `body()` enqueued on `stream` between two events, over 20 runs after 3 warm-ups; each
+// run is preceded (untimed) by `prepare()`.
+template <class Prepare, class Body>
+float MedianMs(cudaStream_t stream, Prepare prepare, Body body) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<float> ms;
+  for (int it = 0; it < 23; ++it) {
+    prepare();
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    body();
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+    if (it >= 3) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// cuStreamWriteValue64 through the runtime's driver entry point, so that the programs need no -lcuda. Its default
+// flags fence before the write: prior work on the stream is visible before the value.
+using StreamWriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+
+inline StreamWriteValue64 LoadStreamWriteValue64() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault, &found));
+  if (found != cudaDriverEntryPointSuccess || fn == nullptr) std::printf("no cuStreamWriteValue64\n"), std::exit(2);
+  return reinterpret_cast<StreamWriteValue64>(fn);
 }
 
 __global__ void RecordTime(uint64_t* out) { *out = cg::detail::GlobalTimerNs(); }

@@ -10,8 +10,6 @@
 //     peer's groups waiting for `gathered`, on the SMs the side gather leaves.
 // Both produce the same D bit for bit (checked); the program prints both times (median of 20 after 3 warm-ups) and
 // the saving, per side-gather block count. Usage: stage2_forward_bench [side gather blocks...] (default 4 8 16)
-#include <cuda.h>
-
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -59,53 +57,6 @@ __global__ void CountNonFinite(const uint16_t* values, int64_t n, unsigned long 
     local += (values[i] & 0x7F80u) == 0x7F80u;
   }
   if (local > 0) atomicAdd(count, local);
-}
-
-__global__ void FillPattern(Bf16* out, int64_t n, uint32_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
-    out[i] = Bf16(scale * (float(h & 0xFFFF) / 32768.0f - 1.0f));
-  }
-}
-
-Bf16* DevicePattern(int64_t n, uint32_t seed, float scale) {
-  Bf16* p = nullptr;
-  CHECK_CUDA(cudaMalloc(&p, n * sizeof(Bf16)));
-  FillPattern<<<1024, 256>>>(p, n, seed, scale);
-  CHECK_CUDA(cudaGetLastError());
-  return p;
-}
-
-using StreamWriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
-
-StreamWriteValue64 LoadStreamWriteValue64() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found;
-  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault, &found));
-  if (found != cudaDriverEntryPointSuccess || fn == nullptr) std::printf("no cuStreamWriteValue64\n"), std::exit(2);
-  return reinterpret_cast<StreamWriteValue64>(fn);
-}
-
-// Median milliseconds of `body()` on `stream`, each run preceded (untimed) by `prepare()`.
-template <class Prepare, class Body>
-float MedianMs(cudaStream_t stream, Prepare prepare, Body body) {
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<float> ms;
-  for (int it = 0; it < 23; ++it) {
-    prepare();
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    body();
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-    if (it >= 3) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
 }
 
 int main(int argc, char** argv) {
