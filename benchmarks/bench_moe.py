@@ -6,9 +6,11 @@ stable sort + torch._grouped_mm + index_add scatter), `ragged_dot` (sort + jax.l
 kernel, pinned so that no silent fallback to XLA is timed; only if importable: packages missing from the
 image can be put in the folder named by JMM_PEER_SITE, which is appended to sys.path so the image's own
 packages win),
-and `ours_tiles_<spec>`: `ours` with the environment variable JMM_GEMM_TILES=<spec> ('+' standing for ',',
+`ours_tiles_<spec>`: `ours` with the environment variable JMM_GEMM_TILES=<spec> ('+' standing for ',',
 grammar in cuda/include/jmm/gemm_tiles.h), e.g. `ours_tiles_default,ours_tiles_pp64x256_c1,
-ours_tiles_fwd_down=coop128x256_c2+bwd_down=coop128x256_c1` to compare GEMM tile configurations in one run.
+ours_tiles_fwd_down=coop128x256_c2+bwd_down=coop128x256_c1` to compare GEMM tile configurations in one run,
+and `ours_graphs`: `ours` with XLA recording the custom calls into CUDA graphs (command buffers; XLA_FLAGS of
+GRAPH_XLA_FLAGS set for its subprocess), which XLA does not do for custom calls by default.
 Configs (bf16, router excluded): q30 (T=16384, H=2048, I=768, E=128, K=8), q235 (H=4096, I=1536), q30s
 (T=2048); uniform and Zipf-skewed routing. Reports forward and forward+backward time (median over samples
 of back-to-back calls, after warm-up; each sample is synchronised once, so the time is device time whenever
@@ -42,6 +44,8 @@ CONFIGS = {  # name: (T, H, I, E, K), in ascending memory order
 }
 IMPLS = ("ours", "torch_grouped_mm", "ragged_dot", "gshard", "tokamax")
 TILES_PREFIX = "ours_tiles_"  # + a JMM_GEMM_TILES value with '+' for ',' (commas separate --impls)
+GRAPHS_IMPL = "ours_graphs"
+GRAPH_XLA_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 ROUTINGS = ("uniform", "zipf")
 # Peers known to be hopeless at a size are not run there (DESIGN §7 anchors): recorded as skipped.
 SKIP = {("gshard", "q235"): "not run: dense capacity einsum at q235 takes minutes of device time",
@@ -78,8 +82,8 @@ def jax_impl(name):
     import jax
     import jax.numpy as jnp
 
-    if name == "ours" or gemm_tiles_spec(name) is not None:
-        import jax_megamoe as jmm  # the tiles come from JMM_GEMM_TILES, set by child()
+    if name in ("ours", GRAPHS_IMPL) or gemm_tiles_spec(name) is not None:
+        import jax_megamoe as jmm  # the tiles come from JMM_GEMM_TILES, set by child(); graphs from XLA_FLAGS
         return lambda x, w, ids, gu, d: jmm.moe_ffn(x, w, ids, gu, d, backend="cuda")
 
     from jax_megamoe.reference import swiglu
@@ -267,11 +271,20 @@ def child(args):
     print("JMM_BENCH_ROW " + json.dumps(row))
 
 
+def child_env(impl):
+    """The environment of `impl`'s subprocess: this one's, plus GRAPH_XLA_FLAGS in XLA_FLAGS for `ours_graphs`
+    (XLA reads them when its GPU client starts, so they cannot be set from inside the child)."""
+    env = dict(os.environ)
+    if impl == GRAPHS_IMPL:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + GRAPH_XLA_FLAGS).strip()
+    return env
+
+
 def run_child(impl, cname="all", routing="all", samples=0, inner=0):
     """`child` in a subprocess of its own: its row, or a row saying how it crashed."""
     cmd = [sys.executable, __file__, "--child", impl, "--configs", cname, "--routings", routing,
            "--samples", str(samples), "--inner", str(inner)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(impl))
     found = [line for line in proc.stdout.splitlines() if line.startswith("JMM_BENCH_ROW ")]
     if found:
         return json.loads(found[-1][len("JMM_BENCH_ROW "):])

@@ -67,6 +67,14 @@ def test_bench_moe_tiles_impl_names_give_the_gemm_tiles_variable():
         bench_moe.gemm_tiles_spec("ours_tiles_")
 
 
+def test_bench_moe_graphs_impl_adds_the_command_buffer_flags(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    assert bench_moe.child_env("ours_graphs")["XLA_FLAGS"] == "--xla_dump_to=/tmp/x " + bench_moe.GRAPH_XLA_FLAGS
+    assert bench_moe.child_env("ours")["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+    monkeypatch.delenv("XLA_FLAGS")
+    assert bench_moe.child_env("ours_graphs")["XLA_FLAGS"] == bench_moe.GRAPH_XLA_FLAGS
+
+
 def test_bench_moe_table_fits_long_impl_names():
     row = dict(impl="ours_tiles_fwd_gate_up=pp64x256_c1", config="q30s", routing="uniform", status="ok",
                fwd_ms=0.5, fwd_tflops=300.0, fwd_pct_matmul=43.0, fwd_bwd_ms=1.5, fwd_bwd_tflops=310.0,
