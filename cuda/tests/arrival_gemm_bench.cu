@@ -28,7 +28,7 @@ constexpr int kExperts = 64, kSources = 2, kRowsPerGroup = 1024, kK = 2048, kN =
 __global__ void CopyAndRelease(const uint4* src, uint4* dst, int64_t chunks, uint64_t* counter) {
   const int64_t per_block = (chunks + gridDim.x - 1) / gridDim.x;
   const int64_t begin = blockIdx.x * per_block, end = begin + per_block < chunks ? begin + per_block : chunks;
-  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) dst[i] = src[i];
+  CopyChunks(src, dst, begin + threadIdx.x, end, blockDim.x, [](int64_t i) { return i; });
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(counter), "l"(uint64_t{1}) : "memory");
@@ -57,7 +57,7 @@ struct Transfer {
   void Enqueue(const Setup& s, cudaStream_t stream) {
     Bf16* dst = s.a + s.half_rows * kK;
     if (blocks > 0) {
-      CopyAndRelease<<<blocks, 512, 0, stream>>>(reinterpret_cast<const uint4*>(s.peer_src),
+      CopyAndRelease<<<blocks, 1024, 0, stream>>>(reinterpret_cast<const uint4*>(s.peer_src),
                                                  reinterpret_cast<uint4*>(dst), int64_t(s.peer_bytes / 16), counter);
     } else {
       CHECK_CUDA(cudaMemcpyAsync(dst, s.peer_src, s.peer_bytes, cudaMemcpyDefault, stream));

@@ -94,6 +94,25 @@ inline void Initialise(Gemm& gemm, const Gemm::Arguments& args, cudaStream_t str
   if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) std::printf("init failed\n"), std::exit(2);
 }
 
+// dst[i] = src[source_index(i)] for i in [begin, end) step `step`, each thread keeping kLoadsInFlight 16-byte loads
+// in flight before it stores: a copy on a few SMs is bound by bytes in flight per SM, not by instructions.
+template <class SourceIndex>
+__device__ __forceinline__ void CopyChunks(const uint4* src, uint4* dst, int64_t begin, int64_t end, int64_t step,
+                                           SourceIndex source_index) {
+  constexpr int kLoadsInFlight = 8;
+  for (int64_t i = begin; i < end; i += kLoadsInFlight * step) {
+    uint4 v[kLoadsInFlight];
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      if (i + u * step < end) v[u] = src[source_index(i + u * step)];
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      if (i + u * step < end) dst[i + u * step] = v[u];
+    }
+  }
+}
+
 // Deterministic values in [-scale, scale) (for the benchmarks, where only the timing matters).
 __global__ void FillPattern(Bf16* out, int64_t n, uint32_t seed, float scale) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {

@@ -38,11 +38,8 @@ __global__ void GatherRows(const uint4* src, const int32_t* token_of, int64_t ro
     }
     __syncthreads();
   }
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const uint4* in = src + int64_t(token_of[r]) * kChunks;
-    uint4* out = dst + r * kChunks;
-    for (int c = threadIdx.x; c < kChunks; c += blockDim.x) out[c] = in[c];
-  }
+  CopyChunks(src, dst, blockIdx.x * int64_t(blockDim.x) + threadIdx.x, rows * kChunks, int64_t(gridDim.x) * blockDim.x,
+             [token_of](int64_t i) { return int64_t(token_of[i / kChunks]) * kChunks + i % kChunks; });
   if (gathered != nullptr) {
     __threadfence_system();
     __syncthreads();
@@ -183,7 +180,7 @@ int main(int argc, char** argv) {
                              CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
         std::printf("cuStreamWriteValue64 failed\n"), std::exit(2);
       }
-      GatherRows<<<side_blocks, 256, 0, side_stream>>>(reinterpret_cast<const uint4*>(received_x), peer_rows,
+      GatherRows<<<side_blocks, 1024, 0, side_stream>>>(reinterpret_cast<const uint4*>(received_x), peer_rows,
                                                        kRowsPerSource, peer_perm, arrived, arrived_value, gathered);
       GatherRows<<<2 * sms, 256, 0, main_stream>>>(reinterpret_cast<const uint4*>(own_x), own_rows, kRowsPerSource,
                                                    own_perm, nullptr, 0, nullptr);

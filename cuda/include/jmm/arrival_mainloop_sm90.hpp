@@ -104,6 +104,17 @@ struct ArrivalGatedMainloop : Base {
     return Params{Base::to_underlying_arguments(problem_shapes, args, workspace), args.arrival};
   }
 
+  // The kernel announces each new group to the producer warp through this call (at its first tile and whenever
+  // the group changes); the load below cannot read the group from blk_coord, whose L is a constant 0 in the
+  // ptr-array kernels.
+  template <class TensorMaps, class ProblemShape>
+  CUTLASS_DEVICE void tensormaps_perform_update(typename Base::TensorMapStorage& shared_tensormaps, Params const& params,
+                                                TensorMaps const& input_tensormaps, ProblemShape problem_shape,
+                                                int32_t next_batch) {
+    group_ = next_batch;
+    Base::tensormaps_perform_update(shared_tensormaps, params, input_tensormaps, problem_shape, next_batch);
+  }
+
   // The producer warp's per-tile entry point (the kernel calls it once per work tile): wait, then the base load.
   template <class LoadInputs, class TensorMaps, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline, PipelineState smem_pipe_write,
@@ -111,12 +122,15 @@ struct ArrivalGatedMainloop : Base {
                            BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
                            uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
     if (k_tile_count > 0 && cute::elect_one_sync()) {
-      detail::WaitForGroup(params.arrival, static_cast<int>(cute::get<3>(blk_coord)));
+      detail::WaitForGroup(params.arrival, group_);
     }
     __syncwarp();
     Base::load(params, pipeline, smem_pipe_write, load_inputs, input_tensormaps, blk_coord, k_tile_iter,
                k_tile_count, thread_idx, block_rank_in_cluster, shared_tensors);
   }
+
+ private:
+  int32_t group_ = 0;  // the group of the producer warp's current work tile
 };
 
 }  // namespace jmm::cuda::cutlass_gemm
