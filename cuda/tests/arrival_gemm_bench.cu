@@ -25,7 +25,7 @@ using namespace arrival_test;
 constexpr int kExperts = 64, kSources = 2, kRowsPerGroup = 1024, kK = 2048, kN = 1536;
 
 // Copies `chunks` 16-byte chunks; each block, when its share is stored, fences and adds 1 to `counter`.
-__global__ void CopyAndRelease(const uint4* src, uint4* dst, int64_t chunks, uint64_t* counter) {
+__global__ void __launch_bounds__(1024) CopyAndRelease(const uint4* src, uint4* dst, int64_t chunks, uint64_t* counter) {
   const int64_t per_block = (chunks + gridDim.x - 1) / gridDim.x;
   const int64_t begin = blockIdx.x * per_block, end = begin + per_block < chunks ? begin + per_block : chunks;
   CopyChunks(src, dst, begin + threadIdx.x, end, blockDim.x, [](int64_t i) { return i; });
@@ -116,6 +116,7 @@ void MeasureOrder(Setup& s, Transfer& transfer, float copy_ms, bool source_major
 }
 
 int main(int argc, char** argv) {
+  LoadModulesEagerly();
   Setup s;
   int devices = 0;
   CHECK_CUDA(cudaGetDeviceCount(&devices));

@@ -45,6 +45,7 @@ __global__ void ReferenceGemm(const Bf16* a, const Bf16* b, const int* first, co
 }
 
 int main(int argc, char** argv) {
+  LoadModulesEagerly();
   const bool timeout_mode = argc > 1 && std::strcmp(argv[1], "timeout") == 0;
   int device = 0, sms = 0;
   CHECK_CUDA(cudaGetDevice(&device));

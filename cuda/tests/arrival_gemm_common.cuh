@@ -42,6 +42,11 @@ using StrideD = Kernel::InternalStrideD;
     }                                                                                                      \
   } while (0)
 
+// Call first in main. With CUDA's default lazy module loading, the first launch of a kernel loads it, and that load
+// waited for the kernels already running (05:49 UTC on an H200: the gated GEMM's launch waited out the 20 ms
+// sender, so it never had to wait itself). Kernels meant to run side by side must be loaded before either starts.
+inline void LoadModulesEagerly() { setenv("CUDA_MODULE_LOADING", "EAGER", 1); }
+
 template <class T>
 T* Upload(const std::vector<T>& host) {
   T* dev = nullptr;

@@ -25,7 +25,7 @@ constexpr int kRowsPerSource = kTokens * kPerToken, kRowsPerGroup = kRowsPerSour
 
 // dst[r] = src[token_of[r]] for rows [0, rows), 16-byte chunks; when `arrived` is set, first waits (bounded, 10 s)
 // until *arrived >= target; when `gathered` is set, each block adds 1 to it after its rows are stored.
-__global__ void GatherRows(const uint4* src, const int32_t* token_of, int64_t rows, uint4* dst,
+__global__ void __launch_bounds__(1024) GatherRows(const uint4* src, const int32_t* token_of, int64_t rows, uint4* dst,
                            const uint64_t* arrived, uint64_t target, uint64_t* gathered) {
   constexpr int kChunks = kK * sizeof(Bf16) / 16;
   if (arrived != nullptr) {
@@ -57,6 +57,7 @@ __global__ void CountNonFinite(const uint16_t* values, int64_t n, unsigned long 
 }
 
 int main(int argc, char** argv) {
+  LoadModulesEagerly();
   std::vector<int> side_block_counts;
   for (int i = 1; i < argc; ++i) side_block_counts.push_back(std::atoi(argv[i]));
   if (side_block_counts.empty()) side_block_counts = {4, 8, 16};
