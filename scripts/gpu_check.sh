@@ -9,7 +9,9 @@
 # machine has none), those in .whl/peers/ (tokamax and its dependencies) into /tmp/site-peers for the bench.
 #
 # Usage: scripts/gpu_check.sh OUTDIR
-#   env STEPS="build test memcheck cputest profile bench epbench emubench trainrecord" (the default),
+#   env STEPS="build test memcheck cputest profile bench epbench emubench trainrecord" (the default), and
+#             "arrivalbench" (the arrival-gated GEMM beside a row transfer, ARRIVAL_BENCH_ARGS="copy kernel blocks...",
+#             and the stage-2 forward's front half, STAGE2_BENCH_ARGS="side gather blocks..."),
 #             multi-GPU steps, named explicitly: "mpgpu concurrency ep2bench ep2profile",
 #       GPU_TESTS="..." (pytest selection, default: tests/ — every test marked gpu), GPU_TEST_WORKERS=N,
 #       GPU_TEST_TIMEOUT=S (seconds for the test step, default unbounded),
@@ -23,7 +25,7 @@
 # Writes gpu.txt, build.log, gpu_tests.log, memcheck.log, cpu_tests.log, profile.log (ncu per-kernel
 # times), bench.log, bench.json, bench.png, bench_ep.{log,json}, bench_ep_emulated.{log,json}, train_record.{log,json,png},
 # mp_gpu_tests.log, concurrency.{log,json} (all runs in one of each), bench_ep2.{log,json},
-# profile_ep2.{log,json} into OUTDIR
+# profile_ep2.{log,json}, arrival_bench.log into OUTDIR
 # (the device tool returns at most 8 files: choose STEPS accordingly); exits non-zero if any step failed.
 set -uo pipefail
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -212,6 +214,22 @@ train_record() {
   return $rc
 }
 want trainrecord && step train-record train_record.log train_record
+
+# The arrival-gated GEMM beside a row transfer (cuda/tests/arrival_gemm_bench.cu; nvlink stage 2): how much of it
+# the overlap hides, by copy engine and by copy kernels, both group orders; then the front half of the stage-2
+# forward against the stage-1 order (cuda/tests/stage2_forward_bench.cu). Over NVLink from GPU 1 where there are
+# two GPUs. Not in the default steps.
+arrival_bench() {
+  local include
+  include=$($PY -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))") || return 1
+  local program
+  for program in arrival_gemm_bench stage2_forward_bench; do
+    nvcc -std=c++17 --expt-relaxed-constexpr -arch=sm_90a -O3 -DNDEBUG -Icuda/include "-I$include" \
+      "cuda/tests/$program.cu" -o "/tmp/jmm_$program" || return 1
+  done
+  /tmp/jmm_arrival_gemm_bench ${ARRIVAL_BENCH_ARGS:-} && /tmp/jmm_stage2_forward_bench ${STAGE2_BENCH_ARGS:-}
+}
+want arrivalbench && step arrival-bench arrival_bench.log arrival_bench
 
 # Multi-GPU steps. moe_ffn_ep across two jax.distributed processes, one GPU each (xla and ragged over NCCL).
 want mpgpu && step mp-gpu-tests mp_gpu_tests.log $PY -m pytest -m gpu -q -rA -p no:cacheprovider \
