@@ -109,6 +109,10 @@ void Allocate(Group& group, int ranks, int64_t block_bytes) {
               std::to_string(group.devices[r]));
     Check(cudaMalloc(reinterpret_cast<void**>(&group.peers.signals[r]), SignalBytes(ranks)), "allocating signals");
     Check(cudaMemset(group.peers.signals[r], 0, SignalBytes(ranks)), "zeroing signals");
+    if (const std::string error = LoadExchangeKernels(); !error.empty()) {
+      throw std::runtime_error("jax_megamoe nvlink workspace: loading the exchange kernels on GPU " +
+                               std::to_string(group.devices[r]) + ": " + error);
+    }
   }
   for (int r = 0; r < ranks; ++r) {
     if (group.devices[r] == kRemote) continue;

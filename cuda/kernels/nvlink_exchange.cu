@@ -130,6 +130,17 @@ __global__ void __launch_bounds__(kThreads) ReceiveBlocks(Peers peers, int ranks
 
 }  // namespace
 
+std::string LoadExchangeKernels() {
+  cudaFuncAttributes attributes;
+  for (const void* kernel : {reinterpret_cast<const void*>(AdvanceEpochs), reinterpret_cast<const void*>(SendBlocks),
+                             reinterpret_cast<const void*>(ReceiveBlocks)}) {
+    if (const cudaError_t status = cudaFuncGetAttributes(&attributes, kernel); status != cudaSuccess) {
+      return cudaGetErrorString(status);
+    }
+  }
+  return {};
+}
+
 std::string EnqueueExchange(const Peers& peers, int ranks, int first_rank, const std::vector<Exchange>& calls,
                             int64_t block_bytes, int blocks_per_peer, uint64_t timeout_ns, cudaStream_t stream) {
   const int count = static_cast<int>(calls.size());
