@@ -215,18 +215,20 @@ train_record() {
 }
 want trainrecord && step train-record train_record.log train_record
 
+# Builds cuda/tests/$1.cu (a standalone program against the installed CUTLASS headers) into /tmp/jmm_$1.
+build_cuda_program() {
+  local include
+  include=$($PY -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))") || return 1
+  nvcc -std=c++17 --expt-relaxed-constexpr -arch=sm_90a -O3 -DNDEBUG -Icuda/include "-I$include" \
+    "cuda/tests/$1.cu" -o "/tmp/jmm_$1"
+}
+
 # The arrival-gated GEMM beside a row transfer (cuda/tests/arrival_gemm_bench.cu; nvlink stage 2): how much of it
 # the overlap hides, by copy engine and by copy kernels, both group orders; then the front half of the stage-2
 # forward against the stage-1 order (cuda/tests/stage2_forward_bench.cu). Over NVLink from GPU 1 where there are
 # two GPUs. Not in the default steps.
 arrival_bench() {
-  local include
-  include=$($PY -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))") || return 1
-  local program
-  for program in arrival_gemm_bench stage2_forward_bench; do
-    nvcc -std=c++17 --expt-relaxed-constexpr -arch=sm_90a -O3 -DNDEBUG -Icuda/include "-I$include" \
-      "cuda/tests/$program.cu" -o "/tmp/jmm_$program" || return 1
-  done
+  build_cuda_program arrival_gemm_bench && build_cuda_program stage2_forward_bench || return 1
   /tmp/jmm_arrival_gemm_bench ${ARRIVAL_BENCH_ARGS:-} && /tmp/jmm_stage2_forward_bench ${STAGE2_BENCH_ARGS:-}
 }
 want arrivalbench && step arrival-bench arrival_bench.log arrival_bench

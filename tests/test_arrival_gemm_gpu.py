@@ -8,16 +8,12 @@ Builds cuda/tests/arrival_gemm_check.cu with nvcc against the installed CUTLASS 
   failure record names a peer group (exit code 3), instead of a hang.
 """
 
-import os
-import pathlib
-import shutil
 import subprocess
 
 import jax
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-NVCC = shutil.which("nvcc")
+from cuda_programs import NVCC, build
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,16 +24,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def check_binary(tmp_path_factory):
-    import cutlass_library
-
-    cutlass_include = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
-    binary = tmp_path_factory.mktemp("arrival") / "arrival_gemm_check"
-    built = subprocess.run(
-        [NVCC, "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_90a", "-O3", "-DNDEBUG",
-         f"-I{ROOT / 'cuda' / 'include'}", f"-I{cutlass_include}", str(ROOT / "cuda" / "tests" / "arrival_gemm_check.cu"),
-         "-o", str(binary)], capture_output=True, text=True, timeout=600)
-    assert built.returncode == 0, built.stderr[-3000:]
-    return binary
+    return build("arrival_gemm_check", tmp_path_factory.mktemp("arrival"))
 
 
 def test_gated_groups_wait_for_their_rows(check_binary):

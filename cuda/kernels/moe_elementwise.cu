@@ -2,6 +2,7 @@
 // Rounding points follow cuda/cpu/moe.cc: values are rounded to the storage type where it stores them.
 #include <cuda_bf16.h>
 
+#include "jmm/device_math.cuh"
 #include "jmm/moe_cuda.h"
 
 namespace jmm::cuda {
@@ -19,8 +20,6 @@ __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) { ret
 
 template <typename T>
 __device__ __forceinline__ float Round(float v) { return ToFloat(FromFloat<T>(v)); }
-
-__device__ __forceinline__ float Sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 
 // V consecutive elements moved as one access (16 bytes when the row width allows it).
 template <typename T, int V>
@@ -75,7 +74,7 @@ __global__ void SwigluForwardKernel(T* gate_up, T* h, const int32_t* kept_rows, 
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const float g = ToFloat(gate.v[j]);
-      o.v[j] = FromFloat<T>(g * Sigmoid(g) * ToFloat(up.v[j]));
+      o.v[j] = FromFloat<T>(Swiglu(g, ToFloat(up.v[j])));
     }
     out[i] = o;
   }
@@ -171,13 +170,12 @@ __global__ void __launch_bounds__(kBackwardThreads) SwigluBackwardKernel(
 #pragma unroll
           for (int j = 0; j < V; ++j) {
             const float zg = ToFloat(gate[b].v[j]), zu = ToFloat(up[b].v[j]), gr = ToFloat(grad[b].v[j]);
-            const float sig = Sigmoid(zg), silu = zg * sig;
-            const float act = Round<T>(silu * zu);
+            const float act = Round<T>(Swiglu(zg, zu));
             weighted_act.v[j] = FromFloat<T>(w * act);
             dw[s0 + b] += gr * act;
             const float dact = w * gr;
-            dgate.v[j] = FromFloat<T>(dact * zu * sig * (1.0f + zg * (1.0f - sig)));
-            dup.v[j] = FromFloat<T>(dact * silu);
+            dgate.v[j] = FromFloat<T>(SwigluGateGrad(zg, zu, dact));
+            dup.v[j] = FromFloat<T>(SwigluUpGrad(zg, dact));
           }
           weighted_h_row[i] = weighted_act;
           dz_row[i] = dgate;

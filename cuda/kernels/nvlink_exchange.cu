@@ -3,6 +3,7 @@
 
 #include <cstdio>
 
+#include "jmm/device_math.cuh"
 #include "jmm/nvlink_cuda.h"
 
 namespace jmm::nvlink {
@@ -12,26 +13,20 @@ namespace {
 // count blocks, so every rank of a workspace uses its one blocks_per_peer.
 constexpr int kThreads = 512;
 
-using SystemCounter = cuda::atomic_ref<unsigned long long, cuda::thread_scope_system>;
-
-__device__ unsigned long long GlobalTimerNs() {
-  unsigned long long now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  return now;
-}
+using SystemCounter = ::cuda::atomic_ref<unsigned long long, ::cuda::thread_scope_system>;
 
 // Spins until *counter >= target, for at most timeout_ns; then reports and traps (never hangs).
 __device__ void WaitAtLeast(uint64_t* counter, uint64_t target, uint64_t timeout_ns, const char* phase,
                             int rank, int peer, uint64_t epoch) {
   SystemCounter ref(*reinterpret_cast<unsigned long long*>(counter));
-  if (ref.load(cuda::memory_order_acquire) >= target) return;
-  const unsigned long long start = GlobalTimerNs();
-  while (ref.load(cuda::memory_order_acquire) < target) {
-    if (GlobalTimerNs() - start > timeout_ns) {
+  if (ref.load(::cuda::memory_order_acquire) >= target) return;
+  const uint64_t start = jmm::cuda::GlobalTimerNs();
+  while (ref.load(::cuda::memory_order_acquire) < target) {
+    if (jmm::cuda::GlobalTimerNs() - start > timeout_ns) {
       printf("jax_megamoe nvlink: shard %d timed out after %llu ms in phase '%s' waiting for shard %d "
              "(epoch %llu, counter %llu < %llu)\n",
              rank, static_cast<unsigned long long>(timeout_ns / 1000000), phase, peer,
-             static_cast<unsigned long long>(epoch), ref.load(cuda::memory_order_relaxed),
+             static_cast<unsigned long long>(epoch), ref.load(::cuda::memory_order_relaxed),
              static_cast<unsigned long long>(target));
       __trap();
     }
@@ -41,7 +36,7 @@ __device__ void WaitAtLeast(uint64_t* counter, uint64_t target, uint64_t timeout
 
 __device__ void SignalAdd(uint64_t* counter) {
   __threadfence_system();
-  SystemCounter(*reinterpret_cast<unsigned long long*>(counter)).fetch_add(1, cuda::memory_order_release);
+  SystemCounter(*reinterpret_cast<unsigned long long*>(counter)).fetch_add(1, ::cuda::memory_order_release);
 }
 
 __device__ void BadCount(const char* what, int rank, int peer, int count, int64_t capacity) {

@@ -30,9 +30,9 @@ __global__ void __launch_bounds__(1024) GatherRows(const uint4* src, const int32
   constexpr int kChunks = kK * sizeof(Bf16) / 16;
   if (arrived != nullptr) {
     if (threadIdx.x == 0) {
-      const uint64_t start = cg::detail::GlobalTimerNs();
+      const uint64_t start = jmm::cuda::GlobalTimerNs();
       while (cg::detail::LoadAcquireSystem(arrived) < target) {
-        if (cg::detail::GlobalTimerNs() - start > 10'000'000'000ull) __trap();
+        if (jmm::cuda::GlobalTimerNs() - start > 10'000'000'000ull) __trap();
         __nanosleep(256);
       }
     }

@@ -25,6 +25,8 @@
 
 #include <cute/tensor.hpp>
 
+#include "jmm/device_math.cuh"
+
 namespace jmm::cuda::cutlass_gemm {
 
 // What a timed-out wait leaves behind. Every thread that gives up writes it (plain stores: atomics on host-mapped
@@ -46,12 +48,6 @@ struct GroupArrival {
 
 namespace detail {
 
-__device__ __forceinline__ uint64_t GlobalTimerNs() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 __device__ __forceinline__ uint64_t LoadAcquireSystem(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -64,10 +60,10 @@ __device__ __forceinline__ void WaitForGroup(GroupArrival const& arrival, int gr
   const uint64_t* counter = arrival.counters[group];
   if (counter == nullptr) return;
   const uint64_t target = arrival.targets[group];
-  const uint64_t start = GlobalTimerNs();
+  const uint64_t start = jmm::cuda::GlobalTimerNs();
   uint64_t seen;
   while ((seen = LoadAcquireSystem(counter)) < target) {
-    if (GlobalTimerNs() - start > arrival.timeout_ns) {
+    if (jmm::cuda::GlobalTimerNs() - start > arrival.timeout_ns) {
       if (volatile ArrivalFailure* failure = arrival.failure; failure != nullptr) {
         failure->group = group;
         failure->seen = seen;
