@@ -1,7 +1,12 @@
-"""The push of nvlink stage 2 between two GPUs (marker `gpu`): cuda/tests/peer_push_check.cu. The sending GPU's
-stream moves rows by DMA into the receiving GPU's memory, then writes a counter there (cuStreamWriteValue64 into
-peer memory); a kernel on the receiving GPU, already waiting (bounded), must see the counter and then every byte
-of the rows, which are poisoned before each of the rounds."""
+"""The push of nvlink stage 2 between two GPUs, with its handshake (marker `gpu`): cuda/tests/peer_push_check.cu.
+
+- The receiving GPU's stream poisons its landing rows and signals `ready` into the sender's memory; the sending
+  GPU's stream waits (one bounded block) for it, moves the rows by DMA into the receiver's memory and writes
+  `arrived` there (cuStreamWriteValue64 into peer memory); the receiver waits (bounded) for that and compares
+  every byte. Seven rounds, enqueued up front, each side late in turn: the counters alone order the two GPUs.
+- `timeout`: the receiver never frees round 2; the sender's wait ends in a trap after 200 ms and its failure
+  record names the phase and round (exit code 3), instead of a hang.
+"""
 
 import subprocess
 
@@ -17,7 +22,17 @@ pytestmark = [
 ]
 
 
-def test_dma_push_and_stream_write_into_peer_memory(tmp_path):
-    binary = build("peer_push_check", tmp_path)
-    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
+@pytest.fixture(scope="module")
+def check_binary(tmp_path_factory):
+    return build("peer_push_check", tmp_path_factory.mktemp("peer_push"))
+
+
+def test_dma_push_with_ready_and_arrived_signals_in_peer_memory(check_binary):
+    run = subprocess.run([str(check_binary)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "peer push ok" in run.stdout, run.stdout + run.stderr
+
+
+def test_a_receiver_that_never_frees_its_rows_ends_the_senders_wait_with_a_record(check_binary):
+    run = subprocess.run([str(check_binary), "timeout"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert "sender waiting for ready in round 2" in run.stdout, run.stdout
