@@ -93,11 +93,8 @@ void MeasureOrder(Setup& s, Transfer& transfer, float copy_ms, bool source_major
   Initialise(plain, MakeArguments(problem, s.a, s.b, s.d, cg::GroupArrival{}, s.sms), s.main_stream);
   Initialise(reserved, MakeArguments(problem, s.a, s.b, s.d, cg::GroupArrival{}, gemm_sms), s.main_stream);
   Initialise(gated, MakeArguments(problem, s.a, s.b, s.d, gate, gemm_sms), s.main_stream);
-  auto run = [&](Gemm& gemm) {
-    if (gemm.run(s.main_stream) != cutlass::Status::kSuccess) std::printf("launch failed\n"), std::exit(2);
-  };
-  const float gemm_ms = MedianMs(s.main_stream, [] {}, [&] { run(plain); });
-  const float reserved_ms = MedianMs(s.main_stream, [] {}, [&] { run(reserved); });
+  const float gemm_ms = MedianMs(s.main_stream, [] {}, [&] { Run(plain, s.main_stream); });
+  const float reserved_ms = MedianMs(s.main_stream, [] {}, [&] { Run(reserved, s.main_stream); });
   std::vector<uint64_t> targets(groups);
   const float overlapped_ms = MedianMs(s.main_stream, [] {}, [&] {
     for (int g = 0; g < groups; ++g) targets[g] = source_of[g] == 1 ? transfer.next_value() : 0;
@@ -106,7 +103,7 @@ void MeasureOrder(Setup& s, Transfer& transfer, float copy_ms, bool source_major
     CHECK_CUDA(cudaEventRecord(s.fork, s.main_stream));
     CHECK_CUDA(cudaStreamWaitEvent(s.copy_stream, s.fork));
     transfer.Enqueue(s, s.copy_stream);
-    run(gated);
+    Run(gated, s.main_stream);
     CHECK_CUDA(cudaEventRecord(s.join, s.copy_stream));
     CHECK_CUDA(cudaStreamWaitEvent(s.main_stream, s.join));
   });

@@ -19,6 +19,7 @@
 
 using namespace test_util;
 using jmm::cuda::GlobalTimerNs;
+using jmm::cuda::LoadAcquireSystem;
 
 constexpr int64_t kBytes = 64ll << 20;  // q30's tokens of one shard at EP = 2: 16384 x 2048 bf16
 constexpr int kRounds = 7;
@@ -44,7 +45,7 @@ __global__ void WaitCounter(const uint64_t* counter, uint64_t target, uint64_t t
   const uint64_t start = GlobalTimerNs();
   uint64_t seen;
   while (true) {
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(seen) : "l"(counter) : "memory");
+    seen = LoadAcquireSystem(counter);
     if (seen >= target) return;
     if (GlobalTimerNs() - start > timeout_ns) break;
     __nanosleep(1000);

@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(1024) GatherRows(const uint4* src, const int32
   if (arrived != nullptr) {
     if (threadIdx.x == 0) {
       const uint64_t start = jmm::cuda::GlobalTimerNs();
-      while (cg::detail::LoadAcquireSystem(arrived) < target) {
+      while (jmm::cuda::LoadAcquireSystem(arrived) < target) {
         if (jmm::cuda::GlobalTimerNs() - start > 10'000'000'000ull) __trap();
         __nanosleep(256);
       }
@@ -131,9 +131,6 @@ int main(int argc, char** argv) {
 
   Gemm stage1_gemm;
   Initialise(stage1_gemm, MakeArguments(problem, x_perm, w, d_stage1, cg::GroupArrival{}, sms), main_stream);
-  auto run = [&](Gemm& gemm) {
-    if (gemm.run(main_stream) != cutlass::Status::kSuccess) std::printf("launch failed\n"), std::exit(2);
-  };
 
   const float stage1_ms = MedianMs(main_stream, [] {}, [&] {
     CHECK_CUDA(cudaMemcpyAsync(received_x, peer_x, token_bytes, cudaMemcpyDefault, main_stream));
@@ -141,7 +138,7 @@ int main(int argc, char** argv) {
                                                  own_perm, nullptr, 0, nullptr);
     GatherRows<<<2 * sms, 256, 0, main_stream>>>(reinterpret_cast<const uint4*>(received_x), peer_rows,
                                                  kRowsPerSource, peer_perm, nullptr, 0, nullptr);
-    run(stage1_gemm);
+    Run(stage1_gemm, main_stream);
   });
 
   const size_t d_bytes = size_t(kSources) * kRowsPerSource * kN * sizeof(Bf16);
@@ -185,7 +182,7 @@ int main(int argc, char** argv) {
                                                        kRowsPerSource, peer_perm, arrived, arrived_value, gathered);
       GatherRows<<<2 * sms, 256, 0, main_stream>>>(reinterpret_cast<const uint4*>(own_x), own_rows, kRowsPerSource,
                                                    own_perm, nullptr, 0, nullptr);
-      run(stage2_gemm);
+      Run(stage2_gemm, main_stream);
       CHECK_CUDA(cudaEventRecord(side_done, side_stream));
       CHECK_CUDA(cudaEventRecord(peer_done, peer_stream));
       CHECK_CUDA(cudaStreamWaitEvent(main_stream, side_done));

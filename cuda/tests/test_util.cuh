@@ -1,5 +1,5 @@
 // Helpers of the standalone CUDA test programs in cuda/tests (checks and benchmarks built by nvcc outside the
-// library): error checking, uploads and downloads, eager module loading, CUTLASS GEMM set-up, fill
+// library): error checking, uploads and downloads, eager module loading, CUTLASS GEMM set-up and launch, fill
 // patterns, timing, the stream-write signal.
 #pragma once
 
@@ -48,6 +48,12 @@ inline cutlass::KernelHardwareInfo HardwareInfo() {
   CHECK_CUDA(cudaGetDevice(&hw.device_id));
   CHECK_CUDA(cudaDeviceGetAttribute(&hw.sm_count, cudaDevAttrMultiProcessorCount, hw.device_id));
   return hw;
+}
+
+// Enqueues an initialised CUTLASS GEMM; exits with code 2 on failure.
+template <class Gemm>
+void Run(Gemm& gemm, cudaStream_t stream) {
+  if (gemm.run(stream) != cutlass::Status::kSuccess) std::printf("launch failed\n"), std::exit(2);
 }
 
 template <class T>

@@ -48,12 +48,6 @@ struct GroupArrival {
 
 namespace detail {
 
-__device__ __forceinline__ uint64_t LoadAcquireSystem(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // Called by one thread: returns once group g's rows are published, traps after the timeout.
 __device__ __forceinline__ void WaitForGroup(GroupArrival const& arrival, int group) {
   if (arrival.counters == nullptr) return;
@@ -62,7 +56,7 @@ __device__ __forceinline__ void WaitForGroup(GroupArrival const& arrival, int gr
   const uint64_t target = arrival.targets[group];
   const uint64_t start = jmm::cuda::GlobalTimerNs();
   uint64_t seen;
-  while ((seen = LoadAcquireSystem(counter)) < target) {
+  while ((seen = jmm::cuda::LoadAcquireSystem(counter)) < target) {
     if (jmm::cuda::GlobalTimerNs() - start > arrival.timeout_ns) {
       if (volatile ArrivalFailure* failure = arrival.failure; failure != nullptr) {
         failure->group = group;
