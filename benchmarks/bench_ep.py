@@ -6,8 +6,10 @@ At `--ep 1` (one GPU, the default) the difference is pure overhead: routing plan
 with T tokens and E/N experts on one device: the column then reads as the cost of the all-to-alls.
 `--backend` takes a comma list (e.g. `xla,ragged,nvlink`): every backend runs in the same process on the
 same inputs, one row each, with its time as a ratio to moe_ffn's. `nvlink` opens an `NvlinkWorkspace` for
-the mesh (GPUs of this process). A backend that fails is recorded with its error, the others still run,
-and the exit status is 1.
+the mesh (GPUs of this process), with stage 2's overlapped forward where it applies; `nvlink_stage1` (a
+bench-only name) runs `backend="nvlink"` with a workspace opened with `overlap=False`, so `nvlink,nvlink_stage1`
+compares the two in one run. A backend that fails is recorded with its error, the others still run, and the
+exit status is 1.
 
 Times are medians over samples of back-to-back calls after warm-up, each sample synchronised once (so
 they are device time whenever the device is the bottleneck). Forward, and forward+backward (all four
@@ -18,7 +20,8 @@ gradients). Prints a table and writes JSON.
 (`--config q30s --emulate 8` has q30's total work).
 
 Usage: python benchmarks/bench_ep.py OUT.json [--config q30] [--ep 1 | --emulate R]
-                                      [--backend auto[,xla,ragged,nvlink]] [--routing uniform,zipf]
+                                      [--backend auto[,xla,ragged,nvlink,nvlink_stage1]]
+                                      [--routing uniform,zipf]
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ CONFIGS = {  # name: (T per device, H, I, E, K)
     "tiny": (256, 64, 32, 16, 4),  # a CPU smoke run of the script
 }
 TARGET_OVERHEAD = 0.05
-BACKENDS = ("auto", "xla", "ragged", "nvlink")
+BACKENDS = ("auto", "xla", "ragged", "nvlink", "nvlink_stage1")
+# Bench-only names: moe_ffn_ep's backend and the NvlinkWorkspace options they stand for.
+NVLINK_VARIANTS = {"nvlink": {"overlap": True}, "nvlink_stage1": {"overlap": False}}
 
 
 def make_inputs(tokens, hidden, inter, experts, top_k, routing, seed=0):
@@ -92,14 +97,14 @@ def measure(name, fn, args, dy):
 
 @contextlib.contextmanager
 def ep_options(backend, open_workspace):
-    """`moe_ffn_ep` keyword arguments for `backend`; for "nvlink" this opens a workspace with
-    `open_workspace()` and closes it when the block ends."""
-    if backend != "nvlink":
+    """`moe_ffn_ep` keyword arguments for the bench's `backend`; for "nvlink" and "nvlink_stage1" this opens a
+    workspace with `open_workspace(overlap=...)` and closes it when the block ends."""
+    if backend not in NVLINK_VARIANTS:
         yield {"backend": backend}
         return
-    workspace = open_workspace()
+    workspace = open_workspace(**NVLINK_VARIANTS[backend])
     try:
-        yield {"backend": backend, "workspace": workspace}
+        yield {"backend": "nvlink", "workspace": workspace}
     finally:
         workspace.close()
 
@@ -128,7 +133,7 @@ def with_ratios(row, baseline):
 def ep_problem(config, ranks, emulated, routing):
     """`(args, dy, over_axis, open_workspace)` of a `moe_ffn_ep` run with T tokens per shard: on a mesh of
     `ranks` devices (inputs sharded over it, `over_axis` = shard_map), or `emulated` on one device
-    (inputs shaped `[R, ...]`, `over_axis` = vmap). `open_workspace()` makes the matching NvlinkWorkspace."""
+    (inputs shaped `[R, ...]`, `over_axis` = vmap). `open_workspace(overlap=...)` makes the matching NvlinkWorkspace."""
     tokens, hidden, inter, experts, top_k = CONFIGS[config]
     args, dy = make_inputs(tokens * ranks, hidden, inter, experts, top_k, routing)
     workspace_size = dict(max_tokens=tokens, hidden=hidden, top_k=top_k, dtype=jnp.bfloat16)
@@ -186,16 +191,16 @@ def git_commit() -> str:
 
 def print_table(rows):
     """One line per row: times, overhead over moe_ffn, and the same as a ratio (1.05x = +5.0%)."""
-    print(f"{'config':7} {'routing':8} {'impl':38} {'fwd ms':>9} {'fwd+bwd ms':>11} {'fwd ovh':>8} {'f+b ovh':>8} "
+    print(f"{'config':7} {'routing':8} {'impl':47} {'fwd ms':>9} {'fwd+bwd ms':>11} {'fwd ovh':>8} {'f+b ovh':>8} "
           f"{'fwd/ffn':>8} {'f+b/ffn':>8}")
     for r in rows:
         if "error" in r:
-            print(f"{r['config']:7} {r['routing']:8} {r['impl']:38} FAILED: {r['error'][:200]}")
+            print(f"{r['config']:7} {r['routing']:8} {r['impl']:47} FAILED: {r['error'][:200]}")
             continue
         overheads = [f"{r[k] * 100:+7.1f}%" if k in r else f"{'':8}" for k in
                      ("forward_overhead", "forward_backward_overhead")]
         ratios = [f"{r[k]:7.3f}x" if k in r else f"{'':8}" for k in ("forward_ratio", "forward_backward_ratio")]
-        print(f"{r['config']:7} {r['routing']:8} {r['impl']:38} {r['forward_ms']:9.3f} "
+        print(f"{r['config']:7} {r['routing']:8} {r['impl']:47} {r['forward_ms']:9.3f} "
               f"{r['forward_backward_ms']:11.3f} {overheads[0]} {overheads[1]} {ratios[0]} {ratios[1]}")
 
 

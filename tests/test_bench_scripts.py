@@ -52,10 +52,31 @@ def test_nccl_concurrency_watchdog_aborts_a_stuck_iteration():
 
 def test_bench_ep_backend_list():
     assert bench_ep.parse_backends("xla,ragged,nvlink") == ["xla", "ragged", "nvlink"]
+    assert bench_ep.parse_backends("nvlink,nvlink_stage1") == ["nvlink", "nvlink_stage1"]
     assert bench_ep.parse_backends(" xla , xla ") == ["xla"]
     for bad in ("", "xla,bogus"):
         with pytest.raises(argparse.ArgumentTypeError, match="comma list"):
             bench_ep.parse_backends(bad)
+
+
+class _FakeWorkspace:
+    def __init__(self, overlap):
+        self.overlap, self.closed = overlap, False
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("backend, overlap", [("nvlink", True), ("nvlink_stage1", False)])
+def test_bench_ep_nvlink_variants_open_their_workspace(backend, overlap):
+    # Both run moe_ffn_ep's "nvlink" backend; the name picks the workspace's overlap, closed after the block.
+    with bench_ep.ep_options(backend, _FakeWorkspace) as options:
+        workspace = options["workspace"]
+        assert options == {"backend": "nvlink", "workspace": workspace} and workspace.overlap is overlap
+        assert not workspace.closed
+    assert workspace.closed
+    with bench_ep.ep_options("xla", _FakeWorkspace) as options:
+        assert options == {"backend": "xla"}
 
 
 def test_bench_moe_tiles_impl_names_give_the_gemm_tiles_variable():

@@ -1,4 +1,6 @@
-"""The NVLink transport's CPU-checkable parts: workspace sizing, fill values and argument checks.
+"""The NVLink transport's CPU-checkable parts: workspace sizing, fill values, argument checks, and for the
+overlapped forward (nvlink_experts.py) its fine layout, when it applies, and the FFI call it lowers to
+(lowered for CUDA on the CPU against the handler's contract; nothing runs).
 
 The kernels themselves run in tests/test_nvlink_gpu.py (emulated shards on one GPU, and two GPUs).
 """
@@ -6,7 +8,9 @@ The kernels themselves run in tests/test_nvlink_gpu.py (emulated shards on one G
 from __future__ import annotations
 
 import functools
+import re
 import socket
+import types
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +21,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_megamoe as jmm
-from jax_megamoe.parallel import nvlink
+from jax_megamoe import _ffi
+from jax_megamoe.ops.moe import moe_layout
+from jax_megamoe.parallel import nvlink, nvlink_experts
 
 
 def test_block_bytes_is_the_widest_row_times_tokens():
@@ -141,3 +147,159 @@ def test_bad_blocks_per_peer_env(monkeypatch, value):
     monkeypatch.setenv("JMM_NVLINK_BLOCKS_PER_PEER", value)
     with pytest.raises(ValueError, match="JMM_NVLINK_BLOCKS_PER_PEER"):
         nvlink._positive_env("JMM_NVLINK_BLOCKS_PER_PEER", 16, 1024)
+
+
+@pytest.mark.parametrize("overlap", ["yes", 1, None])
+def test_overlap_must_be_a_bool(overlap):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
+    with pytest.raises(TypeError, match="overlap must be a bool.*got"):
+        jmm.NvlinkWorkspace(mesh, "expert", max_tokens=8, hidden=16, top_k=2, overlap=overlap)
+    with pytest.raises(TypeError, match="overlap must be a bool.*got"):
+        jmm.NvlinkWorkspace.emulated(2, max_tokens=8, hidden=16, top_k=2, overlap=overlap)
+
+
+def fine_keys_model(recv_ids: np.ndarray) -> np.ndarray:
+    """keys[t, k] = recv_ids[t, k] * ep + t // C for the flattened rows t, -1 where the id is negative."""
+    ep, capacity, top_k = recv_ids.shape
+    flat = recv_ids.reshape(ep * capacity, top_k)
+    source = (np.arange(ep * capacity) // capacity)[:, None]
+    return np.where(flat >= 0, flat * ep + source, -1)
+
+
+@pytest.mark.parametrize("ep", [2, 3, 4, 8])
+def test_fine_layout_has_the_plain_expert_layouts_row_order(ep):
+    """The overlapped forward sorts the received pairs by (local expert, source); that must be the plain
+    expert layout (whose row order the existing backward uses), with its expert offsets every ep-th entry."""
+    local_experts, capacity, top_k = 5, 7, 3
+    rng = np.random.default_rng(ep)
+    recv_ids = rng.integers(0, local_experts, (ep, capacity, top_k)).astype(np.int32)
+    recv_ids[rng.random(recv_ids.shape) < 0.3] = -1     # empty slots and unrouted columns
+    recv_ids[-1, capacity // 2:] = -1                    # a partly filled block
+    recv_ids[recv_ids == 2] = 4                          # an expert with no pair
+    keys = nvlink_experts.fine_keys(jnp.asarray(recv_ids))
+    np.testing.assert_array_equal(np.asarray(keys), fine_keys_model(recv_ids))
+
+    fine = moe_layout(keys, local_experts * ep, "cpu")
+    plain = moe_layout(jnp.asarray(recv_ids.reshape(ep * capacity, top_k)), local_experts, "cpu")
+    np.testing.assert_array_equal(np.asarray(fine.row_of_pair), np.asarray(plain.row_of_pair))
+    np.testing.assert_array_equal(np.asarray(fine.pair_of_row), np.asarray(plain.pair_of_row))
+    np.testing.assert_array_equal(np.asarray(fine.expert_offsets)[::ep], np.asarray(plain.expert_offsets))
+    # And the fine groups themselves: group (e, s) holds the pairs of expert e received from source s.
+    counts = np.bincount(fine_keys_model(recv_ids)[recv_ids.reshape(-1, top_k) >= 0], minlength=local_experts * ep)
+    np.testing.assert_array_equal(np.diff(np.asarray(fine.expert_offsets)), counts)
+
+
+@pytest.mark.parametrize("overlap, platform, dtype, hidden, inter, applies", [
+    (True, "cuda", jnp.bfloat16, 128, 64, True),
+    (False, "cuda", jnp.bfloat16, 128, 64, False),     # the workspace asks for stage 1
+    (True, "cuda", jnp.float32, 128, 64, False),       # float32 runs the SIMT path
+    (True, "cuda", jnp.bfloat16, 132, 64, False),      # H not a multiple of 8: no tensor cores
+    (True, "cuda", jnp.bfloat16, 128, 36, False),      # I not a multiple of 8
+    (True, "reference", jnp.bfloat16, 128, 64, False),
+    (True, "cpu", jnp.bfloat16, 128, 64, False),
+])
+def test_overlap_applies_only_to_the_cuda_tensor_core_path(overlap, platform, dtype, hidden, inter, applies):
+    workspace = types.SimpleNamespace(overlap=overlap)
+    assert nvlink_experts.overlap_applies(workspace, platform, dtype, hidden, inter) is applies
+
+
+def custom_call_types(text: str, target: str) -> list[tuple[list[str], list[str]]]:
+    """(operand types, result types) of every StableHLO custom call to `target` in `text`."""
+    calls = []
+    for line in text.splitlines():
+        if f"@{target}(" in line:
+            operands, results = line.rsplit("} : ", 1)[1].split(" -> ")
+            calls.append((re.findall(r"tensor<([^>]*)>", operands), re.findall(r"tensor<([^>]*)>", results)))
+    return calls
+
+
+FUSED_WORKSPACE_BYTES = 4096
+
+
+@pytest.fixture
+def cuda_lowering(monkeypatch):
+    """Lowering for CUDA on the CPU (nothing runs): a stand-in for the extension's `cuda_workspace_bytes`
+    (the CPU build has none), recording what each call asked for; yields that record."""
+    asked = []
+
+    def workspace_bytes(op, *dims):
+        asked.append((op, *dims))
+        return FUSED_WORKSPACE_BYTES if op == "nvlink_moe_forward" else 256
+    monkeypatch.setattr(_ffi, "extension", lambda: types.SimpleNamespace(cuda_workspace_bytes=workspace_bytes))
+    yield asked
+
+
+def stand_in_workspace(ranks: int, overlap: bool) -> nvlink.NvlinkWorkspace:
+    """An NvlinkWorkspace with no GPU memory behind it, for lowering only."""
+    workspace = nvlink.NvlinkWorkspace.__new__(nvlink.NvlinkWorkspace)
+    workspace.id, workspace.ranks, workspace.emulated, workspace.block_bytes = 3, ranks, True, 10**6
+    workspace.overlap = overlap
+    return workspace
+
+
+def lower_for_cuda(fn, *shapes) -> str:
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_overlapped_forward_emits_the_ffi_contract(cuda_lowering, monkeypatch):
+    """Under vmap over R shards: the fused call's operands and results, in order, with their shapes, its
+    attributes and the workspace size it asks for; the backward is moe_ffn's CUDA backward and one reverse
+    row exchange."""
+    ranks, capacity, hidden, inter, local_experts, top_k = 2, 6, 24, 8, 3, 2
+    monkeypatch.setenv("JMM_GEMM_TILES", "pp64x256_c1")
+    workspace = stand_in_workspace(ranks, overlap=True)
+
+    def forward_backward(send, weights, w_gate_up, w_down, counts, ids):
+        def forward(s, w, g, d):
+            per_shard = functools.partial(nvlink_experts.overlapped_expert_forward, workspace=workspace)
+            return jax.vmap(per_shard, axis_name="expert")(s, counts, counts, ids, w, g, d)
+        y, vjp = jax.vjp(forward, send, weights, w_gate_up, w_down)
+        return y, vjp(y)
+
+    text = lower_for_cuda(
+        forward_backward, ((ranks, ranks, capacity, hidden), jnp.bfloat16),
+        ((ranks, ranks, capacity, top_k), jnp.float32), ((ranks, local_experts, hidden, 2 * inter), jnp.bfloat16),
+        ((ranks, local_experts, inter, hidden), jnp.bfloat16), ((ranks, ranks), jnp.int32),
+        ((ranks, ranks, capacity, top_k), jnp.int32))
+
+    rows, pairs = ranks * capacity, ranks * capacity * top_k
+    r = f"{ranks}x"
+    [(operands, results)] = custom_call_types(text, "jmm_cuda_nvlink_moe_forward")
+    assert operands == [f"{r}{ranks}x{capacity}x{hidden}xbf16", f"{r}{ranks}xi32", f"{r}{ranks}xi32",
+                        f"{r}{rows}x{top_k}xf32", f"{r}{local_experts}x{hidden}x{2 * inter}xbf16",
+                        f"{r}{local_experts}x{inter}x{hidden}xbf16", f"{r}{pairs}xi32", f"{r}{pairs}xi32",
+                        f"{r}{local_experts * ranks + 1}xi32", f"{r}{local_experts + 1}xi32"]
+    assert results == [f"{r}{ranks}x{capacity}x{hidden}xbf16", f"{r}{rows}x{hidden}xbf16",
+                       f"{r}{pairs}x{2 * inter}xbf16", f"{r}{FUSED_WORKSPACE_BYTES}xui8"]
+    assert re.search(r'mhlo.backend_config = \{gemm_tiles = "pp64x256_c1", workspace = 3 : i64\}', text)
+    assert ("nvlink_moe_forward", True, rows, top_k, hidden, inter, local_experts * ranks) in cuda_lowering
+    # The fine layout: one moe_layout over E_local * ep keys; the backward: the kernels' and one exchange.
+    assert [call[1][2] for call in custom_call_types(text, "jmm_cuda_moe_layout")] == [
+        f"{local_experts * ranks + 1}xi32"]
+    assert len(custom_call_types(text, "jmm_cuda_moe_backward")) == 1
+    assert len(custom_call_types(text, "jmm_cuda_nvlink_exchange")) == 1
+    assert not custom_call_types(text, "jmm_cuda_moe_forward")
+
+
+@pytest.mark.parametrize("overlap, fused, exchanges", [(True, 1, 6), (False, 0, 7)])
+def test_moe_ffn_ep_takes_the_overlapped_forward_when_asked(cuda_lowering, monkeypatch, overlap, fused, exchanges):
+    """`moe_ffn_ep`'s nvlink path with the local experts on CUDA, bf16: overlap=True calls the fused forward
+    once and exchanges ids and weights out, y back, and their transposes (6); stage 1 also the rows (7)."""
+    from jax_megamoe.parallel import ep
+    monkeypatch.setattr(ep, "resolve_backend", lambda backend: "cuda")  # as on a GPU
+    ranks, tokens, hidden, inter, experts, top_k = 2, 8, 16, 8, 4, 2
+    per_shard = functools.partial(jmm.moe_ffn_ep, axis_name="expert", backend="nvlink",
+                                  workspace=stand_in_workspace(ranks, overlap))
+
+    def forward_backward(x, weights, ids, w_gate_up, w_down):
+        fn = jax.vmap(per_shard, axis_name="expert")
+        y, vjp = jax.vjp(lambda a, b, c, d: fn(a, b, ids, c, d), x, weights, w_gate_up, w_down)
+        return y, vjp(y)
+
+    text = lower_for_cuda(
+        forward_backward, ((ranks, tokens, hidden), jnp.bfloat16), ((ranks, tokens, top_k), jnp.float32),
+        ((ranks, tokens, top_k), jnp.int32), ((ranks, experts // ranks, hidden, 2 * inter), jnp.bfloat16),
+        ((ranks, experts // ranks, inter, hidden), jnp.bfloat16))
+    assert len(custom_call_types(text, "jmm_cuda_nvlink_moe_forward")) == fused
+    assert len(custom_call_types(text, "jmm_cuda_nvlink_exchange")) == exchanges

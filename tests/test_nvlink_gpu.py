@@ -4,11 +4,14 @@ Emulation (`NvlinkWorkspace.emulated(R)` under `jax.vmap(axis_name=...)`) runs t
 real protocol (epochs, staging reuse, bounded waits) with R shards' memory on one GPU. Checks:
 - the raw exchange against its definition, for every copy width (16-, 4- and 1-byte units), with the
   staging blocks poisoned by an earlier call so stale rows would show;
-- `moe_ffn_ep(backend="nvlink")` bit for bit equal to `backend="xla"` (same plan, same local kernels,
-  same combine order), forward and all gradients, and close to the float32 reference, for R = 2, 4, 8
-  and uniform, Zipf and all-to-one routing;
-- on two GPUs: the same equalities across real NVLink, and that a shard whose peer never arrives fails
-  with the bounded-wait message instead of hanging.
+- `moe_ffn_ep(backend="nvlink")` with stage 1 (`overlap=False`) bit for bit equal to `backend="xla"` (same
+  plan, same local kernels, same combine order), forward and all gradients, and close to the float32
+  reference, for R = 2, 4, 8 and uniform, Zipf and all-to-one routing;
+- stage 2's overlapped forward (`overlap=True`, bf16 at tensor-core shapes): the program calls the fused
+  handler, and forward and gradients are bit for bit stage 1's and xla's, run to run, for the same R and
+  routings and for K = 1, empty experts, and K > E_local with a capacity; float32 falls back to stage 1;
+- on two GPUs: the same equalities across real NVLink (both stages), and that a shard whose peer never
+  arrives fails with the bounded-wait message instead of hanging.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from moe_cases import random_problem, reference_value_and_grads, rel_error, valu
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason="needs an NVIDIA GPU")]
 GRAD_NAMES = ("y", "dx", "d_weights", "d_w_gate_up", "d_w_down")
+FUSED_FORWARD = "jmm_cuda_nvlink_moe_forward"  # the overlapped forward's FFI target (nvlink_experts.py)
 
 
 def exchange_reference(buffer, send_counts, fill):
@@ -73,6 +77,8 @@ def make_shards(seed, ranks, tokens, hidden, inter, experts, top_k, dtype, routi
         log_p = jnp.where(jnp.arange(experts) < experts // ranks, 0.0, -jnp.inf)
     elif routing == "zipf":
         log_p = -1.2 * jnp.log1p(jnp.arange(experts))
+    elif routing == "empty_experts":  # every fourth expert gets no token: empty groups on every shard
+        log_p = jnp.where(jnp.arange(experts) % 4 == 3, -jnp.inf, 0.0)
     else:
         log_p = jnp.zeros(experts)
     args, dy = random_problem(seed, ranks * tokens, hidden, inter, experts, top_k, dtype, log_p)
@@ -95,24 +101,80 @@ def assert_bitwise_equal(first, second):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
-def emulated_ep(ranks, backend, workspace=None):
-    per_shard = functools.partial(jmm.moe_ffn_ep, axis_name="expert", backend=backend, workspace=workspace)
+def emulated_ep(ranks, backend, workspace=None, **options):
+    per_shard = functools.partial(jmm.moe_ffn_ep, axis_name="expert", backend=backend, workspace=workspace,
+                                  **options)
     return jax.vmap(per_shard, axis_name="expert")
+
+
+def emulated_nvlink(ranks, args, dy, overlap, runs=1, **options):
+    """`(fused, results)` of emulated `moe_ffn_ep(backend="nvlink")` on a workspace made with `overlap`:
+    whether the lowered program calls the overlapped forward, and `runs` results of `value_and_grads`."""
+    x, _, ids, _, _ = args
+    with jmm.NvlinkWorkspace.emulated(ranks, max_tokens=x.shape[1], hidden=x.shape[2], top_k=ids.shape[2],
+                                      dtype=x.dtype, overlap=overlap) as ws:
+        fn = jax.jit(functools.partial(value_and_grads, emulated_ep(ranks, "nvlink", ws, **options)))
+        fused = FUSED_FORWARD in fn.lower(args, dy).as_text()
+        return fused, [jax.block_until_ready(fn(args, dy)) for _ in range(runs)]
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 @pytest.mark.parametrize("routing", ["uniform", "zipf", "all_to_one"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_emulated_moe_ffn_ep_equals_xla_transport(ranks, routing, dtype):
+    """Stage 1 (overlap=False), run twice."""
     tokens, hidden, inter, experts, top_k = 96, 128, 64, 32, 4
     args, dy = make_shards(ranks + len(routing), ranks, tokens, hidden, inter, experts, top_k, dtype, routing)
-    with jmm.NvlinkWorkspace.emulated(ranks, max_tokens=tokens, hidden=hidden, top_k=top_k, dtype=dtype) as ws:
-        ours = jax.jit(functools.partial(value_and_grads, emulated_ep(ranks, "nvlink", ws)))
-        first, second = ours(args, dy), ours(args, dy)
+    fused, (first, second) = emulated_nvlink(ranks, args, dy, overlap=False, runs=2)
     xla = jax.jit(functools.partial(value_and_grads, emulated_ep(ranks, "xla")))(args, dy)
+    assert not fused
     assert_bitwise_equal(first, second)
     assert_bitwise_equal(first, xla)
     assert_close_to_reference(first, args, dy)
+
+
+def check_overlap_equals_stage1_and_xla(seed, ranks, routing, tokens, hidden, inter, experts, top_k, **options):
+    """The overlapped forward (bf16, tensor-core shapes) runs, twice bit for bit alike and equal to stage 1
+    and to xla (forward and all gradients), and close to the reference when nothing is dropped."""
+    assert hidden % 8 == 0 and inter % 8 == 0, "tensor-core shapes: the overlapped forward applies only to these"
+    args, dy = make_shards(seed, ranks, tokens, hidden, inter, experts, top_k, jnp.bfloat16, routing)
+    fused, (first, second) = emulated_nvlink(ranks, args, dy, overlap=True, runs=2, **options)
+    assert fused, f"overlap=True did not call {FUSED_FORWARD}"
+    stage1_fused, (stage1,) = emulated_nvlink(ranks, args, dy, overlap=False, **options)
+    assert not stage1_fused
+    xla = jax.jit(functools.partial(value_and_grads, emulated_ep(ranks, "xla", **options)))(args, dy)
+    assert_bitwise_equal(first, second)
+    assert_bitwise_equal(first, stage1)
+    assert_bitwise_equal(first, xla)
+    if options.get("capacity_factor") is None:  # with drops the reference is another problem (test_ep.py)
+        assert_close_to_reference(first, args, dy)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "all_to_one"])
+def test_emulated_overlap_equals_stage1_and_xla(ranks, routing):
+    check_overlap_equals_stage1_and_xla(ranks + len(routing), ranks, routing, tokens=96, hidden=128, inter=64,
+                                        experts=32, top_k=4)
+
+
+@pytest.mark.parametrize("ranks, routing, experts, top_k, capacity_factor", [
+    (4, "uniform", 32, 1, None),           # K = 1: one column per row
+    (4, "empty_experts", 32, 4, None),     # empty (expert, source) groups and empty experts on every shard
+    (8, "zipf", 16, 4, 1.0),               # K > E_local (rows carry summed per-expert columns), pairs dropped
+])
+def test_emulated_overlap_edge_cases(ranks, routing, experts, top_k, capacity_factor):
+    check_overlap_equals_stage1_and_xla(7 * ranks + top_k, ranks, routing, tokens=96, hidden=128, inter=64,
+                                        experts=experts, top_k=top_k, capacity_factor=capacity_factor)
+
+
+def test_emulated_float32_with_overlap_runs_stage1():
+    """overlap=True does not apply to float32 (no tensor cores): stage 1 runs, bit for bit xla."""
+    ranks, tokens, hidden, inter, experts, top_k = 2, 96, 128, 64, 32, 4
+    args, dy = make_shards(11, ranks, tokens, hidden, inter, experts, top_k, jnp.float32, "zipf")
+    fused, (ours,) = emulated_nvlink(ranks, args, dy, overlap=True)
+    xla = jax.jit(functools.partial(value_and_grads, emulated_ep(ranks, "xla")))(args, dy)
+    assert not fused
+    assert_bitwise_equal(ours, xla)
 
 
 def test_workspace_too_small_is_reported():
@@ -130,23 +192,39 @@ def two_gpu_ep(**options):
     return mesh, fn
 
 
-@pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("routing", ["uniform", "zipf", "all_to_one"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_two_gpus_nvlink_equals_xla_transport(routing, dtype):
-    """Across real NVLink, bit for bit the xla transport (whose accuracy against the reference on two GPUs is
-    tests/test_ep_gpu.py::test_two_gpus_match_reference), three calls in a row."""
+def check_two_gpus_nvlink_equals_xla(routing, dtype, overlap):
+    """Three calls in a row of `backend="nvlink"` on a workspace made with `overlap`, each bit for bit the xla
+    transport; returns whether the program called the overlapped forward."""
     tokens, hidden, inter, experts, top_k = 1024, 512, 256, 32, 4
     args, dy = make_shards(5, 2, tokens, hidden, inter, experts, top_k, dtype, routing)
     flat = lambda a: a.reshape((-1,) + a.shape[2:])
     args, dy = tuple(flat(a) for a in args), flat(dy)
     mesh, xla_fn = two_gpu_ep(backend="xla")
     xla = jax.block_until_ready(jax.jit(functools.partial(value_and_grads, xla_fn))(args, dy))
-    with jmm.NvlinkWorkspace(mesh, "expert", max_tokens=tokens, hidden=hidden, top_k=top_k, dtype=dtype) as ws:
+    with jmm.NvlinkWorkspace(mesh, "expert", max_tokens=tokens, hidden=hidden, top_k=top_k, dtype=dtype,
+                             overlap=overlap) as ws:
         ours = jax.jit(functools.partial(value_and_grads, two_gpu_ep(backend="nvlink", workspace=ws)[1]))
+        fused = FUSED_FORWARD in ours.lower(args, dy).as_text()
         runs = [jax.block_until_ready(ours(args, dy)) for _ in range(3)]
     for run in runs:
         assert_bitwise_equal(run, xla)
+    return fused
+
+
+@pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "all_to_one"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_two_gpus_nvlink_equals_xla_transport(routing, dtype):
+    """Stage 1 across real NVLink, bit for bit the xla transport (whose accuracy against the reference on two
+    GPUs is tests/test_ep_gpu.py::test_two_gpus_match_reference)."""
+    assert not check_two_gpus_nvlink_equals_xla(routing, dtype, overlap=False)
+
+
+@pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "all_to_one"])
+def test_two_gpus_overlap_equals_xla_transport(routing):
+    """Stage 2's overlapped forward across real NVLink (bf16, tensor-core shapes), bit for bit xla."""
+    assert check_two_gpus_nvlink_equals_xla(routing, jnp.bfloat16, overlap=True)
 
 
 MISSING_PEER = textwrap.dedent("""

@@ -6,7 +6,9 @@ with this shard's experts (the routing weights travel with the rows, so each row
 summed over its pairs), exchange the results back, and sum each token's returned rows in shard order.
 Every step is linear in the floating-point data or is `moe_ffn`, so JAX's transposes give the exact
 gradient; expert-weight gradients are computed where the weights live. With one shard nothing moves
-and `moe_ffn` runs on the tokens directly.
+and `moe_ffn` runs on the tokens directly. On the nvlink transport, where it applies
+(`nvlink_experts.overlap_applies`), the rows' exchange and `moe_ffn`'s forward are one call that runs the
+exchange beside the GEMM of the shard's own rows (stage 2's first step), with the same results bit for bit.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_megamoe.ops.moe import moe_ffn
+from jax_megamoe.ops.moe import moe_ffn, resolve_backend
 from jax_megamoe.ops.validation import check_moe_args, check_rank
-from jax_megamoe.parallel import nvlink, transport
+from jax_megamoe.parallel import nvlink, nvlink_experts, transport
 from jax_megamoe.parallel.plan import INVALID_EXPERT, capacities, make_plan, row_routing
 from jax_megamoe.parallel.rows import combine_rows, dispatch_rows
 
@@ -160,9 +162,13 @@ def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_l
 
 def _exchange_and_compute(x, weights, plan, w_gate_up_local, w_down_local, axis_name, transport_name,
                           local_backend, workspace):
-    """Rows out to their expert shards, the local experts on what arrives, results back, summed per token."""
+    """Rows out to their expert shards, the local experts on what arrives, results back, summed per token.
+
+    With the overlapped forward (nvlink, `nvlink_experts.overlap_applies`) the ids and weights go first and
+    one call moves the rows and runs the local experts; the return trip and the combine are the same.
+    """
     ep, row_capacity = plan.token.shape
-    local_experts = w_gate_up_local.shape[0]
+    local_experts, hidden, two_inter = w_gate_up_local.shape
     row_ids, row_weights = row_routing(plan, weights, local_experts)
     recv_counts = transport.all_to_all_blocks(plan.row_counts, axis_name)
 
@@ -174,10 +180,17 @@ def _exchange_and_compute(x, weights, plan, w_gate_up_local, w_down_local, axis_
         return transport.exchange(buffer, recv_counts, plan.row_counts, axis_name, transport_name,
                                   workspace=workspace)
 
-    recv_x = there(dispatch_rows(x, plan.token, plan.slot))
+    overlapped = transport_name == "nvlink" and nvlink_experts.overlap_applies(
+        workspace, resolve_backend(local_backend), x.dtype, hidden, two_inter // 2)
+    send = dispatch_rows(x, plan.token, plan.slot)
+    recv_x = None if overlapped else there(send)  # stage 1: the rows go first, as they always have
     recv_ids = there(_gather_rows(row_ids, plan.token, INVALID_EXPERT), INVALID_EXPERT)
     recv_weights = there(_gather_rows(row_weights, plan.token, 0))
-    rows = ep * row_capacity
-    recv_y = moe_ffn(recv_x.reshape(rows, -1), recv_weights.reshape(rows, -1), recv_ids.reshape(rows, -1),
-                     w_gate_up_local, w_down_local, backend=local_backend)
-    return combine_rows(back(recv_y.reshape(ep, row_capacity, -1)), plan.slot, plan.token)
+    if overlapped:
+        recv_y = nvlink_experts.overlapped_expert_forward(send, plan.row_counts, recv_counts, recv_ids, recv_weights,
+                                                          w_gate_up_local, w_down_local, workspace)
+    else:
+        rows = ep * row_capacity
+        recv_y = moe_ffn(recv_x.reshape(rows, -1), recv_weights.reshape(rows, -1), recv_ids.reshape(rows, -1),
+                         w_gate_up_local, w_down_local, backend=local_backend).reshape(ep, row_capacity, -1)
+    return combine_rows(back(recv_y), plan.slot, plan.token)

@@ -61,6 +61,12 @@ def _cuda_extension():
     return _ffi.extension()
 
 
+def _check_overlap(overlap) -> None:
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be a bool (True: stage 2's overlapped forward where it applies, False: "
+                        f"stage 1 everywhere), got {overlap!r}")
+
+
 REMOTE = -1  # a rank of another process (kRemote of cuda/ffi/nvlink_cuda.cc)
 _KV_TIMEOUT_MS = 300_000
 
@@ -114,6 +120,9 @@ class NvlinkWorkspace:
       axis_name: the expert axis; one exchange group is made per combination of the other axes.
       max_tokens: the most tokens a shard passes to `moe_ffn_ep` (per call).
       hidden, top_k, dtype: the token width, routing fan-out and compute dtype of the MoE layers.
+      overlap: stage 2's overlapped forward where it applies (bf16, tensor-core shapes, the cuda local
+        backend; `nvlink_experts.py`); False forces stage 1 everywhere (for comparison). Every process
+        of the axis passes the same value.
 
     With one process per GPU (`jax.distributed`), every process constructs it (in the same order as
     its other workspaces); the processes swap CUDA IPC handles through the distributed key-value store.
@@ -123,7 +132,8 @@ class NvlinkWorkspace:
     _serial = 0  # multi-process workspaces made so far: names their key-value entries
 
     def __init__(self, mesh, axis_name: str = "expert", *, max_tokens: int, hidden: int, top_k: int,
-                 dtype=jnp.bfloat16):
+                 dtype=jnp.bfloat16, overlap: bool = True):
+        _check_overlap(overlap)
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
         devices = np.moveaxis(np.asarray(mesh.devices), mesh.axis_names.index(axis_name), -1)
@@ -132,22 +142,25 @@ class NvlinkWorkspace:
         # are mapped through CUDA IPC. Every process must create its workspaces in the same order.
         global_index = [g for g, row in enumerate(groups) if any(o != REMOTE for o in row)]
         groups = [groups[g] for g in global_index]
-        self._create(groups, False, block_bytes(max_tokens, hidden, top_k, dtype))
+        self._create(groups, False, block_bytes(max_tokens, hidden, top_k, dtype), overlap)
         if any(REMOTE in row for row in groups):
             NvlinkWorkspace._serial += 1
             _exchange_handles(_ffi.extension(), self.id, groups, global_index, NvlinkWorkspace._serial)
 
     @classmethod
     def emulated(cls, ranks: int, *, max_tokens: int, hidden: int, top_k: int, dtype=jnp.bfloat16,
-                 device=None) -> "NvlinkWorkspace":
+                 device=None, overlap: bool = True) -> "NvlinkWorkspace":
         """R emulated shards on one GPU (`device`, default the first): for `moe_ffn_ep` under
-        `jax.vmap(..., axis_name=...)` over R, running the real kernels and protocol without NVLink."""
+        `jax.vmap(..., axis_name=...)` over R, running the real kernels and protocol without NVLink.
+        `overlap` as for the constructor."""
+        _check_overlap(overlap)
         device = jax.devices()[0] if device is None else device
         workspace = cls.__new__(cls)
-        workspace._create([[_ordinal(device)] * ranks], True, block_bytes(max_tokens, hidden, top_k, dtype))
+        workspace._create([[_ordinal(device)] * ranks], True, block_bytes(max_tokens, hidden, top_k, dtype),
+                          overlap)
         return workspace
 
-    def _create(self, groups, emulated: bool, size: int) -> None:
+    def _create(self, groups, emulated: bool, size: int, overlap: bool) -> None:
         ranks = len(groups[0])
         if not 1 <= ranks <= MAX_RANKS:
             raise ValueError(f"the nvlink transport supports expert axes of 1 to {MAX_RANKS} GPUs, got {ranks}")
@@ -161,6 +174,7 @@ class NvlinkWorkspace:
         self.ranks = ranks
         self.emulated = emulated
         self.block_bytes = size
+        self.overlap = overlap
         self._finalizer = weakref.finalize(self, ext.nvlink_destroy, self.id)
 
     def close(self) -> None:

@@ -1,0 +1,112 @@
+"""Stage 2, first step, of the nvlink transport: the token rows' exchange fused with the expert forward.
+
+One FFI call per shard (`jmm_cuda_nvlink_moe_forward`, cuda/ffi/nvlink_forward_cuda.cc) receives the peers'
+rows and runs the expert forward on them: the row exchange and the gather of the peers' rows run on a side
+stream beside the gate_up GEMM of the shard's own rows. The GEMM's groups must be known before the rows
+arrive, so the local expert ids and routing weights travel first (stage 1's exchange) and the pairs are laid
+out by the fine key (local expert, source shard). The rows arrive in source order, so that layout has the
+plain expert layout's row order: the backward is `moe_ffn`'s CUDA backward on it, unchanged, and the rows'
+cotangent goes back by the reverse exchange, as in stage 1. Forward and gradients are bit for bit stage 1's.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_megamoe import _ffi
+from jax_megamoe.ops.moe import GEMM_TILES_ENV, Layout, moe_backward, moe_layout
+from jax_megamoe.parallel import nvlink
+
+TENSOR_CORE_MULTIPLE = 8  # H and I multiples of this run the bf16 tensor-core GEMMs (UseTensorCores, moe_cuda.h)
+
+
+def overlap_applies(workspace: nvlink.NvlinkWorkspace, local_platform: str, dtype, hidden: int, inter: int) -> bool:
+    """Whether `moe_ffn_ep`'s nvlink path runs the overlapped forward: the workspace asks for it
+    (`overlap=True`), the local experts run on the CUDA kernels (`local_platform`, resolved), and the
+    problem takes the bf16 tensor-core GEMMs (`dtype` bfloat16, `hidden` and `inter` multiples of 8).
+    Otherwise stage 1 runs unchanged."""
+    return (workspace.overlap and local_platform == "cuda" and jnp.dtype(dtype) == jnp.bfloat16
+            and hidden % TENSOR_CORE_MULTIPLE == 0 and inter % TENSOR_CORE_MULTIPLE == 0)
+
+
+def fine_keys(recv_ids: jax.Array) -> jax.Array:
+    """Layout keys of the received pairs: `e * ep + s` for local expert id `e` received from source `s`, -1
+    where the id is negative. `recv_ids [ep, C, K]` (block s from source s) -> `[ep * C, K]` int32.
+
+    `moe_layout(keys, E_local * ep)` then sorts the pairs by (expert, source); its offsets every `ep`-th
+    entry are the plain expert offsets. Ids >= E_local give keys >= E_local * ep, dropped like the id."""
+    ep = recv_ids.shape[0]
+    source = jnp.arange(ep, dtype=jnp.int32)[:, None, None]
+    ids = recv_ids.astype(jnp.int32)
+    keys = jnp.where(ids >= 0, ids * ep + source, -1)
+    return keys.reshape(-1, recv_ids.shape[-1])
+
+
+def overlapped_expert_forward(send: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, recv_ids: jax.Array,
+                              recv_weights: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
+                              workspace: nvlink.NvlinkWorkspace) -> jax.Array:
+    """`moe_ffn` on the rows `send` brings, with the rows' exchange beside the own rows' gate_up GEMM.
+
+    Equals `moe_ffn(nvlink.exchange(send, send_counts, recv_counts, workspace), recv_weights, recv_ids, ...)`
+    with the blocks flattened to rows, bit for bit, forward and gradients (CUDA kernels, bf16).
+
+    Args:
+      send: `[ep, C, H]` bf16 rows for each destination (the first `send_counts[d]` of block d are live).
+      send_counts, recv_counts: `[ep]` rows sent to / received from each shard.
+      recv_ids: `[ep, C, K]` the received rows' local expert ids (-1 for none).
+      recv_weights: `[ep, C, K]` their routing weights.
+      w_gate_up, w_down: this shard's experts, `[E_local, H, 2I]` and `[E_local, I, H]`, bf16.
+      workspace: the `NvlinkWorkspace` of the expert axis.
+
+    Returns the received rows' results `[ep, C, H]`, each summed over its pairs.
+    """
+    ep, capacity, hidden = send.shape
+    workspace.check_fits(capacity, hidden * send.dtype.itemsize)
+    weights = recv_weights.reshape(ep * capacity, -1).astype(jnp.float32)
+    args = _ffi.vary_alike(send, send_counts.astype(jnp.int32), recv_counts.astype(jnp.int32), fine_keys(recv_ids),
+                           weights, w_gate_up, w_down)
+    return _overlapped(*args, workspace).reshape(ep, capacity, hidden)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _overlapped(send, send_counts, recv_counts, keys, weights, w_gate_up, w_down, workspace):
+    return _overlapped_fwd(send, send_counts, recv_counts, keys, weights, w_gate_up, w_down, workspace)[0]
+
+
+def _overlapped_fwd(send, send_counts, recv_counts, keys, weights, w_gate_up, w_down, workspace):
+    ep, _, hidden = send.shape
+    rows, top_k = weights.shape
+    local_experts, _, two_inter = w_gate_up.shape
+    row_of_pair, pair_of_row, source_offsets = moe_layout(keys, local_experts * ep, "cuda")
+    # Same row order as moe_layout(ids, E_local): a valid layout for moe_ffn's backward.
+    layout = Layout(row_of_pair, pair_of_row, source_offsets[::ep])
+    # The handler's temporaries: a trailing uint8 result XLA allocates (as for ops/moe.py's CUDA
+    # handlers), dropped.
+    workspace_bytes = _ffi.extension().cuda_workspace_bytes("nvlink_moe_forward", True, rows, top_k, hidden,
+                                                            two_inter // 2, local_experts * ep)
+    shapes = (jax.ShapeDtypeStruct(send.shape, send.dtype), jax.ShapeDtypeStruct((rows, hidden), send.dtype),
+              jax.ShapeDtypeStruct((rows * top_k, two_inter), send.dtype),
+              jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
+    recv_x, y, gate_up, _ = _ffi.call(
+        "cuda", "nvlink_moe_forward", shapes, send, send_counts, recv_counts, weights, w_gate_up, w_down,
+        row_of_pair, pair_of_row, source_offsets, layout.expert_offsets, vmap_method="broadcast_all",
+        workspace=np.int64(workspace.id), gemm_tiles=os.environ.get(GEMM_TILES_ENV, ""))
+    return y, (recv_x, weights, w_gate_up, w_down, gate_up, layout, send_counts, recv_counts)
+
+
+def _overlapped_bwd(workspace, residuals, dy):
+    recv_x, weights, w_gate_up, w_down, gate_up, layout, send_counts, recv_counts = residuals
+    ep, capacity, hidden = recv_x.shape
+    dx, d_weights, d_w_gate_up, d_w_down = moe_backward(
+        "cuda", recv_x.reshape(ep * capacity, hidden), weights, w_gate_up, w_down, gate_up, layout, dy)
+    # The rows came by the exchange: their cotangent goes back by the reverse one (stage 1's transpose).
+    d_send = nvlink.exchange(dx.reshape(ep, capacity, hidden), recv_counts, send_counts, workspace)
+    return d_send, None, None, None, d_weights, d_w_gate_up, d_w_down
+
+
+_overlapped.defvjp(_overlapped_fwd, _overlapped_bwd)
