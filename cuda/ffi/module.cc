@@ -31,6 +31,7 @@ nb::dict Registrations() {
   table["jmm_cuda_moe_forward"] = Capsule(jmm_cuda_moe_forward);
   table["jmm_cuda_moe_backward"] = Capsule(jmm_cuda_moe_backward);
   table["jmm_cuda_nvlink_exchange"] = Capsule(jmm_cuda_nvlink_exchange);
+  table["jmm_cuda_nvlink_moe_forward"] = Capsule(jmm_cuda_nvlink_moe_forward);
 #endif
   return table;
 }
@@ -48,6 +49,9 @@ NB_MODULE(_ext, m) {
         if (op == "moe_layout") return jmm::MoeLayoutWorkspaceBytes(tokens * top_k, experts);
         if (op == "moe_forward") return jmm::MoeForwardWorkspaceBytes(bfloat16, tokens, top_k, hidden, intermediate, experts);
         if (op == "moe_backward") return jmm::MoeBackwardWorkspaceBytes(bfloat16, tokens, top_k, hidden, intermediate, experts);
+        if (op == "nvlink_moe_forward") {  // bfloat16 only; `experts` is the (source, expert) group count
+          return jmm::NvlinkForwardWorkspaceBytes(tokens, top_k, hidden, intermediate, experts);
+        }
         throw std::invalid_argument("cuda_workspace_bytes: unknown op " + op);
       },
       nb::arg("op"), nb::arg("bfloat16"), nb::arg("tokens"), nb::arg("top_k"), nb::arg("hidden"),

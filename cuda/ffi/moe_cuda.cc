@@ -17,8 +17,7 @@
 #include <string>
 #include <string_view>
 
-#include "jmm/ffi_common.h"
-#include "jmm/gemm_tiles.h"
+#include "jmm/cuda_handler.h"
 #include "jmm/moe_bindings.h"
 #include "jmm/handlers.h"
 #include "jmm/moe_cuda.h"
@@ -27,33 +26,6 @@
 namespace jmm {
 namespace {
 
-ffi::Error Internal(const std::string& stage, const std::string& message) {
-  return ffi::Error(ffi::ErrorCode::kInternal, "jax_megamoe CUDA " + stage + ": " + message);
-}
-
-using Workspace = ffi::Result<ffi::Buffer<ffi::U8>>;
-
-// Hands out the workspace front to back (XLA's buffers are 256-byte aligned, and so is every piece).
-class WorkspaceCursor {
- public:
-  explicit WorkspaceCursor(Workspace& workspace)
-      : next_(workspace->typed_data()), end_(workspace->typed_data() + workspace->element_count()) {}
-  size_t bytes_left() const { return static_cast<size_t>(end_ - next_); }
-  cuda::Scratch scratch() {
-    return [this](size_t bytes) -> void* {
-      const size_t take = cuda::ScratchFootprint(bytes);
-      if (take > bytes_left()) return nullptr;
-      void* piece = next_;
-      next_ += take;
-      return piece;
-    };
-  }
-
- private:
-  uint8_t* next_;
-  uint8_t* end_;
-};
-
 std::atomic<int64_t> recorded_layout{0}, recorded_forward{0}, recorded_backward{0};
 
 // Counts the call if XLA is recording `stream` into a CUDA graph.
@@ -61,38 +33,6 @@ void CountIfRecorded(cudaStream_t stream, std::atomic<int64_t>& counter) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &status) == cudaSuccess && status == cudaStreamCaptureStatusActive) ++counter;
 }
-
-// A workspace smaller than the handler needs (sized for other shapes) is an error naming both sizes.
-ffi::Error CheckWorkspace(const std::string& op, Workspace& workspace, size_t needed) {
-  if (workspace->element_count() >= needed) return ffi::Error::Success();
-  return InvalidArgument("the " + op + " workspace holds " + std::to_string(workspace->element_count()) +
-                         " bytes, the call needs " + std::to_string(needed));
-}
-
-#define JMM_CUDA_TRY(stage, expr)                                    \
-  do {                                                               \
-    if (cuda::Status status_ = (expr); !status_.empty()) {           \
-      return Internal(stage, status_);                               \
-    }                                                                \
-  } while (0)
-
-ffi::Error ReadDtype(ffi::DataType type, cuda::Dtype* dtype) {
-  switch (type) {
-    case ffi::BF16: *dtype = cuda::Dtype::kBFloat16; return ffi::Error::Success();
-    case ffi::F32: *dtype = cuda::Dtype::kFloat32; return ffi::Error::Success();
-    default: return InvalidArgument("the CUDA MoE kernels support bfloat16 and float32 only");
-  }
-}
-
-ffi::Error ReadGemmTiles(std::string_view spec, RowsGemmTiles* tiles) {
-  const std::string value(spec);  // empty: JMM_GEMM_TILES was unset, the defaults
-  if (std::string err = ParseGemmTiles(value.empty() ? nullptr : value.c_str(), tiles); !err.empty()) {
-    return InvalidArgument(err);
-  }
-  return ffi::Error::Success();
-}
-
-size_t ElementBytes(cuda::Dtype dtype) { return dtype == cuda::Dtype::kBFloat16 ? 2 : 4; }
 
 size_t GemmsScratchBytes(int gemms, bool tensor_cores, int64_t experts) {
   return tensor_cores ? gemms * cuda::GroupedGemmScratchBytes(experts) : 0;
@@ -277,8 +217,6 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffe
                                                              offsets, E, rows, H, 2 * I, alloc, stream));
   return ffi::Error::Success();
 }
-
-#undef JMM_CUDA_TRY
 
 // Every CUDA handler runs on XLA's stream; its temporaries come from its trailing workspace result.
 auto CudaBinding() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }

@@ -13,26 +13,11 @@
 #include "jmm/ffi_common.h"
 #include "jmm/handlers.h"
 #include "jmm/nvlink_cuda.h"
+#include "jmm/nvlink_forward.h"
+#include "jmm/nvlink_workspace.h"
 
 namespace jmm::nvlink {
 namespace {
-
-struct Group {
-  std::vector<int> devices;  // device of each rank; kRemote for a rank of another process
-  Peers peers{};             // staging and signals of each rank (remote ones mapped through CUDA IPC)
-  std::vector<bool> imported;  // per rank: mapped from another process (closed, not freed)
-};
-
-constexpr int kRemote = -1;
-
-struct Workspace {
-  bool emulated = false;
-  int ranks = 0;
-  int64_t block_bytes = 0;
-  int blocks_per_peer = 0;
-  uint64_t timeout_ns = 0;
-  std::vector<Group> groups;
-};
 
 std::mutex registry_mutex;
 std::map<int64_t, std::unique_ptr<Workspace>> registry;
@@ -43,16 +28,6 @@ void Check(cudaError_t status, const std::string& what) {
     throw std::runtime_error("jax_megamoe nvlink workspace: " + what + ": " + cudaGetErrorString(status));
   }
 }
-
-// Restores the calling thread's current device on scope exit (XLA's threads keep their own).
-class DeviceGuard {
- public:
-  DeviceGuard() { cudaGetDevice(&saved_); }
-  ~DeviceGuard() { cudaSetDevice(saved_); }
-
- private:
-  int saved_ = 0;
-};
 
 void EnablePeerAccess(const std::vector<int>& devices) {
   for (int a : devices) {
@@ -97,6 +72,11 @@ void FreeGroup(Group& group, int ranks) {
     }
     group.peers.staging[r] = nullptr;
     group.peers.signals[r] = nullptr;
+    if (group.side_streams[r] != nullptr) cudaStreamDestroy(group.side_streams[r]);
+    if (group.forks[r] != nullptr) cudaEventDestroy(group.forks[r]);
+    if (group.joins[r] != nullptr) cudaEventDestroy(group.joins[r]);
+    group.side_streams[r] = nullptr;
+    group.forks[r] = group.joins[r] = nullptr;
   }
 }
 
@@ -109,9 +89,14 @@ void Allocate(Group& group, int ranks, int64_t block_bytes) {
               std::to_string(group.devices[r]));
     Check(cudaMalloc(reinterpret_cast<void**>(&group.peers.signals[r]), SignalBytes(ranks)), "allocating signals");
     Check(cudaMemset(group.peers.signals[r], 0, SignalBytes(ranks)), "zeroing signals");
-    if (const std::string error = LoadExchangeKernels(); !error.empty()) {
-      throw std::runtime_error("jax_megamoe nvlink workspace: loading the exchange kernels on GPU " +
-                               std::to_string(group.devices[r]) + ": " + error);
+    Check(cudaStreamCreateWithFlags(&group.side_streams[r], cudaStreamNonBlocking), "creating the side stream");
+    Check(cudaEventCreateWithFlags(&group.forks[r], cudaEventDisableTiming), "creating an event");
+    Check(cudaEventCreateWithFlags(&group.joins[r], cudaEventDisableTiming), "creating an event");
+    for (const std::string& error : {LoadExchangeKernels(), cuda::LoadForwardKernels()}) {
+      if (!error.empty()) {
+        throw std::runtime_error("jax_megamoe nvlink workspace: loading the transport's kernels on GPU " +
+                                 std::to_string(group.devices[r]) + ": " + error);
+      }
     }
   }
   for (int r = 0; r < ranks; ++r) {
@@ -119,15 +104,6 @@ void Allocate(Group& group, int ranks, int64_t block_bytes) {
     Check(cudaSetDevice(group.devices[r]), "cudaSetDevice");
     Check(cudaDeviceSynchronize(), "initialising the workspace");
   }
-}
-
-bool Ready(const Workspace& workspace) {
-  for (const auto& group : workspace.groups) {
-    for (int r = 0; r < workspace.ranks; ++r) {
-      if (group.peers.staging[r] == nullptr) return false;
-    }
-  }
-  return true;
 }
 
 Workspace& Find(int64_t id) {
@@ -139,6 +115,33 @@ Workspace& Find(int64_t id) {
 ffi::Error Invalid(const std::string& message) { return InvalidArgument("nvlink exchange: " + message); }
 
 }  // namespace
+
+Workspace* FindOpen(int64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry.find(id);
+  return it == registry.end() ? nullptr : it->second.get();
+}
+
+bool Ready(const Workspace& workspace) {
+  for (const auto& group : workspace.groups) {
+    for (int r = 0; r < workspace.ranks; ++r) {
+      if (group.peers.staging[r] == nullptr) return false;
+    }
+  }
+  return true;
+}
+
+Group* GroupOf(Workspace& workspace, int device, int* rank) {
+  for (auto& group : workspace.groups) {
+    for (int r = 0; r < workspace.ranks; ++r) {
+      if (group.devices[r] == device) {
+        *rank = r;
+        return &group;
+      }
+    }
+  }
+  return nullptr;
+}
 
 int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulated, int64_t block_bytes,
                         int64_t timeout_ms, int blocks_per_peer) {
@@ -177,6 +180,10 @@ int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulat
       Group group;
       group.devices = devices;
       group.imported.assign(ranks, false);
+      group.side_streams.assign(ranks, nullptr);
+      group.forks.assign(ranks, nullptr);
+      group.joins.assign(ranks, nullptr);
+      group.forward_calls.assign(ranks, 0);
       workspace->groups.push_back(group);
       Allocate(workspace->groups.back(), ranks, workspace->block_bytes);
     }
@@ -272,25 +279,12 @@ namespace {
 ffi::Error NvlinkExchange(cudaStream_t stream, int32_t device, ffi::AnyBuffer send,
                           ffi::Buffer<ffi::S32> send_counts, ffi::Buffer<ffi::S32> recv_counts,
                           ffi::Result<ffi::AnyBuffer> out, int64_t workspace_id, int64_t fill_byte) {
-  const Workspace* workspace = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(registry_mutex);
-    auto it = registry.find(workspace_id);
-    if (it != registry.end()) workspace = it->second.get();
-  }
+  Workspace* workspace = FindOpen(workspace_id);
   if (workspace == nullptr) return Invalid("workspace " + std::to_string(workspace_id) + " is closed or unknown");
   if (!Ready(*workspace)) return Invalid("the workspace's peers in other processes are not attached yet");
   const int ranks = workspace->ranks;
-  const Group* group = nullptr;
   int rank = 0;
-  for (const auto& candidate : workspace->groups) {
-    for (int r = 0; r < ranks && group == nullptr; ++r) {
-      if (candidate.devices[r] == device) {
-        group = &candidate;
-        rank = r;
-      }
-    }
-  }
+  const Group* group = GroupOf(*workspace, device, &rank);
   if (group == nullptr) {
     return Invalid("GPU " + std::to_string(device) + " is not part of this workspace's mesh axis");
   }

@@ -147,12 +147,9 @@ inline int MultiprocessorCount() {
   return count;
 }
 
-// Launches one grouped GEMM. ld_* are the leading dimensions of the (row-major or column-major) operands.
-template <class G, Grouping kGrouping>
-Status RunGroupedGemm(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
-                      int64_t m, int64_t n, int64_t k, int64_t ld_a, int64_t ld_b, const Scratch& scratch,
-                      cudaStream_t stream) {
-  const int experts = static_cast<int>(num_experts);
+// Carves the 7 group arrays of `groups` groups out of `scratch`; false when it is exhausted.
+template <class G>
+bool CarveGroupArrays(int groups, const Scratch& scratch, GroupArrays<G>* arrays) {
   const size_t align = 128;
   constexpr size_t sizes[7] = {sizeof(GroupShape), sizeof(void*), sizeof(void*), sizeof(void*),
                                sizeof(typename G::StrideA), sizeof(typename G::StrideB), sizeof(typename G::StrideD)};
@@ -164,46 +161,36 @@ Status RunGroupedGemm(const void* a, const void* b, void* d, const int32_t* offs
   size_t offset[7];
   for (int i = 0; i < 7; ++i) {
     offset[i] = total;
-    total += RoundUp(sizes[i] * experts, align);
+    total += RoundUp(sizes[i] * groups, align);
   }
   char* base = static_cast<char*>(scratch(total));
-  if (base == nullptr) return "out of scratch memory for the grouped GEMM arguments";
-  GroupArrays<G> arrays{reinterpret_cast<GroupShape*>(base + offset[0]),
-                        reinterpret_cast<const Bf16**>(base + offset[1]),
-                        reinterpret_cast<const Bf16**>(base + offset[2]),
-                        reinterpret_cast<Bf16**>(base + offset[3]),
-                        reinterpret_cast<typename G::StrideA*>(base + offset[4]),
-                        reinterpret_cast<typename G::StrideB*>(base + offset[5]),
-                        reinterpret_cast<typename G::StrideD*>(base + offset[6])};
-  const int threads = 128;
-  FillGroups<G, kGrouping><<<(experts + threads - 1) / threads, threads, 0, stream>>>(
-      offsets, experts, static_cast<const Bf16*>(a), static_cast<const Bf16*>(b), static_cast<Bf16*>(d),
-      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), arrays,
-      LeadingStride<typename G::StrideA>(ld_a), LeadingStride<typename G::StrideB>(ld_b),
-      LeadingStride<typename G::StrideD>(n));
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
-    return std::string("grouped GEMM setup launch failed: ") + cudaGetErrorString(err);
-  }
+  if (base == nullptr) return false;
+  *arrays = GroupArrays<G>{reinterpret_cast<GroupShape*>(base + offset[0]),
+                           reinterpret_cast<const Bf16**>(base + offset[1]),
+                           reinterpret_cast<const Bf16**>(base + offset[2]),
+                           reinterpret_cast<Bf16**>(base + offset[3]),
+                           reinterpret_cast<typename G::StrideA*>(base + offset[4]),
+                           reinterpret_cast<typename G::StrideB*>(base + offset[5]),
+                           reinterpret_cast<typename G::StrideD*>(base + offset[6])};
+  return true;
+}
 
-  static const int sm_count = MultiprocessorCount();
+// The hardware description CUTLASS's persistent scheduler sizes its grid by: the current device, `sm_count` SMs.
+inline cutlass::KernelHardwareInfo HardwareInfo(int sm_count) {
   cutlass::KernelHardwareInfo hw_info;
   cudaGetDevice(&hw_info.device_id);
   hw_info.sm_count = sm_count;
+  return hw_info;
+}
 
-  typename G::Gemm::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGrouped,
-      {experts, arrays.shapes, nullptr},
-      {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
-      {{}, nullptr, nullptr, arrays.d, arrays.stride_d},
-      hw_info};
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-
+// Checks, initialises (CUTLASS's workspace from `scratch`) and launches one grouped GEMM on `stream`.
+template <class G>
+Status LaunchGroupedGemm(const typename G::Gemm::Arguments& args, const Scratch& scratch, cudaStream_t stream) {
   typename G::Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return "CUTLASS cannot implement this grouped GEMM";
   void* workspace = nullptr;
   if (size_t bytes = G::Gemm::get_workspace_size(args); bytes > 0) {
-    if (bytes > CutlassWorkspaceBound(sm_count)) {
+    if (bytes > CutlassWorkspaceBound(args.hw_info.sm_count)) {
       return "CUTLASS needs " + std::to_string(bytes) + " workspace bytes, more than the bound the workspace was "
              "sized with (CutlassWorkspaceBound)";
     }
@@ -217,6 +204,37 @@ Status RunGroupedGemm(const void* a, const void* b, void* d, const int32_t* offs
     return std::string("CUTLASS grouped GEMM launch failed: ") + cudaGetErrorString(cudaGetLastError());
   }
   return {};
+}
+
+// Launches one grouped GEMM, one group per expert, on every SM. ld_* are the leading dimensions of the
+// (row-major or column-major) operands.
+template <class G, Grouping kGrouping>
+Status RunGroupedGemm(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
+                      int64_t m, int64_t n, int64_t k, int64_t ld_a, int64_t ld_b, const Scratch& scratch,
+                      cudaStream_t stream) {
+  const int experts = static_cast<int>(num_experts);
+  GroupArrays<G> arrays;
+  if (!CarveGroupArrays(experts, scratch, &arrays)) return "out of scratch memory for the grouped GEMM arguments";
+  const int threads = 128;
+  FillGroups<G, kGrouping><<<(experts + threads - 1) / threads, threads, 0, stream>>>(
+      offsets, experts, static_cast<const Bf16*>(a), static_cast<const Bf16*>(b), static_cast<Bf16*>(d),
+      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), arrays,
+      LeadingStride<typename G::StrideA>(ld_a), LeadingStride<typename G::StrideB>(ld_b),
+      LeadingStride<typename G::StrideD>(n));
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return std::string("grouped GEMM setup launch failed: ") + cudaGetErrorString(err);
+  }
+
+  static const int sm_count = MultiprocessorCount();
+  typename G::Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {experts, arrays.shapes, nullptr},
+      {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
+      {{}, nullptr, nullptr, arrays.d, arrays.stride_d},
+      HardwareInfo(sm_count)};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  return LaunchGroupedGemm<G>(args, scratch, stream);
 }
 
 // The row-grouped GEMM of RowsGemm with a given tile configuration: B_e is [k, n] row-major (LayoutB RowMajor,

@@ -17,6 +17,11 @@ size_t MoeForwardWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, in
 size_t MoeBackwardWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
                                  int64_t experts);
 
+// The nvlink transport's overlapped forward (cuda/ffi/nvlink_forward_cuda.cc), per shard: `tokens` received rows
+// (ep * C) of `top_k` pairs, `groups` = ep * E_local (source, expert) groups. An emulated call takes ep times this.
+size_t NvlinkForwardWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
+                                   int64_t groups);
+
 // How many calls of each handler (layout, forward, backward) this process has recorded into a CUDA graph
 // rather than run directly: how a test sees that XLA captured them.
 struct MoeRecordedCalls {

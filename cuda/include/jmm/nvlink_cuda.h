@@ -59,8 +59,10 @@ std::string EnqueueExchange(const Peers& peers, int ranks, int first_rank, const
 // made, on each of its devices. Returns the CUDA error's text, or an empty string.
 std::string LoadExchangeKernels();
 
-// Bytes of one rank's signal array.
-inline size_t SignalBytes(int ranks) { return sizeof(uint64_t) * (1 + 2 * static_cast<size_t>(ranks)); }
+// One rank's signal array: [0] epoch, [1 + s] arrived from s, [1 + ranks + d] freed by d (the exchange), then
+// [GatheredSignal] the overlapped forward's `gathered` (bumped by this rank's side gather, read by its own GEMM).
+inline int GatheredSignal(int ranks) { return 1 + 2 * ranks; }
+inline size_t SignalBytes(int ranks) { return sizeof(uint64_t) * (GatheredSignal(ranks) + 1); }
 
 // Workspace registry (cuda/ffi/nvlink_cuda.cc). A workspace holds one or more groups (the expert axis
 // of each combination of the other mesh axes); `groups[g][r]` is the CUDA device of rank r of group g.

@@ -1,0 +1,51 @@
+// Kernels of stage 2's overlapped forward (docs/nvlink_design.md, "Stage 2, first step"), called by
+// cuda/ffi/nvlink_forward_cuda.cc: the gather of one or more sources' rows into the expert GEMM's row order, and
+// the gate_up GEMM whose peer groups wait for those rows.
+//
+// Row order: the layout of the received pairs sorted by the fine key (local expert e, source shard s), whose
+// offsets are source_offsets[e * ep + s] (ep * E_local + 1 entries). Rows of (e, s) are contiguous, and expert e's
+// rows are those of (e, 0), (e, 1), ...: the plain expert-major order, which the rest of the forward and the
+// whole backward keep using (expert_offsets = source_offsets[::ep]).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "jmm/moe_cuda.h"
+#include "jmm/nvlink_cuda.h"
+
+namespace jmm::cuda {
+
+// Where source s's token rows are: a block of `capacity` rows of `hidden` bf16 each (row c is token s * C + c of
+// the received problem).
+struct SourceBlocks {
+  const void* rows[nvlink::kMaxRanks];
+};
+
+// x_perm[r] = source block s's row (pair_of_row[r] / top_k - s * capacity) for every row r of every group (e, s)
+// with bit s set in `sources`, on `blocks` thread blocks. With `gathered` set, each block adds 1 to it (release,
+// system scope) once its rows are stored, so after the launch it has grown by `blocks`. hidden % 8 == 0.
+Status GatherSourceRows(const SourceBlocks& sources_rows, uint32_t sources, int ep, int64_t capacity,
+                        int64_t hidden, int64_t top_k, const int32_t* pair_of_row, const int32_t* source_offsets,
+                        int64_t local_experts, void* x_perm, int blocks, uint64_t* gathered, cudaStream_t stream);
+
+// gate_up[rows of (e, s)] = x_perm[rows of (e, s)] @ W_gate_up[e] for every group, bf16 tensor cores (the row
+// GEMMs' default tiles, 128 x 256 cooperative without a cluster, so the result is bit for bit RowsGemm's with
+// those tiles). The persistent kernel walks the groups source by source starting with `me`: the own groups,
+// ungated, then the peers' groups, each of whose tiles first waits (bounded by timeout_ns, then traps) until
+// *gathered >= target. It runs `sm_count` CTAs: leave the SMs the rows' producers need.
+Status GatedGateUpGemm(const void* x_perm, const void* w_gate_up, void* gate_up, const int32_t* source_offsets,
+                       int ep, int me, int64_t local_experts, int64_t two_inter, int64_t hidden,
+                       const uint64_t* gathered, uint64_t target, uint64_t timeout_ns, int sm_count,
+                       const Scratch& scratch, cudaStream_t stream);
+
+// Upper bound of what GatedGateUpGemm takes from Scratch for `groups` = ep * E_local groups.
+size_t GatedGateUpGemmScratchBytes(int64_t groups);
+
+// Loads this file's kernels on the current device (see LoadExchangeKernels: they run beside kernels that wait on
+// other GPUs, so their first launch must not be what loads them). An empty message means success.
+std::string LoadForwardKernels();
+
+}  // namespace jmm::cuda

@@ -1,0 +1,138 @@
+// Kernels of stage 2's overlapped forward; the contract is in jmm/nvlink_forward.h.
+#include "jmm/arrival_mainloop_sm90.hpp"
+#include "jmm/copy_rows.cuh"
+#include "jmm/grouped_gemm_cutlass_cuda.h"
+#include "jmm/nvlink_forward.h"
+
+namespace jmm::cuda {
+namespace {
+
+namespace cg = cutlass_gemm;
+
+constexpr int kGatherThreads = 512;
+
+__global__ void __launch_bounds__(kGatherThreads)
+    GatherSourceRowsKernel(SourceBlocks blocks, uint32_t sources, int ep, int64_t capacity, int64_t chunks_per_row,
+                           int top_k, const int32_t* pair_of_row, const int32_t* source_offsets, int local_experts,
+                           uint4* x_perm, uint64_t* gathered) {
+  const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int e = 0; e < local_experts; ++e) {
+    for (int s = 0; s < ep; ++s) {
+      if (!(sources >> s & 1u)) continue;
+      const int64_t first = source_offsets[e * ep + s], last = source_offsets[e * ep + s + 1];
+      const auto* block = static_cast<const uint4*>(blocks.rows[s]);
+      const int64_t base = static_cast<int64_t>(s) * capacity;
+      CopyChunks(block, x_perm, first * chunks_per_row + thread, last * chunks_per_row, threads, [&](int64_t i) {
+        const int64_t row = i / chunks_per_row;
+        return (pair_of_row[row] / top_k - base) * chunks_per_row + i % chunks_per_row;
+      });
+    }
+  }
+  if (gathered != nullptr) {
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(gathered), "l"(uint64_t{1}) : "memory");
+    }
+  }
+}
+
+// The row GEMMs' default tiles with the arrival-gated mainloop (jmm/arrival_mainloop_sm90.hpp).
+using Tiles = cg::TilesCooperative128x256Cluster1;
+using Ungated = cg::Bf16GroupedGemm<Tiles, cutlass::layout::RowMajor, cutlass::layout::RowMajor>;
+struct GatedGemm {
+  using CollectiveMainloop = cg::ArrivalGatedMainloop<typename Ungated::CollectiveMainloop>;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<cg::ProblemShape, CollectiveMainloop, typename Tiles::CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+};
+
+// One thread per group g = j * E_local + e: source s = (me + j) % ep, so the own groups come first.
+__global__ void FillGatedGroups(const int32_t* source_offsets, int ep, int me, int local_experts, const cg::Bf16* a,
+                                const cg::Bf16* b, cg::Bf16* d, int n, int k, cg::GroupArrays<GatedGemm> out,
+                                const uint64_t** counters, uint64_t* targets, const uint64_t* gathered,
+                                uint64_t target) {
+  const int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= ep * local_experts) return;
+  const int e = g % local_experts, s = (me + g / local_experts) % ep;
+  const int64_t first = source_offsets[e * ep + s];
+  out.shapes[g] = cg::GroupShape{source_offsets[e * ep + s + 1] - static_cast<int>(first), n, k};
+  out.a[g] = a + first * k;
+  out.b[g] = b + static_cast<int64_t>(e) * k * n;
+  out.d[g] = d + first * n;
+  out.stride_a[g] = cg::LeadingStride<GatedGemm::StrideA>(k);
+  out.stride_b[g] = cg::LeadingStride<GatedGemm::StrideB>(n);
+  out.stride_d[g] = cg::LeadingStride<GatedGemm::StrideD>(n);
+  counters[g] = s == me ? nullptr : gathered;
+  targets[g] = target;
+}
+
+Status LaunchStatus(const char* what) {
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return std::string(what) + " launch failed: " + cudaGetErrorString(err);
+  }
+  return {};
+}
+
+}  // namespace
+
+Status GatherSourceRows(const SourceBlocks& sources_rows, uint32_t sources, int ep, int64_t capacity,
+                        int64_t hidden, int64_t top_k, const int32_t* pair_of_row, const int32_t* source_offsets,
+                        int64_t local_experts, void* x_perm, int blocks, uint64_t* gathered, cudaStream_t stream) {
+  if (hidden % 8 != 0) return "GatherSourceRows needs hidden % 8 == 0 (16-byte rows)";
+  GatherSourceRowsKernel<<<blocks, kGatherThreads, 0, stream>>>(
+      sources_rows, sources, ep, capacity, hidden / 8, static_cast<int>(top_k), pair_of_row, source_offsets,
+      static_cast<int>(local_experts), static_cast<uint4*>(x_perm), gathered);
+  return LaunchStatus("source row gather");
+}
+
+size_t GatedGateUpGemmScratchBytes(int64_t groups) {
+  return ScratchFootprint(cg::GroupArraysBound(groups)) + 2 * ScratchFootprint(groups * sizeof(uint64_t)) +
+         ScratchFootprint(cg::CutlassWorkspaceBound(cg::MultiprocessorCount()));
+}
+
+Status GatedGateUpGemm(const void* x_perm, const void* w_gate_up, void* gate_up, const int32_t* source_offsets,
+                       int ep, int me, int64_t local_experts, int64_t two_inter, int64_t hidden,
+                       const uint64_t* gathered, uint64_t target, uint64_t timeout_ns, int sm_count,
+                       const Scratch& scratch, cudaStream_t stream) {
+  const int groups = static_cast<int>(ep * local_experts);
+  cg::GroupArrays<GatedGemm> arrays;
+  auto* counters = static_cast<const uint64_t**>(scratch(groups * sizeof(uint64_t)));
+  auto* targets = static_cast<uint64_t*>(scratch(groups * sizeof(uint64_t)));
+  if (!cg::CarveGroupArrays(groups, scratch, &arrays) || counters == nullptr || targets == nullptr) {
+    return "out of scratch memory for the gated GEMM's arguments";
+  }
+  const int threads = 128;
+  FillGatedGroups<<<(groups + threads - 1) / threads, threads, 0, stream>>>(
+      source_offsets, ep, me, static_cast<int>(local_experts), static_cast<const cg::Bf16*>(x_perm),
+      static_cast<const cg::Bf16*>(w_gate_up), static_cast<cg::Bf16*>(gate_up), static_cast<int>(two_inter),
+      static_cast<int>(hidden), arrays, counters, targets, gathered, target);
+  if (Status status = LaunchStatus("gated GEMM setup"); !status.empty()) return status;
+  typename GatedGemm::Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {groups, arrays.shapes, nullptr},
+      {{arrays.a, arrays.stride_a, arrays.b, arrays.stride_b}, cg::GroupArrival{counters, targets, timeout_ns}},
+      {{}, nullptr, nullptr, arrays.d, arrays.stride_d},
+      cg::HardwareInfo(sm_count)};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  return cg::LaunchGroupedGemm<GatedGemm>(args, scratch, stream);
+}
+
+std::string LoadForwardKernels() {
+  cudaFuncAttributes attributes;
+  for (const void* kernel : {reinterpret_cast<const void*>(GatherSourceRowsKernel),
+                             reinterpret_cast<const void*>(FillGatedGroups),
+                             reinterpret_cast<const void*>(cutlass::device_kernel<GatedGemm::Kernel>)}) {
+    if (const cudaError_t status = cudaFuncGetAttributes(&attributes, kernel); status != cudaSuccess) {
+      return cudaGetErrorString(status);
+    }
+  }
+  return {};
+}
+
+}  // namespace jmm::cuda
