@@ -198,7 +198,7 @@ want bench && step bench bench.log $PY benchmarks/bench_moe.py --json "$OUTDIR/b
 want epbench && step bench-ep bench_ep.log $PY benchmarks/bench_ep.py "$OUTDIR/bench_ep.json" --config q30
 # 8 emulated shards of q30s on this GPU (q30's total work): the cost of the transports' protocols themselves.
 want emubench && step bench-ep-emulated bench_ep_emulated.log $PY benchmarks/bench_ep.py \
-  "$OUTDIR/bench_ep_emulated.json" --config q30s --emulate 8 --backend xla,nvlink
+  "$OUTDIR/bench_ep_emulated.json" --config q30s --emulate 8 --backend xla,nvlink,nvlink_stage1
 
 train_record() {
   local rc=0
