@@ -264,7 +264,7 @@ PYEOF
 want concurrency && step concurrency concurrency.log concurrency
 
 want ep2bench && step bench-ep2 bench_ep2.log $PY benchmarks/bench_ep.py "$OUTDIR/bench_ep2.json" --ep 2 \
-  --backend xla,ragged,nvlink --config q30 ${EP2BENCH_ARGS:-}
+  --backend xla,nvlink,nvlink_stage1 --config q30 ${EP2BENCH_ARGS:-}
 
 # Per-kernel time of one EP = 2 forward+backward step on each GPU (JAX profiler trace; the traces stay in
 # /tmp, only the summaries come back in one JSON).
