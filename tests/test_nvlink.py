@@ -266,8 +266,7 @@ def test_overlapped_forward_emits_the_ffi_contract(cuda_lowering, monkeypatch):
     rows, pairs = ranks * capacity, ranks * capacity * top_k
     r = f"{ranks}x"
     [(operands, results)] = custom_call_types(text, "jmm_cuda_nvlink_moe_forward")
-    assert operands == [f"{r}{ranks}x{capacity}x{hidden}xbf16", f"{r}{ranks}xi32", f"{r}{ranks}xi32",
-                        f"{r}{rows}x{top_k}xf32", f"{r}{local_experts}x{hidden}x{2 * inter}xbf16",
+    assert operands == [f"{r}{ranks}x{capacity}x{hidden}xbf16", f"{r}{rows}x{top_k}xf32", f"{r}{local_experts}x{hidden}x{2 * inter}xbf16",
                         f"{r}{local_experts}x{inter}x{hidden}xbf16", f"{r}{pairs}xi32", f"{r}{pairs}xi32",
                         f"{r}{local_experts * ranks + 1}xi32", f"{r}{local_experts + 1}xi32"]
     assert results == [f"{r}{ranks}x{capacity}x{hidden}xbf16", f"{r}{rows}x{hidden}xbf16",

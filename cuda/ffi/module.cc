@@ -69,7 +69,7 @@ NB_MODULE(_ext, m) {
       },
       "Calls of each CUDA MoE handler this process recorded into CUDA graphs (jmm/moe_host.h).");
   m.def("nvlink_create", &jmm::nvlink::CreateWorkspace, nb::arg("groups"), nb::arg("emulated"),
-        nb::arg("block_bytes"), nb::arg("timeout_ms"), nb::arg("blocks_per_peer"),
+        nb::arg("block_bytes"), nb::arg("timeout_ms"), nb::arg("blocks_per_peer"), nb::arg("overlap"),
         "Allocates an NVLink exchange workspace over groups of CUDA devices; returns its id.");
   m.def("nvlink_destroy", &jmm::nvlink::DestroyWorkspace, nb::arg("workspace"),
         "Waits for the workspace's devices, then frees its memory.");

@@ -80,13 +80,13 @@ void FreeGroup(Group& group, int ranks) {
   }
 }
 
-void Allocate(Group& group, int ranks, int64_t block_bytes) {
+void Allocate(Group& group, int ranks, int64_t block_bytes, bool overlap) {
+  const int64_t staging_bytes = (overlap ? 2 : 1) * ranks * block_bytes;
   for (int r = 0; r < ranks; ++r) {
     if (group.devices[r] == kRemote) continue;
     Check(cudaSetDevice(group.devices[r]), "cudaSetDevice");
-    Check(cudaMalloc(reinterpret_cast<void**>(&group.peers.staging[r]), ranks * block_bytes),
-          "allocating " + std::to_string(ranks * block_bytes) + " staging bytes on GPU " +
-              std::to_string(group.devices[r]));
+    Check(cudaMalloc(reinterpret_cast<void**>(&group.peers.staging[r]), staging_bytes),
+          "allocating " + std::to_string(staging_bytes) + " staging bytes on GPU " + std::to_string(group.devices[r]));
     Check(cudaMalloc(reinterpret_cast<void**>(&group.peers.signals[r]), SignalBytes(ranks)), "allocating signals");
     Check(cudaMemset(group.peers.signals[r], 0, SignalBytes(ranks)), "zeroing signals");
     Check(cudaStreamCreateWithFlags(&group.side_streams[r], cudaStreamNonBlocking), "creating the side stream");
@@ -144,7 +144,7 @@ Group* GroupOf(Workspace& workspace, int device, int* rank) {
 }
 
 int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulated, int64_t block_bytes,
-                        int64_t timeout_ms, int blocks_per_peer) {
+                        int64_t timeout_ms, int blocks_per_peer, bool overlap) {
   if (groups.empty()) throw std::runtime_error("jax_megamoe nvlink workspace: no device groups given");
   const int ranks = static_cast<int>(groups[0].size());
   if (ranks < 1 || ranks > kMaxRanks) {
@@ -160,6 +160,7 @@ int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulat
   }
   auto workspace = std::make_unique<Workspace>();
   workspace->emulated = emulated;
+  workspace->overlap = overlap;
   workspace->ranks = ranks;
   workspace->block_bytes = (block_bytes + 255) / 256 * 256;  // keeps every staging block 16-byte aligned
   workspace->timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
@@ -185,7 +186,7 @@ int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulat
       group.joins.assign(ranks, nullptr);
       group.forward_calls.assign(ranks, 0);
       workspace->groups.push_back(group);
-      Allocate(workspace->groups.back(), ranks, workspace->block_bytes);
+      Allocate(workspace->groups.back(), ranks, workspace->block_bytes, overlap);
     }
   } catch (...) {
     for (auto& group : workspace->groups) FreeGroup(group, ranks);

@@ -1,16 +1,23 @@
 // The FFI handler `jmm_cuda_nvlink_moe_forward`: stage 2's overlapped forward of the nvlink transport
 // (docs/nvlink_design.md, "Stage 2, first step"). One call per shard does what stage 1 does with an exchange of the
-// token rows followed by `moe_forward` on the received rows, with the same results bit for bit, but lets the
-// exchange run beside the expert GEMM:
+// token rows followed by `moe_forward` on the received rows, with the same results bit for bit, but moves the rows
+// by the copy engines and gathers the peers' rows beside the expert GEMM:
 //
-//   XLA's stream S ─ fork ──────────────────────────────────────────────────────────── wait(join) ─▶
+//   XLA's stream S ─ fork ───────────────────────────────────────────────────────────────────── wait(join) ─▶
 //     S:  gather own rows ─ gate_up GEMM: own groups at once, peer groups wait for `gathered` ─ SwiGLU ─ down ─ combine
-//     S2: exchange (stage 1's kernels: send, receive into recv_x) ─ gather the peers' rows, bump `gathered` ─ join
+//     S2: wait: peers released my push slots ─ DMA my block d into peer d's push slot, stream-write `pushed` there ─
+//         wait: every peer's rows pushed here ─ gather them (16 blocks), bump `gathered` ─ DMA them into recv_x (the
+//         backward's operand) ─ stream-write `released` into each peer ─ join
 //
-// The GEMM runs on all SMs but kSideBlocks, which S2's kernels use; every wait is bounded (the exchange's, and
-// the GEMM's on `gathered`, which only lags when the exchange does, whose own bounded wait reports first).
-// Emulated workspaces run every shard of the call: S2 holds all the exchanges and all the peer gathers, S the
-// shards' expert work one after another; S2 never waits for S, so this cannot deadlock, and the GEMMs really wait.
+// Forward call f (a host count per rank, the same on every rank: SPMD) is the value of every signal it writes, so
+// the counters only grow. The push slots are the workspace's second staging half, so the exchanges' own protocol
+// (epochs, `freed`) never meets this one. A push moves a whole block (C rows; its size is fixed on the host): the
+// rows past the live ones are dispatch_rows' zero fill, so recv_x equals the exchange's, fill included.
+// The GEMM runs on all SMs but kSideBlocks; every wait is bounded (the side stream's waits print and trap; the
+// GEMM's wait on `gathered` only lags when they do, and traps after the same bound).
+// Emulated workspaces run every shard of the call: S2 holds all pushes, then each shard's wait, gather and release;
+// S the shards' expert work one after another. S2 never waits for S, so this cannot deadlock, and the GEMMs wait.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <string>
@@ -22,6 +29,7 @@
 #include "jmm/moe_host.h"
 #include "jmm/nvlink_forward.h"
 #include "jmm/nvlink_workspace.h"
+#include "jmm/stream_write.h"
 
 namespace jmm {
 
@@ -57,7 +65,6 @@ int MultiprocessorCount(int device) {
 // One shard's operands and results.
 struct ShardCall {
   const char* send;
-  const int32_t *send_counts, *recv_counts;
   const float* weights;
   const char *w_gate_up, *w_down;
   const int32_t *row_of_pair, *pair_of_row, *source_offsets, *expert_offsets;
@@ -66,7 +73,6 @@ struct ShardCall {
 };
 
 ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer send,
-                            ffi::Buffer<ffi::S32> send_counts, ffi::Buffer<ffi::S32> recv_counts,
                             ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
                             ffi::Buffer<ffi::S32> row_of_pair, ffi::Buffer<ffi::S32> pair_of_row,
                             ffi::Buffer<ffi::S32> source_offsets, ffi::Buffer<ffi::S32> expert_offsets,
@@ -106,8 +112,6 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
       pair_of_row.element_count() != static_cast<size_t>(shards * rows) ||
       source_offsets.element_count() != static_cast<size_t>(shards * (groups + 1)) ||
       expert_offsets.element_count() != static_cast<size_t>(shards * (E + 1)) ||
-      send_counts.element_count() != static_cast<size_t>(shards * ep) ||
-      recv_counts.element_count() != static_cast<size_t>(shards * ep) ||
       recv_x->size_bytes() != send.size_bytes() || y->size_bytes() != send.size_bytes() ||
       gate_up->element_count() != static_cast<size_t>(shards * rows * 2 * I)) {
     return Invalid("operand or result shapes disagree with send [ep, C, H], weights [ep*C, K] and the weights");
@@ -126,11 +130,8 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
 
   const int64_t block = capacity * H * 2;
   std::vector<ShardCall> calls(shards);
-  std::vector<Exchange> exchanges(shards);
   for (int i = 0; i < shards; ++i) {
     calls[i] = ShardCall{static_cast<const char*>(send.untyped_data()) + i * ep * block,
-                         send_counts.typed_data() + i * ep,
-                         recv_counts.typed_data() + i * ep,
                          static_cast<const float*>(weights.untyped_data()) + i * tokens * K,
                          static_cast<const char*>(w_gate_up.untyped_data()) + i * E * H * 2 * I * 2,
                          static_cast<const char*>(w_down.untyped_data()) + i * E * I * H * 2,
@@ -142,13 +143,28 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                          static_cast<char*>(y->untyped_data()) + i * ep * block,
                          static_cast<char*>(gate_up->untyped_data()) + i * rows * 2 * I * 2,
                          scratch->typed_data() + i * shard_bytes};
-    exchanges[i] = Exchange{calls[i].send, calls[i].send_counts, calls[i].recv_counts, calls[i].recv_x, capacity,
-                            H * 2, 0};
   }
   const int first_rank = workspace->emulated ? 0 : rank;
-  // The gated GEMMs' target: each forward call's side gather adds kSideBlocks to its shard's `gathered`.
-  std::vector<uint64_t> targets(shards);
-  for (int i = 0; i < shards; ++i) targets[i] = ++group->forward_calls[first_rank + i] * kSideBlocks;
+  if (!workspace->overlap) return Invalid("the workspace was created with overlap=False (no push slots)");
+  const cuda::StreamWriteValue64 write_value = cuda::LoadStreamWriteValue64();
+  if (write_value == nullptr) return Internal("nvlink forward", "the driver has no cuStreamWriteValue64");
+  std::vector<uint64_t> call_of(shards);  // forward call f of each shard
+  for (int i = 0; i < shards; ++i) call_of[i] = ++group->forward_calls[first_rank + i];
+  const auto signal = [&](int owner, int index) { return group->peers.signals[owner] + index; };
+  const auto push_slot = [&](int dest, int source) {
+    return group->peers.staging[dest] + (ep + source) * workspace->block_bytes;
+  };
+  const auto peers_of = [&](int me) {
+    std::vector<int> peers;
+    for (int p = 0; p < ep; ++p) {
+      if (p != me) peers.push_back(p);
+    }
+    return peers;
+  };
+  const auto write = [&](uint64_t* counter, uint64_t value, cudaStream_t on) {
+    return write_value(reinterpret_cast<CUstream>(on), reinterpret_cast<CUdeviceptr>(counter), value,
+                       CU_STREAM_WRITE_VALUE_DEFAULT) == CUDA_SUCCESS;  // DEFAULT: fenced after the DMAs before it
+  };
 
   DeviceGuard guard;
   if (cudaSetDevice(device) != cudaSuccess) return Invalid("cannot select GPU " + std::to_string(device));
@@ -157,12 +173,24 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
       cudaStreamWaitEvent(side, group->forks[rank]) != cudaSuccess) {
     return Internal("nvlink forward", "cannot fork the side stream");
   }
-  // Side stream: the rows' exchange for every shard of the call, then each shard's gather of its peers' rows.
-  if (std::string status = EnqueueExchange(group->peers, ep, first_rank, exchanges, workspace->block_bytes,
-                                           workspace->blocks_per_peer, workspace->timeout_ns, side);
-      !status.empty()) {
-    return Internal("nvlink forward exchange", status);
+  // Side stream, every shard of the call: once the peers are done with my rows of the last call, push this call's.
+  for (int i = 0; i < shards; ++i) {
+    const int me = first_rank + i;
+    const uint64_t f = call_of[i];
+    std::vector<const uint64_t*> released;
+    for (int d : peers_of(me)) released.push_back(signal(me, ReleasedSignal(ep, d)));
+    if (std::string status = EnqueueWaitForPeers(released, peers_of(me), f - 1, me, false, workspace->timeout_ns, side);
+        !status.empty()) {
+      return Internal("nvlink forward wait", status);
+    }
+    for (int d : peers_of(me)) {
+      if (cudaMemcpyAsync(push_slot(d, me), calls[i].send + d * block, block, cudaMemcpyDefault, side) != cudaSuccess ||
+          !write(signal(d, PushedSignal(ep, me)), f, side)) {
+        return Internal("nvlink forward", "cannot enqueue the push to shard " + std::to_string(d));
+      }
+    }
   }
+  // Then each shard: wait for its peers' rows, gather them for the GEMM, keep them for the backward, release them.
   std::vector<WorkspaceCursor> cursors;
   std::vector<void*> x_perms(shards), hs(shards);
   cursors.reserve(shards);
@@ -173,13 +201,30 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     hs[i] = alloc(rows * I * 2);
     if (x_perms[i] == nullptr || hs[i] == nullptr) return Internal("nvlink forward", "out of scratch memory");
     const int me = first_rank + i;
-    cuda::SourceBlocks received{};
-    for (int s = 0; s < ep; ++s) received.rows[s] = calls[i].recv_x + s * block;
-    uint64_t* gathered = group->peers.signals[me] + GatheredSignal(ep);
+    const uint64_t f = call_of[i];
+    std::vector<const uint64_t*> pushed;
+    for (int s : peers_of(me)) pushed.push_back(signal(me, PushedSignal(ep, s)));
+    if (std::string status = EnqueueWaitForPeers(pushed, peers_of(me), f, me, true, workspace->timeout_ns, side);
+        !status.empty()) {
+      return Internal("nvlink forward wait", status);
+    }
+    cuda::SourceBlocks slots{};
+    for (int s : peers_of(me)) slots.rows[s] = push_slot(me, s);
     JMM_CUDA_TRY("nvlink forward peer gather",
-                 cuda::GatherSourceRows(received, ((1u << ep) - 1) & ~(1u << me), ep, capacity, H, K,
+                 cuda::GatherSourceRows(slots, ((1u << ep) - 1) & ~(1u << me), ep, capacity, H, K,
                                         calls[i].pair_of_row, calls[i].source_offsets, E, x_perms[i], kSideBlocks,
-                                        gathered, side));
+                                        signal(me, GatheredSignal(ep)), side));
+    for (int s = 0; s < ep; ++s) {
+      const char* from = s == me ? calls[i].send + me * block : push_slot(me, s);
+      if (cudaMemcpyAsync(calls[i].recv_x + s * block, from, block, cudaMemcpyDefault, side) != cudaSuccess) {
+        return Internal("nvlink forward", "cannot enqueue the copy of the received rows");
+      }
+    }
+    for (int s : peers_of(me)) {
+      if (!write(signal(s, ReleasedSignal(ep, me)), f, side)) {
+        return Internal("nvlink forward", "cannot release shard " + std::to_string(s) + "'s push slot");
+      }
+    }
   }
   if (cudaEventRecord(group->joins[rank], side) != cudaSuccess) {
     return Internal("nvlink forward", "cannot record the join event");
@@ -198,7 +243,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                                         x_perms[i], 2 * MultiprocessorCount(device), nullptr, stream));
     JMM_CUDA_TRY("nvlink forward gate_up GEMM",
                  cuda::GatedGateUpGemm(x_perms[i], c.w_gate_up, c.gate_up, c.source_offsets, ep, me, E, 2 * I, H,
-                                       group->peers.signals[me] + GatheredSignal(ep), targets[i],
+                                       signal(me, GatheredSignal(ep)), call_of[i] * kSideBlocks,
                                        workspace->timeout_ns, sm_count, alloc, stream));
     JMM_CUDA_TRY("nvlink forward swiglu", cuda::SwigluForward(cuda::Dtype::kBFloat16, c.gate_up, hs[i],
                                                               c.expert_offsets, E, rows, I, stream));
@@ -225,8 +270,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_forward, jmm::nvlink::NvlinkMo
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Arg<xla::ffi::AnyBuffer>()                // send [ep, C, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // send_counts [ep]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // recv_counts [ep]
                                   .Arg<xla::ffi::AnyBuffer>()                // weights [ep*C, K] f32
                                   .Arg<xla::ffi::AnyBuffer>()                // w_gate_up [E, H, 2I]
                                   .Arg<xla::ffi::AnyBuffer>()                // w_down [E, I, H]

@@ -123,12 +123,41 @@ __global__ void __launch_bounds__(kThreads) ReceiveBlocks(Peers peers, int ranks
   if (threadIdx.x == 0) SignalAdd(peers.signals[source] + 1 + ranks + rank);
 }
 
+struct PeerCounters {
+  const uint64_t* counters[kMaxRanks];
+  int peers[kMaxRanks];
+  int count;
+};
+
+__global__ void WaitForPeers(PeerCounters wait, uint64_t target, int rank, bool rows_arrive, uint64_t timeout_ns) {
+  if (threadIdx.x != 0) return;
+  for (int i = 0; i < wait.count; ++i) {
+    WaitAtLeast(const_cast<uint64_t*>(wait.counters[i]), target, timeout_ns,
+                rows_arrive ? "overlapped forward (rows arrive)" : "overlapped forward (peer releases its push slot)",
+                rank, wait.peers[i], target);
+  }
+}
+
 }  // namespace
+
+std::string EnqueueWaitForPeers(const std::vector<const uint64_t*>& counters, const std::vector<int>& peers,
+                                uint64_t target, int rank, bool rows_arrive, uint64_t timeout_ns, cudaStream_t stream) {
+  PeerCounters wait{};
+  wait.count = static_cast<int>(counters.size());
+  if (wait.count > kMaxRanks || peers.size() != counters.size()) return "bad peer wait";
+  for (int i = 0; i < wait.count; ++i) {
+    wait.counters[i] = counters[i];
+    wait.peers[i] = peers[i];
+  }
+  WaitForPeers<<<1, 32, 0, stream>>>(wait, target, rank, rows_arrive, timeout_ns);
+  const cudaError_t status = cudaGetLastError();
+  return status == cudaSuccess ? std::string() : std::string(cudaGetErrorString(status));
+}
 
 std::string LoadExchangeKernels() {
   cudaFuncAttributes attributes;
   for (const void* kernel : {reinterpret_cast<const void*>(AdvanceEpochs), reinterpret_cast<const void*>(SendBlocks),
-                             reinterpret_cast<const void*>(ReceiveBlocks)}) {
+                             reinterpret_cast<const void*>(ReceiveBlocks), reinterpret_cast<const void*>(WaitForPeers)}) {
     if (const cudaError_t status = cudaFuncGetAttributes(&attributes, kernel); status != cudaSuccess) {
       return cudaGetErrorString(status);
     }

@@ -16,6 +16,8 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/kernel_hardware_info.h>
 
+#include "jmm/stream_write.h"
+
 namespace test_util {
 
 using Bf16 = cutlass::bfloat16_t;
@@ -121,16 +123,12 @@ float MedianMs(cudaStream_t stream, Prepare prepare, Body body) {
   return ms[ms.size() / 2];
 }
 
-// cuStreamWriteValue64 through the runtime's driver entry point, so that the programs need no -lcuda. Its default
-// flags fence before the write: prior work on the stream is visible before the value.
-using StreamWriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
-
+// The library's lookup (jmm/stream_write.h); a test program cannot run without it.
+using jmm::cuda::StreamWriteValue64;
 inline StreamWriteValue64 LoadStreamWriteValue64() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found;
-  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault, &found));
-  if (found != cudaDriverEntryPointSuccess || fn == nullptr) std::printf("no cuStreamWriteValue64\n"), std::exit(2);
-  return reinterpret_cast<StreamWriteValue64>(fn);
+  const StreamWriteValue64 function = jmm::cuda::LoadStreamWriteValue64();
+  if (function == nullptr) std::printf("no cuStreamWriteValue64\n"), std::exit(2);
+  return function;
 }
 
 }  // namespace test_util

@@ -39,7 +39,8 @@ def block_bytes(max_tokens: int, hidden: int, top_k: int, dtype) -> int:
     `moe_ffn_ep` sends at most one row per token to each shard (deduplicated over the shard's experts):
     token rows (`hidden` elements), the local expert ids and routing weights (`top_k` 4-byte values each),
     and in the backward their cotangents; the largest of these sets the block size. Each GPU holds
-    `ep * block_bytes` of staging (q30 at ep = 8, bf16: 8 * 16384 * 4096 B = 512 MiB).
+    `ep * block_bytes` of staging (q30 at ep = 8, bf16: 8 * 16384 * 4096 B = 512 MiB), twice that with
+    `overlap=True` (the overlapped forward's push slots).
     """
     for name, value in (("max_tokens", max_tokens), ("hidden", hidden), ("top_k", top_k)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -121,8 +122,8 @@ class NvlinkWorkspace:
       max_tokens: the most tokens a shard passes to `moe_ffn_ep` (per call).
       hidden, top_k, dtype: the token width, routing fan-out and compute dtype of the MoE layers.
       overlap: stage 2's overlapped forward where it applies (bf16, tensor-core shapes, the cuda local
-        backend; `nvlink_experts.py`); False forces stage 1 everywhere (for comparison). Every process
-        of the axis passes the same value.
+        backend; `nvlink_experts.py`); it doubles the staging memory (push slots). False forces stage 1
+        everywhere. Every process of the axis passes the same value.
 
     With one process per GPU (`jax.distributed`), every process constructs it (in the same order as
     its other workspaces); the processes swap CUDA IPC handles through the distributed key-value store.
@@ -168,7 +169,7 @@ class NvlinkWorkspace:
         try:
             self.id = int(ext.nvlink_create(
                 groups, emulated, size, _positive_env("JMM_NVLINK_TIMEOUT_MS", DEFAULT_TIMEOUT_MS),
-                _positive_env("JMM_NVLINK_BLOCKS_PER_PEER", DEFAULT_BLOCKS_PER_PEER, 1024)))
+                _positive_env("JMM_NVLINK_BLOCKS_PER_PEER", DEFAULT_BLOCKS_PER_PEER, 1024), overlap))
         except RuntimeError as err:
             raise ValueError(str(err)) from None
         self.ranks = ranks

@@ -1,12 +1,14 @@
-"""Stage 2, first step, of the nvlink transport: the token rows' exchange fused with the expert forward.
+"""Stage 2, first step, of the nvlink transport: the token rows' transfer fused with the expert forward.
 
-One FFI call per shard (`jmm_cuda_nvlink_moe_forward`, cuda/ffi/nvlink_forward_cuda.cc) receives the peers'
-rows and runs the expert forward on them: the row exchange and the gather of the peers' rows run on a side
-stream beside the gate_up GEMM of the shard's own rows. The GEMM's groups must be known before the rows
-arrive, so the local expert ids and routing weights travel first (stage 1's exchange) and the pairs are laid
-out by the fine key (local expert, source shard). The rows arrive in source order, so that layout has the
-plain expert layout's row order: the backward is `moe_ffn`'s CUDA backward on it, unchanged, and the rows'
-cotangent goes back by the reverse exchange, as in stage 1. Forward and gradients are bit for bit stage 1's.
+One FFI call per shard (`jmm_cuda_nvlink_moe_forward`, cuda/ffi/nvlink_forward_cuda.cc) moves the rows to the
+peers by the copy engines (DMA into the workspace's push slots, signalled by stream writes) and runs the expert
+forward on them: the transfer and the gather of the peers' rows run on a side stream beside the gate_up GEMM
+of the shard's own rows, whose peer groups wait (bounded) for their rows. The GEMM's groups must be known
+before the rows arrive, so the local expert ids and routing weights travel first (stage 1's exchange) and the
+pairs are laid out by the fine key (local expert, source shard). The rows arrive in source order, so that
+layout has the plain expert layout's row order: the backward is `moe_ffn`'s CUDA backward on it, unchanged,
+and the rows' cotangent goes back by the reverse exchange, as in stage 1. Forward and gradients are bit for
+bit stage 1's.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def overlapped_expert_forward(send: jax.Array, send_counts: jax.Array, recv_coun
     with the blocks flattened to rows, bit for bit, forward and gradients (CUDA kernels, bf16).
 
     Args:
-      send: `[ep, C, H]` bf16 rows for each destination (the first `send_counts[d]` of block d are live).
+      send: `[ep, C, H]` bf16 rows for each destination: the first `send_counts[d]` of block d are live, the
+        rest zero (as `dispatch_rows` fills them). The copy engines move whole blocks, fill included.
       send_counts, recv_counts: `[ep]` rows sent to / received from each shard.
       recv_ids: `[ep, C, K]` the received rows' local expert ids (-1 for none).
       recv_weights: `[ep, C, K]` their routing weights.
@@ -93,7 +96,7 @@ def _overlapped_fwd(send, send_counts, recv_counts, keys, weights, w_gate_up, w_
               jax.ShapeDtypeStruct((rows * top_k, two_inter), send.dtype),
               jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
     recv_x, y, gate_up, _ = _ffi.call(
-        "cuda", "nvlink_moe_forward", shapes, send, send_counts, recv_counts, weights, w_gate_up, w_down,
+        "cuda", "nvlink_moe_forward", shapes, send, weights, w_gate_up, w_down,
         row_of_pair, pair_of_row, source_offsets, layout.expert_offsets, vmap_method="broadcast_all",
         workspace=np.int64(workspace.id), gemm_tiles=os.environ.get(GEMM_TILES_ENV, ""))
     return y, (recv_x, weights, w_gate_up, w_down, gate_up, layout, send_counts, recv_counts)

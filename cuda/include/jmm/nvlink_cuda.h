@@ -31,7 +31,9 @@ constexpr int kMaxRanks = 8;
 
 // Device pointers of every rank of a group, as seen from the calling rank's device.
 struct Peers {
-  char* staging[kMaxRanks];     // staging[d] + s * block_bytes: rows from rank s at rank d
+  // staging[d] + s * block_bytes: rows from rank s at rank d (the exchange); with the overlapped forward, followed
+  // by as many push slots: staging[d] + (ranks + s) * block_bytes, rows s pushes to d by DMA.
+  char* staging[kMaxRanks];
   uint64_t* signals[kMaxRanks];  // [0] epoch, [1 + s] arrived from s, [1 + ranks + d] freed by d
 };
 
@@ -59,10 +61,20 @@ std::string EnqueueExchange(const Peers& peers, int ranks, int first_rank, const
 // made, on each of its devices. Returns the CUDA error's text, or an empty string.
 std::string LoadExchangeKernels();
 
-// One rank's signal array: [0] epoch, [1 + s] arrived from s, [1 + ranks + d] freed by d (the exchange), then
-// [GatheredSignal] the overlapped forward's `gathered` (bumped by this rank's side gather, read by its own GEMM).
-inline int GatheredSignal(int ranks) { return 1 + 2 * ranks; }
+// One rank's signal array: [0] epoch, [1 + s] arrived from s, [1 + ranks + d] freed by d (the exchange), then the
+// overlapped forward's (cuda/ffi/nvlink_forward_cuda.cc), whose values are forward-call counts f (the same on every
+// rank; written by stream writes of that value): [PushedSignal(s)] s's rows are in my push slot for call f,
+// [ReleasedSignal(d)] d is done with my rows of call f, [GatheredSignal] blocks of my side gathers so far.
+inline int PushedSignal(int ranks, int source) { return 1 + 2 * ranks + source; }
+inline int ReleasedSignal(int ranks, int dest) { return 1 + 3 * ranks + dest; }
+inline int GatheredSignal(int ranks) { return 1 + 4 * ranks; }
 inline size_t SignalBytes(int ranks) { return sizeof(uint64_t) * (GatheredSignal(ranks) + 1); }
+
+// Enqueues one single-block kernel that waits (bounded, like the exchange's waits: on expiry it prints the rank, the
+// phase, the peer and `call`, and traps) until counters[i] >= target for every i; peers[i] names counter i's writer.
+// `rows_arrive` picks the phase named: the overlapped forward's "rows arrive" or "peer releases its push slot".
+std::string EnqueueWaitForPeers(const std::vector<const uint64_t*>& counters, const std::vector<int>& peers,
+                                uint64_t target, int rank, bool rows_arrive, uint64_t timeout_ns, cudaStream_t stream);
 
 // Workspace registry (cuda/ffi/nvlink_cuda.cc). A workspace holds one or more groups (the expert axis
 // of each combination of the other mesh axes); `groups[g][r]` is the CUDA device of rank r of group g.
@@ -70,8 +82,9 @@ inline size_t SignalBytes(int ranks) { return sizeof(uint64_t) * (GatheredSignal
 // with every rank's data in one call). Creating enables peer access and allocates, on every rank,
 // `ranks * block_bytes` of staging and the signal array (zeroed). Throws std::runtime_error with a
 // message for the user (no peer access, out of memory, bad arguments).
+// `overlap` also allocates the overlapped forward's push slots (twice the staging).
 int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulated, int64_t block_bytes,
-                        int64_t timeout_ms, int blocks_per_peer);
+                        int64_t timeout_ms, int blocks_per_peer, bool overlap);
 // Waits for the workspace's devices to finish their work, then frees its memory. Unknown ids are ignored.
 void DestroyWorkspace(int64_t id);
 

@@ -26,6 +26,7 @@ struct Group {
 
 struct Workspace {
   bool emulated = false;
+  bool overlap = false;  // the overlapped forward's push slots are allocated (Peers::staging)
   int ranks = 0;
   int64_t block_bytes = 0;
   int blocks_per_peer = 0;
