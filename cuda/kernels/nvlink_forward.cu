@@ -1,6 +1,5 @@
 // Kernels of stage 2's overlapped forward; the contract is in jmm/nvlink_forward.h.
 #include "jmm/arrival_mainloop_sm90.hpp"
-#include "jmm/copy_rows.cuh"
 #include "jmm/grouped_gemm_cutlass_cuda.h"
 #include "jmm/nvlink_forward.h"
 
@@ -10,23 +9,46 @@ namespace {
 namespace cg = cutlass_gemm;
 
 constexpr int kGatherThreads = 512;
+constexpr int kLoadsInFlight = 8;  // per thread: a copy on few SMs is bound by the bytes in flight per SM
 
+// Rows of groups (e, s) for the sources in `sources`, as 16-byte chunks: chunk c of row r goes from the source
+// block's row (pair_of_row[r] / top_k - s * capacity) to x_perm row r. Each thread walks (row, chunk) by a fixed
+// step, so no 64-bit division runs per chunk, and keeps kLoadsInFlight loads in flight before it stores.
 __global__ void __launch_bounds__(kGatherThreads)
-    GatherSourceRowsKernel(SourceBlocks blocks, uint32_t sources, int ep, int64_t capacity, int64_t chunks_per_row,
+    GatherSourceRowsKernel(SourceBlocks blocks, uint32_t sources, int ep, int64_t capacity, int chunks_per_row,
                            int top_k, const int32_t* pair_of_row, const int32_t* source_offsets, int local_experts,
                            uint4* x_perm, uint64_t* gathered) {
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t step_rows = threads / chunks_per_row;
+  const int step_chunks = static_cast<int>(threads % chunks_per_row);
   for (int e = 0; e < local_experts; ++e) {
     for (int s = 0; s < ep; ++s) {
       if (!(sources >> s & 1u)) continue;
-      const int64_t first = source_offsets[e * ep + s], last = source_offsets[e * ep + s + 1];
+      const int64_t last = source_offsets[e * ep + s + 1];
       const auto* block = static_cast<const uint4*>(blocks.rows[s]);
       const int64_t base = static_cast<int64_t>(s) * capacity;
-      CopyChunks(block, x_perm, first * chunks_per_row + thread, last * chunks_per_row, threads, [&](int64_t i) {
-        const int64_t row = i / chunks_per_row;
-        return (pair_of_row[row] / top_k - base) * chunks_per_row + i % chunks_per_row;
-      });
+      int64_t row = source_offsets[e * ep + s] + thread / chunks_per_row;
+      int chunk = static_cast<int>(thread % chunks_per_row);
+      while (row < last) {
+        uint4 value[kLoadsInFlight];
+        int64_t to[kLoadsInFlight];
+#pragma unroll
+        for (int u = 0; u < kLoadsInFlight; ++u) {
+          to[u] = -1;
+          if (row < last) {
+            to[u] = row * chunks_per_row + chunk;
+            value[u] = block[(pair_of_row[row] / top_k - base) * chunks_per_row + chunk];
+          }
+          row += step_rows;
+          chunk += step_chunks;
+          if (chunk >= chunks_per_row) chunk -= chunks_per_row, ++row;
+        }
+#pragma unroll
+        for (int u = 0; u < kLoadsInFlight; ++u) {
+          if (to[u] >= 0) x_perm[to[u]] = value[u];
+        }
+      }
     }
   }
   if (gathered != nullptr) {
@@ -85,8 +107,8 @@ Status GatherSourceRows(const SourceBlocks& sources_rows, uint32_t sources, int 
                         int64_t local_experts, void* x_perm, int blocks, uint64_t* gathered, cudaStream_t stream) {
   if (hidden % 8 != 0) return "GatherSourceRows needs hidden % 8 == 0 (16-byte rows)";
   GatherSourceRowsKernel<<<blocks, kGatherThreads, 0, stream>>>(
-      sources_rows, sources, ep, capacity, hidden / 8, static_cast<int>(top_k), pair_of_row, source_offsets,
-      static_cast<int>(local_experts), static_cast<uint4*>(x_perm), gathered);
+      sources_rows, sources, ep, capacity, static_cast<int>(hidden / 8), static_cast<int>(top_k), pair_of_row,
+      source_offsets, static_cast<int>(local_experts), static_cast<uint4*>(x_perm), gathered);
   return LaunchStatus("source row gather");
 }
 

@@ -1,6 +1,6 @@
 // What the arrival-gated GEMM's check and benchmark programs share: the kernel type (the MoE row GEMMs' default
 // tiles, 128 x 256 x 64 cooperative without a cluster, with the gated mainloop), the ptr-array arguments of one
-// grouped problem and the copy loop (jmm/copy_rows.cuh). Not part of the library.
+// grouped problem and the copy loop of their copy kernels. Not part of the library.
 #pragma once
 
 #include <cuda.h>
@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "jmm/arrival_mainloop_sm90.hpp"
-#include "jmm/copy_rows.cuh"
 #include "jmm/grouped_gemm_cutlass_cuda.h"
 #include "test_util.cuh"
 
@@ -71,7 +70,24 @@ inline Gemm::Arguments MakeArguments(const GroupedProblem& problem, const Bf16* 
   return args;
 }
 
-using jmm::cuda::CopyChunks;
+// dst[i] = src[source_index(i)] for i in [begin, end) step `step`, each thread keeping kLoadsInFlight 16-byte loads
+// in flight before it stores: a copy on a few SMs is bound by bytes in flight per SM, not by instructions.
+template <class SourceIndex>
+__device__ __forceinline__ void CopyChunks(const uint4* src, uint4* dst, int64_t begin, int64_t end, int64_t step,
+                                           SourceIndex source_index) {
+  constexpr int kLoadsInFlight = 8;
+  for (int64_t i = begin; i < end; i += kLoadsInFlight * step) {
+    uint4 v[kLoadsInFlight];
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      if (i + u * step < end) v[u] = src[source_index(i + u * step)];
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      if (i + u * step < end) dst[i + u * step] = v[u];
+    }
+  }
+}
 
 __global__ void RecordTime(uint64_t* out) { *out = jmm::cuda::GlobalTimerNs(); }
 
