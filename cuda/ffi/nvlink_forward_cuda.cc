@@ -4,17 +4,20 @@
 // by the copy engines and gathers the peers' rows beside the expert GEMM:
 //
 //   XLA's stream S ─ fork ───────────────────────────────────────────────────────────────────── wait(join) ─▶
-//     S:  gather own rows ─ gate_up GEMM: own groups at once, peer groups wait for `gathered` ─ SwiGLU ─ down ─ combine
+//     S:  gather own rows ─ gate_up GEMM: own groups at once, each peer group waits for its rows ─ SwiGLU ─ down ─ combine
 //     S2: wait: peers released my push slots ─ DMA my block d into peer d's push slot, stream-write `pushed` there ─
-//         wait: every peer's rows pushed here ─ gather them (16 blocks), bump `gathered` ─ DMA them into recv_x (the
-//         backward's operand) ─ stream-write `released` into each peer ─ join
+//         wait: every peer's rows pushed here ─ gather them group by group in the GEMM's order (32 blocks on the 16
+//         SMs the GEMM leaves), counting each group's finished blocks ─ DMA them into recv_x (the backward's
+//         operand) ─ stream-write `released` into each peer ─ join
 //
 // Forward call f (a host count per rank, the same on every rank: SPMD) is the value of every signal it writes, so
 // the counters only grow. The push slots are the workspace's second staging half, so the exchanges' own protocol
 // (epochs, `freed`) never meets this one. A push moves a whole block (C rows; its size is fixed on the host): the
 // rows past the live ones are dispatch_rows' zero fill, so recv_x equals the exchange's, fill included.
-// The GEMM runs on all SMs but kSideBlocks; every wait is bounded (the side stream's waits print and trap; the
-// GEMM's wait on `gathered` only lags when they do, and traps after the same bound).
+// The per-group counters live in the call's own workspace result, zeroed on S before the fork: nothing outside
+// this call reads or writes them, so they need no epochs. The GEMM runs on all SMs but kSideSMs; every wait is
+// bounded (the side stream's waits print and trap; the GEMM's waits only lag when they do, and trap after the same
+// bound).
 // Emulated workspaces run every shard of the call: S2 holds all pushes, then each shard's wait, gather and release;
 // S the shards' expert work one after another. S2 never waits for S, so this cannot deadlock, and the GEMMs wait.
 #include <cuda.h>
@@ -35,13 +38,15 @@ namespace jmm {
 
 namespace {
 
-// Thread blocks of the side gather, and SMs left free of the GEMM for it and the exchange. At EP = 2, q30, 16 was
-// the fastest of 4-32 (stage2_forward_bench, 2026-11-30, docs/nvlink_design.md).
-constexpr int kSideBlocks = 16;
+// SMs left free of the GEMM for the side gather: at EP = 2, q30, 16 was the fastest of 4-32 (stage2_forward_bench,
+// 2026-11-30, docs/nvlink_design.md). Its blocks (512 threads, two fit an SM) fill them twice over.
+constexpr int kSideSMs = 16;
+constexpr int kSideGatherBlocks = 2 * kSideSMs;
 
 size_t ShardWorkspaceBytes(int64_t rows, int64_t hidden, int64_t intermediate, int64_t groups) {
-  return cuda::ScratchFootprint(rows * hidden * 2) + cuda::ScratchFootprint(rows * intermediate * 2) +
-         cuda::GatedGateUpGemmScratchBytes(groups) + cuda::GroupedGemmScratchBytes(groups);
+  return cuda::ScratchFootprint(groups * sizeof(uint64_t)) + cuda::ScratchFootprint(rows * hidden * 2) +
+         cuda::ScratchFootprint(rows * intermediate * 2) + cuda::GatedGateUpGemmScratchBytes(groups) +
+         cuda::GroupedGemmScratchBytes(groups);
 }
 
 }  // namespace
@@ -168,6 +173,24 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
 
   DeviceGuard guard;
   if (cudaSetDevice(device) != cudaSuccess) return Invalid("cannot select GPU " + std::to_string(device));
+  // Each shard's temporaries, and its per-group counters zeroed before the side stream forks off.
+  std::vector<WorkspaceCursor> cursors;
+  std::vector<uint64_t*> group_counters(shards);
+  std::vector<void*> x_perms(shards), hs(shards);
+  cursors.reserve(shards);
+  for (int i = 0; i < shards; ++i) {
+    cursors.emplace_back(calls[i].scratch, shard_bytes);
+    cuda::Scratch alloc = cursors[i].scratch();
+    group_counters[i] = static_cast<uint64_t*>(alloc(groups * sizeof(uint64_t)));
+    x_perms[i] = alloc(rows * H * 2);
+    hs[i] = alloc(rows * I * 2);
+    if (group_counters[i] == nullptr || x_perms[i] == nullptr || hs[i] == nullptr) {
+      return Internal("nvlink forward", "out of scratch memory");
+    }
+    if (cudaMemsetAsync(group_counters[i], 0, groups * sizeof(uint64_t), stream) != cudaSuccess) {
+      return Internal("nvlink forward", "cannot zero the group counters");
+    }
+  }
   cudaStream_t side = group->side_streams[rank];
   if (cudaEventRecord(group->forks[rank], stream) != cudaSuccess ||
       cudaStreamWaitEvent(side, group->forks[rank]) != cudaSuccess) {
@@ -191,15 +214,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     }
   }
   // Then each shard: wait for its peers' rows, gather them for the GEMM, keep them for the backward, release them.
-  std::vector<WorkspaceCursor> cursors;
-  std::vector<void*> x_perms(shards), hs(shards);
-  cursors.reserve(shards);
   for (int i = 0; i < shards; ++i) {
-    cursors.emplace_back(calls[i].scratch, shard_bytes);
-    cuda::Scratch alloc = cursors[i].scratch();
-    x_perms[i] = alloc(rows * H * 2);
-    hs[i] = alloc(rows * I * 2);
-    if (x_perms[i] == nullptr || hs[i] == nullptr) return Internal("nvlink forward", "out of scratch memory");
     const int me = first_rank + i;
     const uint64_t f = call_of[i];
     std::vector<const uint64_t*> pushed;
@@ -211,9 +226,9 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     cuda::SourceBlocks slots{};
     for (int s : peers_of(me)) slots.rows[s] = push_slot(me, s);
     JMM_CUDA_TRY("nvlink forward peer gather",
-                 cuda::GatherSourceRows(slots, ((1u << ep) - 1) & ~(1u << me), ep, capacity, H, K,
-                                        calls[i].pair_of_row, calls[i].source_offsets, E, x_perms[i], kSideBlocks,
-                                        signal(me, GatheredSignal(ep)), side));
+                 cuda::GatherSourceRows(slots, ((1u << ep) - 1) & ~(1u << me), ep, me, capacity, H, K,
+                                        calls[i].pair_of_row, calls[i].source_offsets, E, x_perms[i],
+                                        kSideGatherBlocks, group_counters[i], side));
     for (int s = 0; s < ep; ++s) {
       const char* from = s == me ? calls[i].send + me * block : push_slot(me, s);
       if (cudaMemcpyAsync(calls[i].recv_x + s * block, from, block, cudaMemcpyDefault, side) != cudaSuccess) {
@@ -231,7 +246,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   }
 
   // XLA's stream: each shard's expert forward, its own rows first, on the SMs the side stream leaves.
-  const int sm_count = MultiprocessorCount(device) - kSideBlocks;
+  const int sm_count = MultiprocessorCount(device) - kSideSMs;
   for (int i = 0; i < shards; ++i) {
     const ShardCall& c = calls[i];
     const int me = first_rank + i;
@@ -239,11 +254,11 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     cuda::SourceBlocks own{};
     own.rows[me] = c.send + me * block;
     JMM_CUDA_TRY("nvlink forward own gather",
-                 cuda::GatherSourceRows(own, 1u << me, ep, capacity, H, K, c.pair_of_row, c.source_offsets, E,
+                 cuda::GatherSourceRows(own, 1u << me, ep, me, capacity, H, K, c.pair_of_row, c.source_offsets, E,
                                         x_perms[i], 2 * MultiprocessorCount(device), nullptr, stream));
     JMM_CUDA_TRY("nvlink forward gate_up GEMM",
                  cuda::GatedGateUpGemm(x_perms[i], c.w_gate_up, c.gate_up, c.source_offsets, ep, me, E, 2 * I, H,
-                                       signal(me, GatheredSignal(ep)), call_of[i] * kSideBlocks,
+                                       group_counters[i], kSideGatherBlocks,
                                        workspace->timeout_ns, sm_count, alloc, stream));
     JMM_CUDA_TRY("nvlink forward swiglu", cuda::SwigluForward(cuda::Dtype::kBFloat16, c.gate_up, hs[i],
                                                               c.expert_offsets, E, rows, I, stream));
@@ -264,7 +279,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
 }  // namespace nvlink
 }  // namespace jmm
 
-// Not CUDA-graph compatible, like the exchange: its epochs and `gathered` targets advance with every call.
+// Not CUDA-graph compatible, like the exchange: the values its signals carry advance with every call.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_forward, jmm::nvlink::NvlinkMoeForward,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()

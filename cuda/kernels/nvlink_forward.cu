@@ -11,23 +11,26 @@ namespace cg = cutlass_gemm;
 constexpr int kGatherThreads = 512;
 constexpr int kLoadsInFlight = 8;  // per thread: a copy on few SMs is bound by the bytes in flight per SM
 
-// Rows of groups (e, s) for the sources in `sources`, as 16-byte chunks: chunk c of row r goes from the source
-// block's row (pair_of_row[r] / top_k - s * capacity) to x_perm row r. Each thread walks (row, chunk) by a fixed
-// step, so no 64-bit division runs per chunk, and keeps kLoadsInFlight loads in flight before it stores.
-__global__ void __launch_bounds__(kGatherThreads)
-    GatherSourceRowsKernel(SourceBlocks blocks, uint32_t sources, int ep, int64_t capacity, int chunks_per_row,
-                           int top_k, const int32_t* pair_of_row, const int32_t* source_offsets, int local_experts,
-                           uint4* x_perm, uint64_t* gathered) {
+// Rows of groups (s, e) for the sources in `sources`, in the gated GEMM's group order (source me + j, then expert),
+// as 16-byte chunks: chunk c of row r goes from the source block's row (pair_of_row[r] / top_k - s * capacity) to
+// x_perm row r. Each thread walks (row, chunk) by a fixed step, so no 64-bit division runs per chunk, and keeps
+// kLoadsInFlight loads in flight before it stores. With `group_counters`, each block adds 1 to group g's counter
+// once its share of g's rows is stored, so g is complete when its counter reaches the grid size.
+__global__ void __launch_bounds__(kGatherThreads, 2)
+    GatherSourceRowsKernel(SourceBlocks blocks, uint32_t sources, int ep, int me, int64_t capacity,
+                           int chunks_per_row, int top_k, const int32_t* pair_of_row, const int32_t* source_offsets,
+                           int local_experts, uint4* x_perm, uint64_t* group_counters) {
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t step_rows = threads / chunks_per_row;
   const int step_chunks = static_cast<int>(threads % chunks_per_row);
-  for (int e = 0; e < local_experts; ++e) {
-    for (int s = 0; s < ep; ++s) {
-      if (!(sources >> s & 1u)) continue;
+  for (int j = 0; j < ep; ++j) {
+    const int s = (me + j) % ep;
+    if (!(sources >> s & 1u)) continue;
+    const auto* block = static_cast<const uint4*>(blocks.rows[s]);
+    const int64_t base = static_cast<int64_t>(s) * capacity;
+    for (int e = 0; e < local_experts; ++e) {
       const int64_t last = source_offsets[e * ep + s + 1];
-      const auto* block = static_cast<const uint4*>(blocks.rows[s]);
-      const int64_t base = static_cast<int64_t>(s) * capacity;
       int64_t row = source_offsets[e * ep + s] + thread / chunks_per_row;
       int chunk = static_cast<int>(thread % chunks_per_row);
       while (row < last) {
@@ -49,13 +52,14 @@ __global__ void __launch_bounds__(kGatherThreads)
           if (to[u] >= 0) x_perm[to[u]] = value[u];
         }
       }
-    }
-  }
-  if (gathered != nullptr) {
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(gathered), "l"(uint64_t{1}) : "memory");
+      if (group_counters != nullptr) {
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(group_counters + j * local_experts + e),
+                       "l"(uint64_t{1}) : "memory");
+        }
+      }
     }
   }
 }
@@ -76,7 +80,7 @@ struct GatedGemm {
 // One thread per group g = j * E_local + e: source s = (me + j) % ep, so the own groups come first.
 __global__ void FillGatedGroups(const int32_t* source_offsets, int ep, int me, int local_experts, const cg::Bf16* a,
                                 const cg::Bf16* b, cg::Bf16* d, int n, int k, cg::GroupArrays<GatedGemm> out,
-                                const uint64_t** counters, uint64_t* targets, const uint64_t* gathered,
+                                const uint64_t** counters, uint64_t* targets, const uint64_t* group_counters,
                                 uint64_t target) {
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= ep * local_experts) return;
@@ -89,7 +93,7 @@ __global__ void FillGatedGroups(const int32_t* source_offsets, int ep, int me, i
   out.stride_a[g] = cg::LeadingStride<GatedGemm::StrideA>(k);
   out.stride_b[g] = cg::LeadingStride<GatedGemm::StrideB>(n);
   out.stride_d[g] = cg::LeadingStride<GatedGemm::StrideD>(n);
-  counters[g] = s == me ? nullptr : gathered;
+  counters[g] = s == me ? nullptr : group_counters + g;
   targets[g] = target;
 }
 
@@ -102,13 +106,14 @@ Status LaunchStatus(const char* what) {
 
 }  // namespace
 
-Status GatherSourceRows(const SourceBlocks& sources_rows, uint32_t sources, int ep, int64_t capacity,
+Status GatherSourceRows(const SourceBlocks& sources_rows, uint32_t sources, int ep, int me, int64_t capacity,
                         int64_t hidden, int64_t top_k, const int32_t* pair_of_row, const int32_t* source_offsets,
-                        int64_t local_experts, void* x_perm, int blocks, uint64_t* gathered, cudaStream_t stream) {
+                        int64_t local_experts, void* x_perm, int blocks, uint64_t* group_counters,
+                        cudaStream_t stream) {
   if (hidden % 8 != 0) return "GatherSourceRows needs hidden % 8 == 0 (16-byte rows)";
   GatherSourceRowsKernel<<<blocks, kGatherThreads, 0, stream>>>(
-      sources_rows, sources, ep, capacity, static_cast<int>(hidden / 8), static_cast<int>(top_k), pair_of_row,
-      source_offsets, static_cast<int>(local_experts), static_cast<uint4*>(x_perm), gathered);
+      sources_rows, sources, ep, me, capacity, static_cast<int>(hidden / 8), static_cast<int>(top_k), pair_of_row,
+      source_offsets, static_cast<int>(local_experts), static_cast<uint4*>(x_perm), group_counters);
   return LaunchStatus("source row gather");
 }
 
@@ -119,7 +124,7 @@ size_t GatedGateUpGemmScratchBytes(int64_t groups) {
 
 Status GatedGateUpGemm(const void* x_perm, const void* w_gate_up, void* gate_up, const int32_t* source_offsets,
                        int ep, int me, int64_t local_experts, int64_t two_inter, int64_t hidden,
-                       const uint64_t* gathered, uint64_t target, uint64_t timeout_ns, int sm_count,
+                       const uint64_t* group_counters, uint64_t target, uint64_t timeout_ns, int sm_count,
                        const Scratch& scratch, cudaStream_t stream) {
   const int groups = static_cast<int>(ep * local_experts);
   cg::GroupArrays<GatedGemm> arrays;
@@ -132,7 +137,7 @@ Status GatedGateUpGemm(const void* x_perm, const void* w_gate_up, void* gate_up,
   FillGatedGroups<<<(groups + threads - 1) / threads, threads, 0, stream>>>(
       source_offsets, ep, me, static_cast<int>(local_experts), static_cast<const cg::Bf16*>(x_perm),
       static_cast<const cg::Bf16*>(w_gate_up), static_cast<cg::Bf16*>(gate_up), static_cast<int>(two_inter),
-      static_cast<int>(hidden), arrays, counters, targets, gathered, target);
+      static_cast<int>(hidden), arrays, counters, targets, group_counters, target);
   if (Status status = LaunchStatus("gated GEMM setup"); !status.empty()) return status;
   typename GatedGemm::Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGrouped,

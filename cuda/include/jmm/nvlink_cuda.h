@@ -64,11 +64,10 @@ std::string LoadExchangeKernels();
 // One rank's signal array: [0] epoch, [1 + s] arrived from s, [1 + ranks + d] freed by d (the exchange), then the
 // overlapped forward's (cuda/ffi/nvlink_forward_cuda.cc), whose values are forward-call counts f (the same on every
 // rank; written by stream writes of that value): [PushedSignal(s)] s's rows are in my push slot for call f,
-// [ReleasedSignal(d)] d is done with my rows of call f, [GatheredSignal] blocks of my side gathers so far.
+// [ReleasedSignal(d)] d is done with my rows of call f.
 inline int PushedSignal(int ranks, int source) { return 1 + 2 * ranks + source; }
 inline int ReleasedSignal(int ranks, int dest) { return 1 + 3 * ranks + dest; }
-inline int GatheredSignal(int ranks) { return 1 + 4 * ranks; }
-inline size_t SignalBytes(int ranks) { return sizeof(uint64_t) * (GatheredSignal(ranks) + 1); }
+inline size_t SignalBytes(int ranks) { return sizeof(uint64_t) * (1 + 4 * static_cast<size_t>(ranks)); }
 
 // Enqueues one single-block kernel that waits (bounded, like the exchange's waits: on expiry it prints the rank, the
 // phase, the peer and `call`, and traps) until counters[i] >= target for every i; peers[i] names counter i's writer.

@@ -24,21 +24,24 @@ struct SourceBlocks {
   const void* rows[nvlink::kMaxRanks];
 };
 
-// x_perm[r] = source block s's row (pair_of_row[r] / top_k - s * capacity) for every row r of every group (e, s)
-// with bit s set in `sources`, on `blocks` thread blocks. With `gathered` set, each block adds 1 to it (release,
-// system scope) once its rows are stored, so after the launch it has grown by `blocks`. hidden % 8 == 0.
-Status GatherSourceRows(const SourceBlocks& sources_rows, uint32_t sources, int ep, int64_t capacity,
+// x_perm[r] = source block s's row (pair_of_row[r] / top_k - s * capacity) for every row r of every group (s, e)
+// with bit s set in `sources`, on `blocks` thread blocks, in the gated GEMM's group order (g = j * E_local + e for
+// source s = (me + j) % ep). With `group_counters` ([ep * E_local], by g), each block adds 1 to group g's counter
+// once its share of g's rows is stored, so after the launch every gathered group's counter has grown by `blocks`.
+// hidden % 8 == 0.
+Status GatherSourceRows(const SourceBlocks& sources_rows, uint32_t sources, int ep, int me, int64_t capacity,
                         int64_t hidden, int64_t top_k, const int32_t* pair_of_row, const int32_t* source_offsets,
-                        int64_t local_experts, void* x_perm, int blocks, uint64_t* gathered, cudaStream_t stream);
+                        int64_t local_experts, void* x_perm, int blocks, uint64_t* group_counters,
+                        cudaStream_t stream);
 
-// gate_up[rows of (e, s)] = x_perm[rows of (e, s)] @ W_gate_up[e] for every group, bf16 tensor cores (the row
+// gate_up[rows of (s, e)] = x_perm[rows of (s, e)] @ W_gate_up[e] for every group, bf16 tensor cores (the row
 // GEMMs' default tiles, 128 x 256 cooperative without a cluster, so the result is bit for bit RowsGemm's with
-// those tiles). The persistent kernel walks the groups source by source starting with `me`: the own groups,
-// ungated, then the peers' groups, each of whose tiles first waits (bounded by timeout_ns, then traps) until
-// *gathered >= target. It runs `sm_count` CTAs: leave the SMs the rows' producers need.
+// those tiles). The persistent kernel walks the groups g = j * E_local + e (source (me + j) % ep): the own groups,
+// ungated, then the peers', each of whose tiles first waits (bounded by timeout_ns, then traps) until
+// group_counters[g] >= target. It runs `sm_count` CTAs: leave the SMs the rows' producers need.
 Status GatedGateUpGemm(const void* x_perm, const void* w_gate_up, void* gate_up, const int32_t* source_offsets,
                        int ep, int me, int64_t local_experts, int64_t two_inter, int64_t hidden,
-                       const uint64_t* gathered, uint64_t target, uint64_t timeout_ns, int sm_count,
+                       const uint64_t* group_counters, uint64_t target, uint64_t timeout_ns, int sm_count,
                        const Scratch& scratch, cudaStream_t stream);
 
 // Upper bound of what GatedGateUpGemm takes from Scratch for `groups` = ep * E_local groups.

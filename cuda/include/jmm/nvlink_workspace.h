@@ -18,7 +18,7 @@ struct Group {
   Peers peers{};               // staging and signals of each rank (remote ones mapped through CUDA IPC)
   std::vector<bool> imported;  // per rank: mapped from another process (closed, not freed)
   // Per rank, made for the local ones: the overlapped forward's side stream, its fork and join events, and how
-  // many forward calls the rank has enqueued (which sets the `gathered` targets: the counter only grows).
+  // many forward calls the rank has enqueued (the value its `pushed` and `released` signals carry).
   std::vector<cudaStream_t> side_streams;
   std::vector<cudaEvent_t> forks, joins;
   std::vector<uint64_t> forward_calls;
