@@ -302,3 +302,21 @@ def test_moe_ffn_ep_takes_the_overlapped_forward_when_asked(cuda_lowering, monke
         ((ranks, experts // ranks, inter, hidden), jnp.bfloat16))
     assert len(custom_call_types(text, "jmm_cuda_nvlink_moe_forward")) == fused
     assert len(custom_call_types(text, "jmm_cuda_nvlink_exchange")) == exchanges
+
+
+@pytest.mark.parametrize("other_process, expected", [(False, True), (True, False)])
+def test_overlap_is_off_when_the_axis_spans_processes(monkeypatch, other_process, expected):
+    """One process per GPU keeps stage 1 (the overlapped forward has not run across CUDA IPC yet), whatever the
+    caller asked for; within one process the requested overlap holds."""
+    created = {}
+
+    def fake_create(self, groups, emulated, size, overlap):
+        created["overlap"] = overlap
+        self.id = 1
+
+    monkeypatch.setattr(nvlink, "_ordinal", lambda d: nvlink.REMOTE if other_process and d.id == 1 else d.id)
+    monkeypatch.setattr(nvlink.NvlinkWorkspace, "_create", fake_create)
+    monkeypatch.setattr(nvlink, "_exchange_handles", lambda *args: None)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
+    nvlink.NvlinkWorkspace(mesh, "expert", max_tokens=4, hidden=8, top_k=1, overlap=True)
+    assert created["overlap"] is expected

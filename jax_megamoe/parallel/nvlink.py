@@ -122,8 +122,9 @@ class NvlinkWorkspace:
       max_tokens: the most tokens a shard passes to `moe_ffn_ep` (per call).
       hidden, top_k, dtype: the token width, routing fan-out and compute dtype of the MoE layers.
       overlap: stage 2's overlapped forward where it applies (bf16, tensor-core shapes, the cuda local
-        backend; `nvlink_experts.py`); it doubles the staging memory (push slots). False forces stage 1
-        everywhere. Every process of the axis passes the same value.
+        backend, the expert axis within one process; `nvlink_experts.py`); it doubles the staging memory
+        (push slots). False forces stage 1 everywhere. With one process per GPU it is off whatever is passed:
+        its copy-engine pushes and stream writes into CUDA IPC mappings have not been run yet.
 
     With one process per GPU (`jax.distributed`), every process constructs it (in the same order as
     its other workspaces); the processes swap CUDA IPC handles through the distributed key-value store.
@@ -143,8 +144,9 @@ class NvlinkWorkspace:
         # are mapped through CUDA IPC. Every process must create its workspaces in the same order.
         global_index = [g for g, row in enumerate(groups) if any(o != REMOTE for o in row)]
         groups = [groups[g] for g in global_index]
-        self._create(groups, False, block_bytes(max_tokens, hidden, top_k, dtype), overlap)
-        if any(REMOTE in row for row in groups):
+        spans_processes = any(REMOTE in row for row in groups)
+        self._create(groups, False, block_bytes(max_tokens, hidden, top_k, dtype), overlap and not spans_processes)
+        if spans_processes:
             NvlinkWorkspace._serial += 1
             _exchange_handles(_ffi.extension(), self.id, groups, global_index, NvlinkWorkspace._serial)
 
