@@ -121,10 +121,13 @@ class NvlinkWorkspace:
       axis_name: the expert axis; one exchange group is made per combination of the other axes.
       max_tokens: the most tokens a shard passes to `moe_ffn_ep` (per call).
       hidden, top_k, dtype: the token width, routing fan-out and compute dtype of the MoE layers.
-      overlap: stage 2's overlapped forward where it applies (bf16, tensor-core shapes, the cuda local
-        backend, the expert axis within one process; `nvlink_experts.py`); it doubles the staging memory
-        (push slots). False forces stage 1 everywhere. With one process per GPU it is off whatever is passed:
-        its copy-engine pushes and stream writes into CUDA IPC mappings have not been run yet.
+      overlap: opt in to stage 2's overlapped forward where it applies (bf16, tensor-core shapes, the cuda
+        local backend, the expert axis within one process; `nvlink_experts.py`). It doubles the staging
+        memory (push slots). Measured at EP = 2, q30 on two H200s: forward 3% faster than stage 1 with
+        uniform routing, at parity with Zipf routing (benchmarks/RESULTS.md). Off by default until it has run
+        beside NCCL collectives on other streams (its GEMM holds all SMs but 16 while it waits for rows)
+        and across processes: with one process per GPU it stays off whatever is passed, because its
+        copy-engine pushes and stream writes into CUDA IPC mappings have not run yet.
 
     With one process per GPU (`jax.distributed`), every process constructs it (in the same order as
     its other workspaces); the processes swap CUDA IPC handles through the distributed key-value store.
@@ -134,7 +137,7 @@ class NvlinkWorkspace:
     _serial = 0  # multi-process workspaces made so far: names their key-value entries
 
     def __init__(self, mesh, axis_name: str = "expert", *, max_tokens: int, hidden: int, top_k: int,
-                 dtype=jnp.bfloat16, overlap: bool = True):
+                 dtype=jnp.bfloat16, overlap: bool = False):
         _check_overlap(overlap)
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
@@ -152,7 +155,7 @@ class NvlinkWorkspace:
 
     @classmethod
     def emulated(cls, ranks: int, *, max_tokens: int, hidden: int, top_k: int, dtype=jnp.bfloat16,
-                 device=None, overlap: bool = True) -> "NvlinkWorkspace":
+                 device=None, overlap: bool = False) -> "NvlinkWorkspace":
         """R emulated shards on one GPU (`device`, default the first): for `moe_ffn_ep` under
         `jax.vmap(..., axis_name=...)` over R, running the real kernels and protocol without NVLink.
         `overlap` as for the constructor."""
