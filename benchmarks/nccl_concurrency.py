@@ -3,7 +3,8 @@
 One jitted `shard_map` step over every local device (mesh axis "expert") does two independent things, so
 XLA may run them concurrently:
   * MoE forward and backward (all four gradients) with `moe_ffn_ep(backend=--backend)` (bf16, a
-    bench_ep config, T tokens per device; `nvlink` opens an `NvlinkWorkspace` for the mesh);
+    bench_ep config, T tokens per device; `nvlink` opens an `NvlinkWorkspace` for the mesh with the
+    overlapped forward, `nvlink_stage1` one without, as bench_ep.py does);
   * the FSDP pattern: an all_gather of a `--collective-mib` MiB float32 shard per device and a
     psum_scatter of a buffer of that many MiB per device times the axis size (the next step's shard).
 The collective buffers start at 1.0 and stay exactly 1.0 (psum_scatter is divided by the axis size).
@@ -18,7 +19,7 @@ NCCL settings are read when JAX starts, so this script sets them before importin
 sets NCCL_MAX_CTAS (left as in the environment otherwise), and NCCL_NVLS_ENABLE=0 always (NVLink multicast
 stays off). The JSON records the NCCL_* environment actually used.
 
-Usage: python benchmarks/nccl_concurrency.py OUT.json [--backend nvlink|xla|ragged] [--iters 1000]
+Usage: python benchmarks/nccl_concurrency.py OUT.json [--backend nvlink|nvlink_stage1|xla|ragged] [--iters 1000]
          [--collective-mib 1024] [--hang-seconds 60] [--nccl-max-ctas N] [--config q30]
 CPU smoke: JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
          python benchmarks/nccl_concurrency.py out.json --backend xla --iters 3 --collective-mib 1 --config tiny
@@ -42,7 +43,7 @@ EXIT_HANG = 3
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json_path", help="where to write the result (JSON)")
-    parser.add_argument("--backend", default="nvlink", choices=("nvlink", "xla", "ragged"))
+    parser.add_argument("--backend", default="nvlink", choices=("nvlink", "nvlink_stage1", "xla", "ragged"))
     parser.add_argument("--iters", type=int, default=1000)
     parser.add_argument("--collective-mib", type=float, default=1024.0,
                         help="MiB per device of the all_gather input and of the psum_scatter output")
