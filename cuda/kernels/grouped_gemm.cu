@@ -139,13 +139,6 @@ __global__ void __launch_bounds__(kThreads) WeightGemmSimt(const T* a, const T* 
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-Status LaunchStatus(const char* what) {
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
-    return std::string(what) + " launch failed: " + cudaGetErrorString(err);
-  }
-  return {};
-}
-
 template <typename T>
 Status RowsGemmSimtLaunch(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
                           int64_t rows, int64_t n, int64_t k, bool b_transposed, cudaStream_t stream) {

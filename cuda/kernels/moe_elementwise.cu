@@ -37,13 +37,6 @@ Status WithVectorWidth(int64_t width, Fn&& fn) {
   return fn(std::integral_constant<int, 1>{});
 }
 
-Status LaunchStatus(const char* what) {
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
-    return std::string(what) + " launch failed: " + cudaGetErrorString(err);
-  }
-  return {};
-}
-
 template <typename T, int V>
 __global__ void GatherRowsKernel(const T* src, int64_t width, const int32_t* pair_of_row,
                                  const int32_t* kept_rows, int top_k, T* dst) {

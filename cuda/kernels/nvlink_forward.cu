@@ -97,13 +97,6 @@ __global__ void FillGatedGroups(const int32_t* source_offsets, int ep, int me, i
   targets[g] = target;
 }
 
-Status LaunchStatus(const char* what) {
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
-    return std::string(what) + " launch failed: " + cudaGetErrorString(err);
-  }
-  return {};
-}
-
 }  // namespace
 
 Status GatherSourceRows(const SourceBlocks& sources_rows, uint32_t sources, int ep, int me, int64_t capacity,

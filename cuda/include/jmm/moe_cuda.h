@@ -37,6 +37,14 @@ size_t GroupedGemmScratchBytes(int64_t num_experts);
 // An empty message means success.
 using Status = std::string;
 
+// The status of the kernel launch just made: `what` and CUDA's message when it failed.
+inline Status LaunchStatus(const char* what) {
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return std::string(what) + " launch failed: " + cudaGetErrorString(err);
+  }
+  return {};
+}
+
 // Stable sort of the pairs by expert id (dropped ids last); see handlers.h for the three outputs.
 Status SortPairsByExpert(const int32_t* experts, int64_t num_pairs, int64_t num_experts,
                          int32_t* row_of_pair, int32_t* pair_of_row, int32_t* expert_offsets,
