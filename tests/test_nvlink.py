@@ -224,7 +224,7 @@ def cuda_lowering(monkeypatch):
 
     def workspace_bytes(op, *dims):
         asked.append((op, *dims))
-        return FUSED_WORKSPACE_BYTES if op == "nvlink_moe_forward" else 256
+        return FUSED_WORKSPACE_BYTES if op.startswith("nvlink_moe_") else 256
     monkeypatch.setattr(_ffi, "extension", lambda: types.SimpleNamespace(cuda_workspace_bytes=workspace_bytes))
     yield asked
 
@@ -242,26 +242,25 @@ def lower_for_cuda(fn, *shapes) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_overlapped_forward_emits_the_ffi_contract(cuda_lowering, monkeypatch):
-    """Under vmap over R shards: the fused call's operands and results, in order, with their shapes, its
-    attributes and the workspace size it asks for; the backward is moe_ffn's CUDA backward and one reverse
-    row exchange."""
+def test_overlapped_calls_emit_the_ffi_contract(cuda_lowering, monkeypatch):
+    """Under vmap over R shards: the fused forward's and backward's operands and results, in order, with their
+    shapes, their attributes and the workspace sizes they ask for; the backward's dz is aliased to gate_up, and
+    nothing else runs a backward or an exchange."""
     ranks, capacity, hidden, inter, local_experts, top_k = 2, 6, 24, 8, 3, 2
     monkeypatch.setenv("JMM_GEMM_TILES", "pp64x256_c1")
     workspace = stand_in_workspace(ranks, overlap=True)
 
-    def forward_backward(send, weights, w_gate_up, w_down, counts, ids):
+    def forward_backward(send, weights, w_gate_up, w_down, ids):
         def forward(s, w, g, d):
             per_shard = functools.partial(nvlink_experts.overlapped_expert_forward, workspace=workspace)
-            return jax.vmap(per_shard, axis_name="expert")(s, counts, counts, ids, w, g, d)
+            return jax.vmap(per_shard, axis_name="expert")(s, ids, w, g, d)
         y, vjp = jax.vjp(forward, send, weights, w_gate_up, w_down)
         return y, vjp(y)
 
     text = lower_for_cuda(
         forward_backward, ((ranks, ranks, capacity, hidden), jnp.bfloat16),
         ((ranks, ranks, capacity, top_k), jnp.float32), ((ranks, local_experts, hidden, 2 * inter), jnp.bfloat16),
-        ((ranks, local_experts, inter, hidden), jnp.bfloat16), ((ranks, ranks), jnp.int32),
-        ((ranks, ranks, capacity, top_k), jnp.int32))
+        ((ranks, local_experts, inter, hidden), jnp.bfloat16), ((ranks, ranks, capacity, top_k), jnp.int32))
 
     rows, pairs = ranks * capacity, ranks * capacity * top_k
     r = f"{ranks}x"
@@ -273,18 +272,30 @@ def test_overlapped_forward_emits_the_ffi_contract(cuda_lowering, monkeypatch):
                        f"{r}{pairs}x{2 * inter}xbf16", f"{r}{FUSED_WORKSPACE_BYTES}xui8"]
     assert re.search(r'mhlo.backend_config = \{gemm_tiles = "pp64x256_c1", workspace = 3 : i64\}', text)
     assert ("nvlink_moe_forward", True, rows, top_k, hidden, inter, local_experts * ranks) in cuda_lowering
-    # The fine layout: one moe_layout over E_local * ep keys; the backward: the kernels' and one exchange.
+    [(operands, results)] = custom_call_types(text, "jmm_cuda_nvlink_moe_backward")
+    assert operands == [f"{r}{rows}x{hidden}xbf16", f"{r}{ranks}x{capacity}x{hidden}xbf16", f"{r}{rows}x{top_k}xf32",
+                        f"{r}{local_experts}x{hidden}x{2 * inter}xbf16", f"{r}{local_experts}x{inter}x{hidden}xbf16",
+                        f"{r}{pairs}x{2 * inter}xbf16", f"{r}{pairs}xi32", f"{r}{pairs}xi32",
+                        f"{r}{local_experts + 1}xi32"]
+    assert results == [f"{r}{ranks}x{capacity}x{hidden}xbf16", f"{r}{rows}x{top_k}xf32",
+                       f"{r}{local_experts}x{hidden}x{2 * inter}xbf16", f"{r}{local_experts}x{inter}x{hidden}xbf16",
+                       f"{r}{pairs}x{2 * inter}xbf16", f"{r}{FUSED_WORKSPACE_BYTES}xui8"]
+    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [4], operand_index = 5" \
+        in text
+    assert len(re.findall(r'mhlo.backend_config = \{gemm_tiles = "pp64x256_c1", workspace = 3 : i64\}', text)) == 2
+    assert ("nvlink_moe_backward", True, rows, top_k, hidden, inter, local_experts) in cuda_lowering
+    # The fine layout: one moe_layout over E_local * ep keys; no other forward, backward or exchange.
     assert [call[1][2] for call in custom_call_types(text, "jmm_cuda_moe_layout")] == [
         f"{local_experts * ranks + 1}xi32"]
-    assert len(custom_call_types(text, "jmm_cuda_moe_backward")) == 1
-    assert len(custom_call_types(text, "jmm_cuda_nvlink_exchange")) == 1
-    assert not custom_call_types(text, "jmm_cuda_moe_forward")
+    for target in ("jmm_cuda_moe_forward", "jmm_cuda_moe_backward", "jmm_cuda_nvlink_exchange"):
+        assert not custom_call_types(text, target)
 
 
-@pytest.mark.parametrize("overlap, fused, exchanges", [(True, 1, 6), (False, 0, 7)])
-def test_moe_ffn_ep_takes_the_overlapped_forward_when_asked(cuda_lowering, monkeypatch, overlap, fused, exchanges):
-    """`moe_ffn_ep`'s nvlink path with the local experts on CUDA, bf16: overlap=True calls the fused forward
-    once and exchanges ids and weights out, y back, and their transposes (6); stage 1 also the rows (7)."""
+@pytest.mark.parametrize("overlap, fused, exchanges", [(True, 1, 5), (False, 0, 7)])
+def test_moe_ffn_ep_takes_the_overlapped_calls_when_asked(cuda_lowering, monkeypatch, overlap, fused, exchanges):
+    """`moe_ffn_ep`'s nvlink path with the local experts on CUDA, bf16: overlap=True calls the fused forward and
+    backward once each and exchanges ids and weights out, y back, and the transposes of the last two (5); stage 1
+    also the rows and their cotangent (7)."""
     from jax_megamoe.parallel import ep
     monkeypatch.setattr(ep, "resolve_backend", lambda backend: "cuda")  # as on a GPU
     ranks, tokens, hidden, inter, experts, top_k = 2, 8, 16, 8, 4, 2
@@ -301,6 +312,9 @@ def test_moe_ffn_ep_takes_the_overlapped_forward_when_asked(cuda_lowering, monke
         ((ranks, tokens, top_k), jnp.int32), ((ranks, experts // ranks, hidden, 2 * inter), jnp.bfloat16),
         ((ranks, experts // ranks, inter, hidden), jnp.bfloat16))
     assert len(custom_call_types(text, "jmm_cuda_nvlink_moe_forward")) == fused
+    assert len(custom_call_types(text, "jmm_cuda_nvlink_moe_backward")) == fused
+    # Stage 1: moe_ffn's backward, on this machine's platform (the local backend resolves on its own).
+    assert bool(re.search(r"@jmm_c[a-z]*_moe_backward", text)) == (not fused)
     assert len(custom_call_types(text, "jmm_cuda_nvlink_exchange")) == exchanges
 
 

@@ -7,8 +7,8 @@ real protocol (epochs, staging reuse, bounded waits) with R shards' memory on on
 - `moe_ffn_ep(backend="nvlink")` with stage 1 (`overlap=False`) bit for bit equal to `backend="xla"` (same
   plan, same local kernels, same combine order), forward and all gradients, and close to the float32
   reference, for R = 2, 4, 8 and uniform, Zipf and all-to-one routing;
-- stage 2's overlapped forward (`overlap=True`, bf16 at tensor-core shapes): the program calls the fused
-  handler, and forward and gradients are bit for bit stage 1's and xla's, run to run, for the same R and
+- stage 2's overlapped forward and backward (`overlap=True`, bf16 at tensor-core shapes): the program calls both
+  fused handlers, and forward and gradients are bit for bit stage 1's and xla's, run to run, for the same R and
   routings and for K = 1, empty experts, and K > E_local with a capacity, and for successive different
   problems on one workspace; float32 falls back to stage 1;
 - on two GPUs: the same equalities across real NVLink (both stages), and that a shard whose peer never
@@ -37,7 +37,14 @@ from moe_cases import random_problem, reference_value_and_grads, rel_error, valu
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason="needs an NVIDIA GPU")]
 GRAD_NAMES = ("y", "dx", "d_weights", "d_w_gate_up", "d_w_down")
-FUSED_FORWARD = "jmm_cuda_nvlink_moe_forward"  # the overlapped forward's FFI target (nvlink_experts.py)
+# Stage 2's FFI targets, the overlapped forward and backward (nvlink_experts.py).
+FUSED_CALLS = ("jmm_cuda_nvlink_moe_forward", "jmm_cuda_nvlink_moe_backward")
+
+
+def fused_calls(fn, *args) -> list[str]:
+    """Which of stage 2's FFI targets the program of jitted `fn` on `args` calls."""
+    text = fn.lower(*args).as_text()
+    return [target for target in FUSED_CALLS if target in text]
 
 
 def exchange_reference(buffer, send_counts, fill):
@@ -110,13 +117,12 @@ def emulated_ep(ranks, backend, workspace=None, **options):
 
 def emulated_nvlink(ranks, args, dy, overlap, runs=1, **options):
     """`(fused, results)` of emulated `moe_ffn_ep(backend="nvlink")` on a workspace made with `overlap`:
-    whether the lowered program calls the overlapped forward, and `runs` results of `value_and_grads`."""
+    which of stage 2's calls the lowered program makes, and `runs` results of `value_and_grads`."""
     x, _, ids, _, _ = args
     with jmm.NvlinkWorkspace.emulated(ranks, max_tokens=x.shape[1], hidden=x.shape[2], top_k=ids.shape[2],
                                       dtype=x.dtype, overlap=overlap) as ws:
         fn = jax.jit(functools.partial(value_and_grads, emulated_ep(ranks, "nvlink", ws, **options)))
-        fused = FUSED_FORWARD in fn.lower(args, dy).as_text()
-        return fused, [jax.block_until_ready(fn(args, dy)) for _ in range(runs)]
+        return fused_calls(fn, args, dy), [jax.block_until_ready(fn(args, dy)) for _ in range(runs)]
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
@@ -128,21 +134,21 @@ def test_emulated_moe_ffn_ep_equals_xla_transport(ranks, routing, dtype):
     args, dy = make_shards(ranks + len(routing), ranks, tokens, hidden, inter, experts, top_k, dtype, routing)
     fused, (first, second) = emulated_nvlink(ranks, args, dy, overlap=False, runs=2)
     xla = jax.jit(functools.partial(value_and_grads, emulated_ep(ranks, "xla")))(args, dy)
-    assert not fused
+    assert fused == []
     assert_bitwise_equal(first, second)
     assert_bitwise_equal(first, xla)
     assert_close_to_reference(first, args, dy)
 
 
 def check_overlap_equals_stage1_and_xla(seed, ranks, routing, tokens, hidden, inter, experts, top_k, **options):
-    """The overlapped forward (bf16, tensor-core shapes) runs, twice bit for bit alike and equal to stage 1
-    and to xla (forward and all gradients), and close to the reference when nothing is dropped."""
+    """The overlapped forward and backward (bf16, tensor-core shapes) run, twice bit for bit alike and equal to
+    stage 1 and to xla (forward and all gradients), and close to the reference when nothing is dropped."""
     assert hidden % 8 == 0 and inter % 8 == 0, "tensor-core shapes: the overlapped forward applies only to these"
     args, dy = make_shards(seed, ranks, tokens, hidden, inter, experts, top_k, jnp.bfloat16, routing)
     fused, (first, second) = emulated_nvlink(ranks, args, dy, overlap=True, runs=2, **options)
-    assert fused, f"overlap=True did not call {FUSED_FORWARD}"
+    assert fused == list(FUSED_CALLS), f"overlap=True called only {fused}"
     stage1_fused, (stage1,) = emulated_nvlink(ranks, args, dy, overlap=False, **options)
-    assert not stage1_fused
+    assert stage1_fused == []
     xla = jax.jit(functools.partial(value_and_grads, emulated_ep(ranks, "xla", **options)))(args, dy)
     assert_bitwise_equal(first, second)
     assert_bitwise_equal(first, stage1)
@@ -177,7 +183,7 @@ def test_emulated_overlap_sees_each_calls_own_rows():
     xla = jax.jit(functools.partial(value_and_grads, emulated_ep(ranks, "xla")))
     with jmm.NvlinkWorkspace.emulated(ranks, max_tokens=tokens, hidden=hidden, top_k=top_k, overlap=True) as ws:
         ours = jax.jit(functools.partial(value_and_grads, emulated_ep(ranks, "nvlink", ws)))
-        assert FUSED_FORWARD in ours.lower(*problems[0]).as_text()
+        assert fused_calls(ours, *problems[0]) == list(FUSED_CALLS)
         for args, dy in problems + problems[:1]:
             assert_bitwise_equal(jax.block_until_ready(ours(args, dy)), xla(args, dy))
 
@@ -188,7 +194,7 @@ def test_emulated_float32_with_overlap_runs_stage1():
     args, dy = make_shards(11, ranks, tokens, hidden, inter, experts, top_k, jnp.float32, "zipf")
     fused, (ours,) = emulated_nvlink(ranks, args, dy, overlap=True)
     xla = jax.jit(functools.partial(value_and_grads, emulated_ep(ranks, "xla")))(args, dy)
-    assert not fused
+    assert fused == []
     assert_bitwise_equal(ours, xla)
 
 
@@ -209,7 +215,7 @@ def two_gpu_ep(**options):
 
 def check_two_gpus_nvlink_equals_xla(routing, dtype, overlap):
     """Three calls in a row of `backend="nvlink"` on a workspace made with `overlap`, each bit for bit the xla
-    transport; returns whether the program called the overlapped forward."""
+    transport; returns which of stage 2's calls the program made."""
     tokens, hidden, inter, experts, top_k = 1024, 512, 256, 32, 4
     args, dy = make_shards(5, 2, tokens, hidden, inter, experts, top_k, dtype, routing)
     flat = lambda a: a.reshape((-1,) + a.shape[2:])
@@ -219,7 +225,7 @@ def check_two_gpus_nvlink_equals_xla(routing, dtype, overlap):
     with jmm.NvlinkWorkspace(mesh, "expert", max_tokens=tokens, hidden=hidden, top_k=top_k, dtype=dtype,
                              overlap=overlap) as ws:
         ours = jax.jit(functools.partial(value_and_grads, two_gpu_ep(backend="nvlink", workspace=ws)[1]))
-        fused = FUSED_FORWARD in ours.lower(args, dy).as_text()
+        fused = fused_calls(ours, args, dy)
         runs = [jax.block_until_ready(ours(args, dy)) for _ in range(3)]
     for run in runs:
         assert_bitwise_equal(run, xla)
@@ -232,14 +238,14 @@ def check_two_gpus_nvlink_equals_xla(routing, dtype, overlap):
 def test_two_gpus_nvlink_equals_xla_transport(routing, dtype):
     """Stage 1 across real NVLink, bit for bit the xla transport (whose accuracy against the reference on two
     GPUs is tests/test_ep_gpu.py::test_two_gpus_match_reference)."""
-    assert not check_two_gpus_nvlink_equals_xla(routing, dtype, overlap=False)
+    assert check_two_gpus_nvlink_equals_xla(routing, dtype, overlap=False) == []
 
 
 @pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("routing", ["uniform", "zipf", "all_to_one"])
 def test_two_gpus_overlap_equals_xla_transport(routing):
-    """Stage 2's overlapped forward across real NVLink (bf16, tensor-core shapes), bit for bit xla."""
-    assert check_two_gpus_nvlink_equals_xla(routing, jnp.bfloat16, overlap=True)
+    """Stage 2's overlapped forward and backward across real NVLink (bf16, tensor-core shapes), bit for bit xla."""
+    assert check_two_gpus_nvlink_equals_xla(routing, jnp.bfloat16, overlap=True) == list(FUSED_CALLS)
 
 
 MISSING_PEER = textwrap.dedent("""

@@ -32,6 +32,7 @@ nb::dict Registrations() {
   table["jmm_cuda_moe_backward"] = Capsule(jmm_cuda_moe_backward);
   table["jmm_cuda_nvlink_exchange"] = Capsule(jmm_cuda_nvlink_exchange);
   table["jmm_cuda_nvlink_moe_forward"] = Capsule(jmm_cuda_nvlink_moe_forward);
+  table["jmm_cuda_nvlink_moe_backward"] = Capsule(jmm_cuda_nvlink_moe_backward);
 #endif
   return table;
 }
@@ -51,6 +52,9 @@ NB_MODULE(_ext, m) {
         if (op == "moe_backward") return jmm::MoeBackwardWorkspaceBytes(bfloat16, tokens, top_k, hidden, intermediate, experts);
         if (op == "nvlink_moe_forward") {  // bfloat16 only; `experts` is the (source, expert) group count
           return jmm::NvlinkForwardWorkspaceBytes(tokens, top_k, hidden, intermediate, experts);
+        }
+        if (op == "nvlink_moe_backward") {  // bfloat16 only
+          return jmm::NvlinkBackwardWorkspaceBytes(tokens, top_k, hidden, intermediate, experts);
         }
         throw std::invalid_argument("cuda_workspace_bytes: unknown op " + op);
       },

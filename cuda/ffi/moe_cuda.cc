@@ -18,6 +18,7 @@
 #include <string_view>
 
 #include "jmm/cuda_handler.h"
+#include "jmm/moe_backward_cuda.h"
 #include "jmm/moe_bindings.h"
 #include "jmm/handlers.h"
 #include "jmm/moe_cuda.h"
@@ -74,6 +75,59 @@ size_t MoeBackwardWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, i
                        : cuda::ScratchFootprint(rows * intermediate * bytes);
   return cuda::ScratchFootprint(rows * hidden * bytes) + g +
          GemmsScratchBytes(4, cuda::UseTensorCores(dtype, hidden, intermediate), experts);
+}
+
+ffi::Error MoeBackward::ThroughDx(cudaStream_t stream) {
+  const MoeBackwardCall& c = call_;
+  const int64_t rows = c.tokens * c.top_k, H = c.hidden, I = c.intermediate, E = c.experts;
+  const size_t bytes = ElementBytes(c.dtype);
+  const bool tc = cuda::UseTensorCores(c.dtype, H, I);
+  // `rows_h` holds gathered dy (until the d_W_down GEMM), then the per-row dx; `x_rows` gathered x for the last
+  // GEMM. rows_h and g live in d_w_gate_up's buffer until that GEMM writes it, when they fit, else in the
+  // workspace with x_rows over rows_h (dead by then). The routing weight goes into h (rows x I), not into a
+  // second copy of dy (rows x H); the SwiGLU backward is the last reader of g and of gate_up, and writes
+  // w * h over g and dz over gate_up (when the caller aliased them, as jax_megamoe does).
+  x_rows_ = scratch_(rows * H * bytes);
+  rows_h_ = x_rows_;
+  void* g = nullptr;
+  if (BackwardStagesInWeightGradient(rows, H, I, E, bytes)) {
+    rows_h_ = c.d_w_gate_up;
+    g = static_cast<char*>(rows_h_) + BackwardStagedGOffset(rows, H, bytes);
+  } else {
+    g = scratch_(rows * I * bytes);
+  }
+  if (!x_rows_ || !g) return Internal("backward", "out of scratch memory");
+  void* weighted_h = g;
+
+  JMM_CUDA_TRY("backward gather dy",
+               cuda::GatherRows(c.dtype, c.dy, H, c.pair_of_row, c.expert_offsets, E, rows, c.top_k, rows_h_, stream));
+  JMM_CUDA_TRY("backward dy @ W_down^T GEMM", cuda::RowsGemm(c.dtype, tc, rows_h_, c.w_down, g, c.expert_offsets, E,
+                                                             rows, I, H, /*b_transposed=*/true, c.tiles.bwd_down,
+                                                             scratch_, stream));
+  JMM_CUDA_TRY("backward swiglu",
+               cuda::SwigluBackward(c.dtype, c.gate_up, g, c.weights, c.pair_of_row, c.row_of_pair, c.expert_offsets,
+                                    E, rows, I, weighted_h, c.dz, c.d_weights, stream));
+  JMM_CUDA_TRY("backward d_w_down GEMM", cuda::WeightGemm(c.dtype, tc, weighted_h, rows_h_, c.d_w_down,
+                                                          c.expert_offsets, E, rows, I, H, scratch_, stream));
+  JMM_CUDA_TRY("backward dz @ W_gate_up^T GEMM", cuda::RowsGemm(c.dtype, tc, c.dz, c.w_gate_up, rows_h_,
+                                                                c.expert_offsets, E, rows, H, 2 * I,
+                                                                /*b_transposed=*/true, c.tiles.bwd_gate_up, scratch_,
+                                                                stream));
+  JMM_CUDA_TRY("backward dx combine",
+               cuda::CombineRows(c.dtype, rows_h_, c.row_of_pair, nullptr, c.tokens, c.top_k, H, c.dx, stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error MoeBackward::GateUpWeightGradient(cudaStream_t stream) {
+  const MoeBackwardCall& c = call_;
+  const int64_t rows = c.tokens * c.top_k, H = c.hidden, I = c.intermediate, E = c.experts;
+  if (x_rows_ == nullptr) return Internal("backward", "the d_w_gate_up GEMM must follow ThroughDx");
+  JMM_CUDA_TRY("backward gather x",
+               cuda::GatherRows(c.dtype, c.x, H, c.pair_of_row, c.expert_offsets, E, rows, c.top_k, x_rows_, stream));
+  JMM_CUDA_TRY("backward d_w_gate_up GEMM",
+               cuda::WeightGemm(c.dtype, cuda::UseTensorCores(c.dtype, H, I), x_rows_, c.dz, c.d_w_gate_up,
+                                c.expert_offsets, E, rows, H, 2 * I, scratch_, stream));
+  return ffi::Error::Success();
 }
 
 MoeRecordedCalls MoeCallsRecordedIntoGraphs() {
@@ -161,61 +215,23 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffe
   }
   RowsGemmTiles tiles;
   if (auto err = ReadGemmTiles(gemm_tiles, &tiles); err.failure()) return err;
-  const int64_t rows = d.tokens * d.top_k, H = d.hidden, I = d.intermediate, E = d.experts, K = d.top_k;
-  const bool tc = cuda::UseTensorCores(dtype, H, I);
-  const int32_t* offsets = expert_offsets.typed_data();
-  const int32_t* pairs = pair_of_row.typed_data();
-  const float* w = static_cast<const float*>(weights.untyped_data());
   if (auto err = CheckWorkspace("backward", workspace,
-                                MoeBackwardWorkspaceBytes(dtype == cuda::Dtype::kBFloat16, d.tokens, K, H, I, E));
+                                MoeBackwardWorkspaceBytes(dtype == cuda::Dtype::kBFloat16, d.tokens, d.top_k, d.hidden,
+                                                          d.intermediate, d.experts));
       err.failure()) {
     return err;
   }
   CountIfRecorded(stream, recorded_backward);
   WorkspaceCursor cursor(workspace);
-  cuda::Scratch alloc = cursor.scratch();
-  const size_t bytes = ElementBytes(dtype);
-
-  // `rows_h` holds gathered dy (until the d_W_down GEMM), then the per-row dx; `x_rows` gathered x for the last
-  // GEMM. rows_h and g live in d_w_gate_up's buffer until that GEMM writes it, when they fit, else in the
-  // workspace with x_rows over rows_h (dead by then). The routing weight goes into h (rows x I), not into a
-  // second copy of dy (rows x H); the SwiGLU backward is the last reader of g and of gate_up, and writes
-  // w * h over g and dz over gate_up (when the caller aliased them, as jax_megamoe does).
-  void* x_rows = alloc(rows * H * bytes);
-  void* rows_h = x_rows;
-  void* g = nullptr;
-  if (BackwardStagesInWeightGradient(rows, H, I, E, bytes)) {
-    rows_h = d_w_gate_up->untyped_data();
-    g = static_cast<char*>(rows_h) + BackwardStagedGOffset(rows, H, bytes);
-  } else {
-    g = alloc(rows * I * bytes);
-  }
-  if (!x_rows || !g) return Internal("backward", "out of scratch memory");
-  void* weighted_h = g;
-  void* dz = dz_result->untyped_data();
-
-  JMM_CUDA_TRY("backward gather dy",
-               cuda::GatherRows(dtype, dy.untyped_data(), H, pairs, offsets, E, rows, K, rows_h, stream));
-  JMM_CUDA_TRY("backward dy @ W_down^T GEMM", cuda::RowsGemm(dtype, tc, rows_h, w_down.untyped_data(), g,
-                                                             offsets, E, rows, I, H, /*b_transposed=*/true,
-                                                             tiles.bwd_down, alloc, stream));
-  JMM_CUDA_TRY("backward swiglu",
-               cuda::SwigluBackward(dtype, gate_up.untyped_data(), g, w, pairs, row_of_pair.typed_data(), offsets,
-                                    E, rows, I, weighted_h, dz, static_cast<float*>(d_weights->untyped_data()),
-                                    stream));
-  JMM_CUDA_TRY("backward d_w_down GEMM", cuda::WeightGemm(dtype, tc, weighted_h, rows_h, d_w_down->untyped_data(),
-                                                          offsets, E, rows, I, H, alloc, stream));
-  JMM_CUDA_TRY("backward dz @ W_gate_up^T GEMM", cuda::RowsGemm(dtype, tc, dz, w_gate_up.untyped_data(), rows_h,
-                                                                offsets, E, rows, H, 2 * I,
-                                                                /*b_transposed=*/true, tiles.bwd_gate_up, alloc,
-                                                                stream));
-  JMM_CUDA_TRY("backward dx combine", cuda::CombineRows(dtype, rows_h, row_of_pair.typed_data(), nullptr,
-                                                        d.tokens, K, H, dx->untyped_data(), stream));
-  JMM_CUDA_TRY("backward gather x",
-               cuda::GatherRows(dtype, x.untyped_data(), H, pairs, offsets, E, rows, K, x_rows, stream));
-  JMM_CUDA_TRY("backward d_w_gate_up GEMM", cuda::WeightGemm(dtype, tc, x_rows, dz, d_w_gate_up->untyped_data(),
-                                                             offsets, E, rows, H, 2 * I, alloc, stream));
-  return ffi::Error::Success();
+  const MoeBackwardCall call{dtype, d.tokens, d.top_k, d.hidden, d.intermediate, d.experts, tiles,
+                             dy.untyped_data(), x.untyped_data(), static_cast<const float*>(weights.untyped_data()),
+                             w_gate_up.untyped_data(), w_down.untyped_data(), gate_up.untyped_data(),
+                             row_of_pair.typed_data(), pair_of_row.typed_data(), expert_offsets.typed_data(),
+                             dx->untyped_data(), d_w_gate_up->untyped_data(), d_w_down->untyped_data(),
+                             dz_result->untyped_data(), static_cast<float*>(d_weights->untyped_data())};
+  MoeBackward backward(call, cursor.scratch());
+  if (auto err = backward.ThroughDx(stream); err.failure()) return err;
+  return backward.GateUpWeightGradient(stream);
 }
 
 // Every CUDA handler runs on XLA's stream; its temporaries come from its trailing workspace result.

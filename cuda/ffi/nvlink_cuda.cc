@@ -184,7 +184,7 @@ int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulat
       group.side_streams.assign(ranks, nullptr);
       group.forks.assign(ranks, nullptr);
       group.joins.assign(ranks, nullptr);
-      group.forward_calls.assign(ranks, 0);
+      group.push_calls.assign(ranks, 0);
       workspace->groups.push_back(group);
       Allocate(workspace->groups.back(), ranks, workspace->block_bytes, overlap);
     }

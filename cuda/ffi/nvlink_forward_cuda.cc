@@ -10,17 +10,14 @@
 //         SMs the GEMM leaves), counting each group's finished blocks ─ DMA them into recv_x (the backward's
 //         operand) ─ stream-write `released` into each peer ─ join
 //
-// Forward call f (a host count per rank, the same on every rank: SPMD) is the value of every signal it writes, so
-// the counters only grow. The push slots are the workspace's second staging half, so the exchanges' own protocol
-// (epochs, `freed`) never meets this one. A push moves a whole block (C rows; its size is fixed on the host): the
-// rows past the live ones are dispatch_rows' zero fill, so recv_x equals the exchange's, fill included.
+// The transfer is stage 2's push protocol (jmm/nvlink_push.h): the copy engines move the rows, stream writes of the
+// call count f signal them, and the waits are bounded. A push moves a whole block (C rows; its size is fixed on the
+// host): the rows past the live ones are dispatch_rows' zero fill, so recv_x equals the exchange's, fill included.
 // The per-group counters live in the call's own workspace result, zeroed on S before the fork: nothing outside
-// this call reads or writes them, so they need no epochs. The GEMM runs on all SMs but kSideSMs; every wait is
-// bounded (the side stream's waits print and trap; the GEMM's waits only lag when they do, and trap after the same
-// bound).
+// this call reads or writes them, so they need no epochs. The GEMM runs on all SMs but kSideSMs; its waits only lag
+// when the side stream's do, and trap after the same bound.
 // Emulated workspaces run every shard of the call: S2 holds all pushes, then each shard's wait, gather and release;
 // S the shards' expert work one after another. S2 never waits for S, so this cannot deadlock, and the GEMMs wait.
-#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <string>
@@ -31,8 +28,8 @@
 #include "jmm/handlers.h"
 #include "jmm/moe_host.h"
 #include "jmm/nvlink_forward.h"
+#include "jmm/nvlink_push.h"
 #include "jmm/nvlink_workspace.h"
-#include "jmm/stream_write.h"
 
 namespace jmm {
 
@@ -126,11 +123,6 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     return Invalid("the workspace result holds " + std::to_string(scratch->element_count()) + " bytes, the call needs " +
                    std::to_string(shards * shard_bytes));
   }
-  if (capacity * H * 2 > workspace->block_bytes) {
-    return Invalid("a block of " + std::to_string(capacity) + " rows of " + std::to_string(H * 2) +
-                   " bytes does not fit the workspace's " + std::to_string(workspace->block_bytes) +
-                   ": create it with a larger max_tokens");
-  }
   if (send.size_bytes() == 0) return ffi::Error::Success();
 
   const int64_t block = capacity * H * 2;
@@ -150,26 +142,6 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                          scratch->typed_data() + i * shard_bytes};
   }
   const int first_rank = workspace->emulated ? 0 : rank;
-  if (!workspace->overlap) return Invalid("the workspace was created with overlap=False (no push slots)");
-  const cuda::StreamWriteValue64 write_value = cuda::LoadStreamWriteValue64();
-  if (write_value == nullptr) return Internal("nvlink forward", "the driver has no cuStreamWriteValue64");
-  std::vector<uint64_t> call_of(shards);  // forward call f of each shard
-  for (int i = 0; i < shards; ++i) call_of[i] = ++group->forward_calls[first_rank + i];
-  const auto signal = [&](int owner, int index) { return group->peers.signals[owner] + index; };
-  const auto push_slot = [&](int dest, int source) {
-    return group->peers.staging[dest] + (ep + source) * workspace->block_bytes;
-  };
-  const auto peers_of = [&](int me) {
-    std::vector<int> peers;
-    for (int p = 0; p < ep; ++p) {
-      if (p != me) peers.push_back(p);
-    }
-    return peers;
-  };
-  const auto write = [&](uint64_t* counter, uint64_t value, cudaStream_t on) {
-    return write_value(reinterpret_cast<CUstream>(on), reinterpret_cast<CUdeviceptr>(counter), value,
-                       CU_STREAM_WRITE_VALUE_DEFAULT) == CUDA_SUCCESS;  // DEFAULT: fenced after the DMAs before it
-  };
 
   DeviceGuard guard;
   if (cudaSetDevice(device) != cudaSuccess) return Invalid("cannot select GPU " + std::to_string(device));
@@ -191,58 +163,25 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
       return Internal("nvlink forward", "cannot zero the group counters");
     }
   }
-  cudaStream_t side = group->side_streams[rank];
-  if (cudaEventRecord(group->forks[rank], stream) != cudaSuccess ||
-      cudaStreamWaitEvent(side, group->forks[rank]) != cudaSuccess) {
-    return Internal("nvlink forward", "cannot fork the side stream");
-  }
-  // Side stream, every shard of the call: once the peers are done with my rows of the last call, push this call's.
+  PushCall push(*workspace, *group, first_rank, shards, block, "nvlink forward");
+  if (auto err = push.Fork(stream); err.failure()) return err;
+  // Side stream: every shard's push, then each shard's wait for its peers' rows, their gather for the GEMM, their
+  // copy into recv_x (the backward's operand) and their release.
   for (int i = 0; i < shards; ++i) {
-    const int me = first_rank + i;
-    const uint64_t f = call_of[i];
-    std::vector<const uint64_t*> released;
-    for (int d : peers_of(me)) released.push_back(signal(me, ReleasedSignal(ep, d)));
-    if (std::string status = EnqueueWaitForPeers(released, peers_of(me), f - 1, me, false, workspace->timeout_ns, side);
-        !status.empty()) {
-      return Internal("nvlink forward wait", status);
-    }
-    for (int d : peers_of(me)) {
-      if (cudaMemcpyAsync(push_slot(d, me), calls[i].send + d * block, block, cudaMemcpyDefault, side) != cudaSuccess ||
-          !write(signal(d, PushedSignal(ep, me)), f, side)) {
-        return Internal("nvlink forward", "cannot enqueue the push to shard " + std::to_string(d));
-      }
-    }
+    if (auto err = push.Push(i, calls[i].send); err.failure()) return err;
   }
-  // Then each shard: wait for its peers' rows, gather them for the GEMM, keep them for the backward, release them.
   for (int i = 0; i < shards; ++i) {
-    const int me = first_rank + i;
-    const uint64_t f = call_of[i];
-    std::vector<const uint64_t*> pushed;
-    for (int s : peers_of(me)) pushed.push_back(signal(me, PushedSignal(ep, s)));
-    if (std::string status = EnqueueWaitForPeers(pushed, peers_of(me), f, me, true, workspace->timeout_ns, side);
-        !status.empty()) {
-      return Internal("nvlink forward wait", status);
-    }
+    const int me = push.rank(i);
+    if (auto err = push.AwaitPushes(i); err.failure()) return err;
     cuda::SourceBlocks slots{};
-    for (int s : peers_of(me)) slots.rows[s] = push_slot(me, s);
+    for (int s = 0; s < ep; ++s) {
+      if (s != me) slots.rows[s] = push.Slot(i, s);
+    }
     JMM_CUDA_TRY("nvlink forward peer gather",
                  cuda::GatherSourceRows(slots, ((1u << ep) - 1) & ~(1u << me), ep, me, capacity, H, K,
                                         calls[i].pair_of_row, calls[i].source_offsets, E, x_perms[i],
-                                        kSideGatherBlocks, group_counters[i], side));
-    for (int s = 0; s < ep; ++s) {
-      const char* from = s == me ? calls[i].send + me * block : push_slot(me, s);
-      if (cudaMemcpyAsync(calls[i].recv_x + s * block, from, block, cudaMemcpyDefault, side) != cudaSuccess) {
-        return Internal("nvlink forward", "cannot enqueue the copy of the received rows");
-      }
-    }
-    for (int s : peers_of(me)) {
-      if (!write(signal(s, ReleasedSignal(ep, me)), f, side)) {
-        return Internal("nvlink forward", "cannot release shard " + std::to_string(s) + "'s push slot");
-      }
-    }
-  }
-  if (cudaEventRecord(group->joins[rank], side) != cudaSuccess) {
-    return Internal("nvlink forward", "cannot record the join event");
+                                        kSideGatherBlocks, group_counters[i], push.side()));
+    if (auto err = push.CopyOutAndRelease(i, calls[i].send + me * block, calls[i].recv_x); err.failure()) return err;
   }
 
   // XLA's stream: each shard's expert forward, its own rows first, on the SMs the side stream leaves.
@@ -269,10 +208,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     JMM_CUDA_TRY("nvlink forward combine", cuda::CombineRows(cuda::Dtype::kBFloat16, row_out, c.row_of_pair,
                                                              c.weights, tokens, K, H, c.y, stream));
   }
-  if (cudaStreamWaitEvent(stream, group->joins[rank]) != cudaSuccess) {
-    return Internal("nvlink forward", "cannot join the side stream");
-  }
-  return ffi::Error::Success();
+  return push.Join(stream);
 }
 
 }  // namespace

@@ -133,7 +133,7 @@ __global__ void WaitForPeers(PeerCounters wait, uint64_t target, int rank, bool 
   if (threadIdx.x != 0) return;
   for (int i = 0; i < wait.count; ++i) {
     WaitAtLeast(const_cast<uint64_t*>(wait.counters[i]), target, timeout_ns,
-                rows_arrive ? "overlapped forward (rows arrive)" : "overlapped forward (peer releases its push slot)",
+                rows_arrive ? "push (rows arrive)" : "push (peer releases its push slot)",
                 rank, wait.peers[i], target);
   }
 }

@@ -144,16 +144,6 @@ def _moe_ffn_kernels_bwd(platform, residuals, dy):
 _moe_ffn_kernels.defvjp(_moe_ffn_kernels_fwd, _moe_ffn_kernels_bwd)
 
 
-def moe_backward(platform, x, weights, w_gate_up, w_down, gate_up, layout, dy):
-    """`moe_ffn`'s kernel backward from a forward's saved values: `(dx, d_weights, d_w_gate_up, d_w_down)`.
-
-    For callers that ran the forward themselves (the overlapped forward of parallel/nvlink_experts.py);
-    `gate_up` is the forward's saved projections in `layout`'s row order."""
-    dx, d_weights, _, d_w_gate_up, d_w_down = _moe_ffn_kernels_bwd(
-        platform, (x, weights, w_gate_up, w_down, gate_up, layout), dy)
-    return dx, d_weights, d_w_gate_up, d_w_down
-
-
 def moe_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
             *, backend: str = "auto") -> jax.Array:
     """Mixture-of-experts SwiGLU FFN: `y[t] = sum_k weights[t, k] * f_{experts[t, k]}(x[t])`.

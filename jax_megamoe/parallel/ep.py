@@ -8,7 +8,8 @@ Every step is linear in the floating-point data or is `moe_ffn`, so JAX's transp
 gradient; expert-weight gradients are computed where the weights live. With one shard nothing moves
 and `moe_ffn` runs on the tokens directly. On the nvlink transport, where it applies
 (`nvlink_experts.overlap_applies`), the rows' exchange and `moe_ffn`'s forward are one call that runs the
-exchange beside the GEMM of the shard's own rows (stage 2's first step), with the same results bit for bit.
+exchange beside the GEMM of the shard's own rows, and `moe_ffn`'s backward and the rows' cotangent going back
+are one call that sends it beside the last GEMM (stage 2), with the same results bit for bit.
 """
 
 from __future__ import annotations
@@ -164,8 +165,9 @@ def _exchange_and_compute(x, weights, plan, w_gate_up_local, w_down_local, axis_
                           local_backend, workspace):
     """Rows out to their expert shards, the local experts on what arrives, results back, summed per token.
 
-    With the overlapped forward (nvlink, `nvlink_experts.overlap_applies`) the ids and weights go first and
-    one call moves the rows and runs the local experts; the return trip and the combine are the same.
+    With stage 2's overlapped calls (nvlink, `nvlink_experts.overlap_applies`) the ids and weights go first and
+    one call moves the rows and runs the local experts (in the backward, one call runs their backward and sends
+    the rows' cotangent back); the return trip and the combine are the same.
     """
     ep, row_capacity = plan.token.shape
     local_experts, hidden, two_inter = w_gate_up_local.shape
@@ -187,8 +189,8 @@ def _exchange_and_compute(x, weights, plan, w_gate_up_local, w_down_local, axis_
     recv_ids = there(_gather_rows(row_ids, plan.token, INVALID_EXPERT), INVALID_EXPERT)
     recv_weights = there(_gather_rows(row_weights, plan.token, 0))
     if overlapped:
-        recv_y = nvlink_experts.overlapped_expert_forward(send, plan.row_counts, recv_counts, recv_ids, recv_weights,
-                                                          w_gate_up_local, w_down_local, workspace)
+        recv_y = nvlink_experts.overlapped_expert_forward(send, recv_ids, recv_weights, w_gate_up_local, w_down_local,
+                                                          workspace)
     else:
         rows = ep * row_capacity
         recv_y = moe_ffn(recv_x.reshape(rows, -1), recv_weights.reshape(rows, -1), recv_ids.reshape(rows, -1),

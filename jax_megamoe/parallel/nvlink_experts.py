@@ -1,4 +1,4 @@
-"""Stage 2, first step, of the nvlink transport: the token rows' transfer fused with the expert forward.
+"""Stage 2 of the nvlink transport: the token rows' transfers fused with the expert forward and backward.
 
 One FFI call per shard (`jmm_cuda_nvlink_moe_forward`, cuda/ffi/nvlink_forward_cuda.cc) moves the rows to the
 peers by the copy engines (DMA into the workspace's push slots, signalled by stream writes) and runs the expert
@@ -6,9 +6,10 @@ forward on them: the transfer and the gather of the peers' rows run on a side st
 of the shard's own rows, whose peer groups wait (bounded) for their rows. The GEMM's groups must be known
 before the rows arrive, so the local expert ids and routing weights travel first (stage 1's exchange) and the
 pairs are laid out by the fine key (local expert, source shard). The rows arrive in source order, so that
-layout has the plain expert layout's row order: the backward is `moe_ffn`'s CUDA backward on it, unchanged,
-and the rows' cotangent goes back by the reverse exchange, as in stage 1. Forward and gradients are bit for
-bit stage 1's.
+layout has the plain expert layout's row order: the backward is `moe_ffn`'s CUDA backward on it, in one more FFI
+call per shard (`jmm_cuda_nvlink_moe_backward`, cuda/ffi/nvlink_backward_cuda.cc) that sends the rows' cotangent
+back to their sources by the same copy-engine protocol while its last GEMM (d_w_gate_up) runs. Forward and
+gradients are bit for bit stage 1's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_megamoe import _ffi
-from jax_megamoe.ops.moe import GEMM_TILES_ENV, Layout, moe_backward, moe_layout
+from jax_megamoe.ops.moe import GEMM_TILES_ENV, Layout, moe_layout
 from jax_megamoe.parallel import nvlink
 
 TENSOR_CORE_MULTIPLE = 8  # H and I multiples of this run the bf16 tensor-core GEMMs (UseTensorCores, moe_cuda.h)
@@ -49,18 +50,18 @@ def fine_keys(recv_ids: jax.Array) -> jax.Array:
     return keys.reshape(-1, recv_ids.shape[-1])
 
 
-def overlapped_expert_forward(send: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, recv_ids: jax.Array,
-                              recv_weights: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-                              workspace: nvlink.NvlinkWorkspace) -> jax.Array:
-    """`moe_ffn` on the rows `send` brings, with the rows' exchange beside the own rows' gate_up GEMM.
+def overlapped_expert_forward(send: jax.Array, recv_ids: jax.Array, recv_weights: jax.Array, w_gate_up: jax.Array,
+                              w_down: jax.Array, workspace: nvlink.NvlinkWorkspace) -> jax.Array:
+    """`moe_ffn` on the rows `send` brings, with the rows' exchange beside the own rows' gate_up GEMM, and in the
+    backward the rows' cotangent sent back beside the d_w_gate_up GEMM.
 
     Equals `moe_ffn(nvlink.exchange(send, send_counts, recv_counts, workspace), recv_weights, recv_ids, ...)`
-    with the blocks flattened to rows, bit for bit, forward and gradients (CUDA kernels, bf16).
+    with the blocks flattened to rows, bit for bit, forward and gradients (CUDA kernels, bf16). The copy engines
+    move whole blocks, so no counts are needed: the rows past the live ones are zero going (`dispatch_rows`'
+    fill) and their cotangent is zero coming back (they have no pairs), as the exchange's fill.
 
     Args:
-      send: `[ep, C, H]` bf16 rows for each destination: the first `send_counts[d]` of block d are live, the
-        rest zero (as `dispatch_rows` fills them). The copy engines move whole blocks, fill included.
-      send_counts, recv_counts: `[ep]` rows sent to / received from each shard.
+      send: `[ep, C, H]` bf16 rows for each destination: the live rows of block d first, the rest zero.
       recv_ids: `[ep, C, K]` the received rows' local expert ids (-1 for none).
       recv_weights: `[ep, C, K]` their routing weights.
       w_gate_up, w_down: this shard's experts, `[E_local, H, 2I]` and `[E_local, I, H]`, bf16.
@@ -71,17 +72,16 @@ def overlapped_expert_forward(send: jax.Array, send_counts: jax.Array, recv_coun
     ep, capacity, hidden = send.shape
     workspace.check_fits(capacity, hidden * send.dtype.itemsize)
     weights = recv_weights.reshape(ep * capacity, -1).astype(jnp.float32)
-    args = _ffi.vary_alike(send, send_counts.astype(jnp.int32), recv_counts.astype(jnp.int32), fine_keys(recv_ids),
-                           weights, w_gate_up, w_down)
+    args = _ffi.vary_alike(send, fine_keys(recv_ids), weights, w_gate_up, w_down)
     return _overlapped(*args, workspace).reshape(ep, capacity, hidden)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _overlapped(send, send_counts, recv_counts, keys, weights, w_gate_up, w_down, workspace):
-    return _overlapped_fwd(send, send_counts, recv_counts, keys, weights, w_gate_up, w_down, workspace)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _overlapped(send, keys, weights, w_gate_up, w_down, workspace):
+    return _overlapped_fwd(send, keys, weights, w_gate_up, w_down, workspace)[0]
 
 
-def _overlapped_fwd(send, send_counts, recv_counts, keys, weights, w_gate_up, w_down, workspace):
+def _overlapped_fwd(send, keys, weights, w_gate_up, w_down, workspace):
     ep, _, hidden = send.shape
     rows, top_k = weights.shape
     local_experts, _, two_inter = w_gate_up.shape
@@ -99,17 +99,25 @@ def _overlapped_fwd(send, send_counts, recv_counts, keys, weights, w_gate_up, w_
         "cuda", "nvlink_moe_forward", shapes, send, weights, w_gate_up, w_down,
         row_of_pair, pair_of_row, source_offsets, layout.expert_offsets, vmap_method="broadcast_all",
         workspace=np.int64(workspace.id), gemm_tiles=os.environ.get(GEMM_TILES_ENV, ""))
-    return y, (recv_x, weights, w_gate_up, w_down, gate_up, layout, send_counts, recv_counts)
+    return y, (recv_x, weights, w_gate_up, w_down, gate_up, layout)
 
 
 def _overlapped_bwd(workspace, residuals, dy):
-    recv_x, weights, w_gate_up, w_down, gate_up, layout, send_counts, recv_counts = residuals
+    recv_x, weights, w_gate_up, w_down, gate_up, layout = residuals
     ep, capacity, hidden = recv_x.shape
-    dx, d_weights, d_w_gate_up, d_w_down = moe_backward(
-        "cuda", recv_x.reshape(ep * capacity, hidden), weights, w_gate_up, w_down, gate_up, layout, dy)
-    # The rows came by the exchange: their cotangent goes back by the reverse one (stage 1's transpose).
-    d_send = nvlink.exchange(dx.reshape(ep, capacity, hidden), recv_counts, send_counts, workspace)
-    return d_send, None, None, None, d_weights, d_w_gate_up, d_w_down
+    local_experts, _, two_inter = w_gate_up.shape
+    top_k = weights.shape[1]
+    # dz, the gradient of gate_up, is written over the saved gate_up (operand 5, result 4), as in moe_backward.
+    workspace_bytes = _ffi.extension().cuda_workspace_bytes("nvlink_moe_backward", True, ep * capacity, top_k, hidden,
+                                                            two_inter // 2, local_experts)
+    shapes = (jax.ShapeDtypeStruct(recv_x.shape, recv_x.dtype), jax.ShapeDtypeStruct(weights.shape, weights.dtype),
+              jax.ShapeDtypeStruct(w_gate_up.shape, w_gate_up.dtype), jax.ShapeDtypeStruct(w_down.shape, w_down.dtype),
+              jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype), jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
+    d_send, d_weights, d_w_gate_up, d_w_down, _, _ = _ffi.call(
+        "cuda", "nvlink_moe_backward", shapes, dy.astype(recv_x.dtype), recv_x, weights, w_gate_up, w_down, gate_up,
+        *layout, vmap_method="broadcast_all", input_output_aliases={5: 4}, workspace=np.int64(workspace.id),
+        gemm_tiles=os.environ.get(GEMM_TILES_ENV, ""))
+    return d_send, None, d_weights, d_w_gate_up, d_w_down
 
 
 _overlapped.defvjp(_overlapped_fwd, _overlapped_bwd)

@@ -28,4 +28,5 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_forward);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_backward);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_exchange);  // contract: jmm/nvlink_cuda.h
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_forward);  // contract: cuda/ffi/nvlink_forward_cuda.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_backward);  // contract: cuda/ffi/nvlink_backward_cuda.cc
 #endif

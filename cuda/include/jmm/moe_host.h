@@ -21,6 +21,9 @@ size_t MoeBackwardWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, i
 // (ep * C) of `top_k` pairs, `groups` = ep * E_local (source, expert) groups. An emulated call takes ep times this.
 size_t NvlinkForwardWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
                                    int64_t groups);
+// Its overlapped backward (cuda/ffi/nvlink_backward_cuda.cc), per shard, with `experts` = E_local.
+size_t NvlinkBackwardWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
+                                    int64_t experts);
 
 // How many calls of each handler (layout, forward, backward) this process has recorded into a CUDA graph
 // rather than run directly: how a test sees that XLA captured them.

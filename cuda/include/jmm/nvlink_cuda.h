@@ -31,7 +31,7 @@ constexpr int kMaxRanks = 8;
 
 // Device pointers of every rank of a group, as seen from the calling rank's device.
 struct Peers {
-  // staging[d] + s * block_bytes: rows from rank s at rank d (the exchange); with the overlapped forward, followed
+  // staging[d] + s * block_bytes: rows from rank s at rank d (the exchange); with stage 2's push protocol, followed
   // by as many push slots: staging[d] + (ranks + s) * block_bytes, rows s pushes to d by DMA.
   char* staging[kMaxRanks];
   uint64_t* signals[kMaxRanks];  // [0] epoch, [1 + s] arrived from s, [1 + ranks + d] freed by d
@@ -61,17 +61,18 @@ std::string EnqueueExchange(const Peers& peers, int ranks, int first_rank, const
 // made, on each of its devices. Returns the CUDA error's text, or an empty string.
 std::string LoadExchangeKernels();
 
-// One rank's signal array: [0] epoch, [1 + s] arrived from s, [1 + ranks + d] freed by d (the exchange), then the
-// overlapped forward's (cuda/ffi/nvlink_forward_cuda.cc), whose values are forward-call counts f (the same on every
-// rank; written by stream writes of that value): [PushedSignal(s)] s's rows are in my push slot for call f,
-// [ReleasedSignal(d)] d is done with my rows of call f.
+// One rank's signal array: [0] epoch, [1 + s] arrived from s, [1 + ranks + d] freed by d (the exchange), then stage
+// 2's push protocol's (jmm/nvlink_push.h), whose values are overlapped-call counts f (the same on every rank; written
+// by stream writes of that value): [PushedSignal(s)] s's rows are in my push slot for call f, [ReleasedSignal(d)] d
+// is done with my rows of call f.
 inline int PushedSignal(int ranks, int source) { return 1 + 2 * ranks + source; }
 inline int ReleasedSignal(int ranks, int dest) { return 1 + 3 * ranks + dest; }
 inline size_t SignalBytes(int ranks) { return sizeof(uint64_t) * (1 + 4 * static_cast<size_t>(ranks)); }
 
 // Enqueues one single-block kernel that waits (bounded, like the exchange's waits: on expiry it prints the rank, the
 // phase, the peer and `call`, and traps) until counters[i] >= target for every i; peers[i] names counter i's writer.
-// `rows_arrive` picks the phase named: the overlapped forward's "rows arrive" or "peer releases its push slot".
+// `rows_arrive` picks the phase named: the push protocol's "push (rows arrive)" or "push (peer releases its push
+// slot)".
 std::string EnqueueWaitForPeers(const std::vector<const uint64_t*>& counters, const std::vector<int>& peers,
                                 uint64_t target, int rank, bool rows_arrive, uint64_t timeout_ns, cudaStream_t stream);
 
@@ -81,7 +82,7 @@ std::string EnqueueWaitForPeers(const std::vector<const uint64_t*>& counters, co
 // with every rank's data in one call). Creating enables peer access and allocates, on every rank,
 // `ranks * block_bytes` of staging and the signal array (zeroed). Throws std::runtime_error with a
 // message for the user (no peer access, out of memory, bad arguments).
-// `overlap` also allocates the overlapped forward's push slots (twice the staging).
+// `overlap` also allocates stage 2's push slots (twice the staging).
 int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulated, int64_t block_bytes,
                         int64_t timeout_ms, int blocks_per_peer, bool overlap);
 // Waits for the workspace's devices to finish their work, then frees its memory. Unknown ids are ignored.

@@ -1,5 +1,5 @@
 // The NVLink workspaces' host-side records, shared by the nvlink transport's FFI handlers: the registry and the
-// block exchange (cuda/ffi/nvlink_cuda.cc) and stage 2's overlapped forward (cuda/ffi/nvlink_forward_cuda.cc).
+// block exchange (cuda/ffi/nvlink_cuda.cc) and stage 2's overlapped calls (jmm/nvlink_push.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,16 +17,16 @@ struct Group {
   std::vector<int> devices;    // device of each rank; kRemote for a rank of another process
   Peers peers{};               // staging and signals of each rank (remote ones mapped through CUDA IPC)
   std::vector<bool> imported;  // per rank: mapped from another process (closed, not freed)
-  // Per rank, made for the local ones: the overlapped forward's side stream, its fork and join events, and how
-  // many forward calls the rank has enqueued (the value its `pushed` and `released` signals carry).
+  // Per rank, made for the local ones: the overlapped calls' side stream, its fork and join events, and how many
+  // overlapped calls (forward and backward) the rank has enqueued (the value its `pushed` and `released` carry).
   std::vector<cudaStream_t> side_streams;
   std::vector<cudaEvent_t> forks, joins;
-  std::vector<uint64_t> forward_calls;
+  std::vector<uint64_t> push_calls;
 };
 
 struct Workspace {
   bool emulated = false;
-  bool overlap = false;  // the overlapped forward's push slots are allocated (Peers::staging)
+  bool overlap = false;  // the overlapped calls' push slots are allocated (Peers::staging)
   int ranks = 0;
   int64_t block_bytes = 0;
   int blocks_per_peer = 0;

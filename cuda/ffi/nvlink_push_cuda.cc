@@ -1,0 +1,111 @@
+// Stage 2's push protocol (contract and diagram in jmm/nvlink_push.h).
+#include "jmm/nvlink_push.h"
+
+#include <cuda.h>
+
+#include <utility>
+
+namespace jmm::nvlink {
+
+PushCall::PushCall(Workspace& workspace, Group& group, int first_rank, int shards, int64_t block, std::string what)
+    : workspace_(workspace),
+      group_(group),
+      first_rank_(first_rank),
+      shards_(shards),
+      ep_(workspace.ranks),
+      block_(block),
+      what_(std::move(what)),
+      side_(group.side_streams[first_rank]) {}
+
+std::vector<int> PushCall::PeersOf(int me) const {
+  std::vector<int> peers;
+  for (int p = 0; p < ep_; ++p) {
+    if (p != me) peers.push_back(p);
+  }
+  return peers;
+}
+
+char* PushCall::PushSlot(int dest, int source) const {
+  return group_.peers.staging[dest] + (ep_ + source) * workspace_.block_bytes;
+}
+
+const char* PushCall::Slot(int shard, int source) const { return PushSlot(rank(shard), source); }
+
+bool PushCall::Write(uint64_t* counter, uint64_t value) const {
+  // DEFAULT flags: the write is fenced after the DMAs enqueued before it on the side stream.
+  return write_value_(reinterpret_cast<CUstream>(side_), reinterpret_cast<CUdeviceptr>(counter), value,
+                      CU_STREAM_WRITE_VALUE_DEFAULT) == CUDA_SUCCESS;
+}
+
+ffi::Error PushCall::Fork(cudaStream_t stream) {
+  if (!workspace_.overlap) return Fail("the workspace was created with overlap=False (no push slots)");
+  if (block_ > workspace_.block_bytes) {
+    return Fail("a block of " + std::to_string(block_) + " bytes does not fit the workspace's " +
+                std::to_string(workspace_.block_bytes) + ": create it with a larger max_tokens");
+  }
+  write_value_ = cuda::LoadStreamWriteValue64();
+  if (write_value_ == nullptr) return Fail("the driver has no cuStreamWriteValue64");
+  call_.resize(shards_);
+  for (int i = 0; i < shards_; ++i) call_[i] = ++group_.push_calls[rank(i)];
+  if (cudaEventRecord(group_.forks[first_rank_], stream) != cudaSuccess ||
+      cudaStreamWaitEvent(side_, group_.forks[first_rank_]) != cudaSuccess) {
+    return Fail("cannot fork the side stream");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error PushCall::Push(int shard, const char* blocks) {
+  const int me = rank(shard);
+  const uint64_t f = call_[shard];
+  std::vector<const uint64_t*> released;
+  for (int d : PeersOf(me)) released.push_back(Signal(me, ReleasedSignal(ep_, d)));
+  if (std::string status = EnqueueWaitForPeers(released, PeersOf(me), f - 1, me, false, workspace_.timeout_ns, side_);
+      !status.empty()) {
+    return Fail("waiting for the peers' push slots: " + status);
+  }
+  for (int d : PeersOf(me)) {
+    if (cudaMemcpyAsync(PushSlot(d, me), blocks + d * block_, block_, cudaMemcpyDefault, side_) != cudaSuccess ||
+        !Write(Signal(d, PushedSignal(ep_, me)), f)) {
+      return Fail("cannot enqueue the push to shard " + std::to_string(d));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error PushCall::AwaitPushes(int shard) {
+  const int me = rank(shard);
+  std::vector<const uint64_t*> pushed;
+  for (int s : PeersOf(me)) pushed.push_back(Signal(me, PushedSignal(ep_, s)));
+  if (std::string status =
+          EnqueueWaitForPeers(pushed, PeersOf(me), call_[shard], me, true, workspace_.timeout_ns, side_);
+      !status.empty()) {
+    return Fail("waiting for the peers' rows: " + status);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error PushCall::CopyOutAndRelease(int shard, const char* own, char* out) {
+  const int me = rank(shard);
+  for (int s = 0; s < ep_; ++s) {
+    const char* from = s == me ? own : PushSlot(me, s);
+    if (cudaMemcpyAsync(out + s * block_, from, block_, cudaMemcpyDefault, side_) != cudaSuccess) {
+      return Fail("cannot enqueue the copy of the received rows");
+    }
+  }
+  for (int s : PeersOf(me)) {
+    if (!Write(Signal(s, ReleasedSignal(ep_, me)), call_[shard])) {
+      return Fail("cannot release shard " + std::to_string(s) + "'s push slot");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error PushCall::Join(cudaStream_t stream) {
+  if (cudaEventRecord(group_.joins[first_rank_], side_) != cudaSuccess ||
+      cudaStreamWaitEvent(stream, group_.joins[first_rank_]) != cudaSuccess) {
+    return Fail("cannot join the side stream");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jmm::nvlink

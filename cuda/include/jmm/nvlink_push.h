@@ -1,0 +1,72 @@
+// Stage 2's push protocol (docs/nvlink_design.md): how an overlapped call of the nvlink transport (the forward,
+// cuda/ffi/nvlink_forward_cuda.cc, and the backward, cuda/ffi/nvlink_backward_cuda.cc) moves one block of C rows per
+// peer by the copy engines, on the rank's side stream, so that the transfer takes no SMs from the expert GEMMs:
+//
+//   fork off XLA's stream ─ per shard: wait until every peer d has released its push slot for me of my last call ─
+//   DMA my block d into that slot, stream-write pushed[me] = f into d's signals ─ per shard: wait until pushed[s] >= f
+//   for every peer s ─ (the caller's own work on the slots) ─ DMA the blocks out in source order ─ stream-write
+//   released[me] = f into every peer ─ join
+//
+// f counts the overlapped calls, forward and backward, that the rank has enqueued: the same on every rank (the program
+// is SPMD), and the value of every signal the call writes, so the counters only grow. The push slots are the
+// workspace's second staging half, and `pushed` and `released` signal slots of their own, so the exchanges' protocol
+// (epochs, `freed`) never meets this one. Every wait is a bounded single-block kernel that prints the shard, the
+// phase, the peer and f, then traps. Emulated workspaces (every rank on one GPU) run the shards' pushes before any
+// shard's wait, all on one side stream, so every wait is on work enqueued before it and cannot deadlock.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "jmm/cuda_handler.h"
+#include "jmm/nvlink_workspace.h"
+#include "jmm/stream_write.h"
+
+namespace jmm::nvlink {
+
+class PushCall {
+ public:
+  // One overlapped call of `shards` ranks from `first_rank` (emulation: every rank of the group; else the device's
+  // one) moving blocks of `block` bytes. `what` names the call in errors. The device must be current.
+  PushCall(Workspace& workspace, Group& group, int first_rank, int shards, int64_t block, std::string what);
+
+  // Checks the workspace has push slots, advances each shard's call count and forks the side stream off `stream`,
+  // after the work already enqueued there.
+  ffi::Error Fork(cudaStream_t stream);
+  // Shard i: once every peer d has released its push slot for this rank's last call, DMA block d of `blocks`
+  // ([ep, C, row]) into it and signal it.
+  ffi::Error Push(int shard, const char* blocks);
+  // Shard i: waits until every peer's block of this call is in this rank's push slots.
+  ffi::Error AwaitPushes(int shard);
+  // The push slot of shard i that holds peer `source`'s block.
+  const char* Slot(int shard, int source) const;
+  // Shard i: DMA every block into `out` ([ep, C, row], source order), the peers' from the push slots and the own
+  // from `own`, then release the slots to their peers.
+  ffi::Error CopyOutAndRelease(int shard, const char* own, char* out);
+  // Makes `stream` wait for everything enqueued on the side stream.
+  ffi::Error Join(cudaStream_t stream);
+
+  int rank(int shard) const { return first_rank_ + shard; }
+  cudaStream_t side() const { return side_; }
+
+ private:
+  std::vector<int> PeersOf(int me) const;
+  char* PushSlot(int dest, int source) const;
+  uint64_t* Signal(int owner, int index) const { return group_.peers.signals[owner] + index; }
+  bool Write(uint64_t* counter, uint64_t value) const;
+  ffi::Error Fail(const std::string& message) const { return Internal(what_, message); }
+
+  Workspace& workspace_;
+  Group& group_;
+  int first_rank_, shards_, ep_;
+  int64_t block_;
+  std::string what_;
+  cudaStream_t side_;
+  cuda::StreamWriteValue64 write_value_ = nullptr;
+  std::vector<uint64_t> call_;  // f of each shard
+};
+
+}  // namespace jmm::nvlink
