@@ -9,6 +9,8 @@ CUDA_VISIBLE_DEVICES) and on CPUs (JAX_PLATFORMS=cpu, one host device per proces
 
 Usage: python tests/ep_multiprocess_worker.py --process-id I --num-processes N --coordinator HOST:PORT
          [--backends xla] [--dtypes float32,bfloat16] [--routings uniform,zipf,all_to_one]
+Backends are moe_ffn_ep's, plus `nvlink_stage1`: backend "nvlink" on a workspace made with overlap=False (the
+plain "nvlink" takes stage 2's overlapped calls where they apply: bf16 here, which the worker checks).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from moe_cases import Case, make_problem, rel_error, seeded_rng
 TOKENS_PER_SHARD, HIDDEN, INTER, EXPERTS, TOP_K = 64, 64, 32, 8, 2
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}  # normwise, against the float32 reference
 OUTPUT_NAMES = ("y", "dx", "d_weights", "d_w_gate_up", "d_w_down")
+NVLINK_OVERLAP = {"nvlink": True, "nvlink_stage1": False}  # worker backend name -> the workspace's overlap
+FUSED_CALLS = ("jmm_cuda_nvlink_moe_forward", "jmm_cuda_nvlink_moe_backward")  # stage 2's FFI targets
 
 
 def gathered_problem(routing: str, dtype, tokens: int):
@@ -60,12 +64,14 @@ def value_and_grads(fn, args, dy):
 def ep_value_and_grads(mesh: Mesh, backend: str, dtype_name: str):
     """Jitted forward and gradients of `moe_ffn_ep` over the global mesh (everything sharded over "expert").
 
-    The nvlink backend gets one workspace per dtype, made by every process in the same order.
+    The nvlink backends get one workspace per dtype, made by every process in the same order.
     """
     options = dict(axis_name="expert", backend=backend, num_experts=EXPERTS)
-    if backend == "nvlink":
+    if backend in NVLINK_OVERLAP:
+        options["backend"] = "nvlink"
         options["workspace"] = jmm.NvlinkWorkspace(mesh, "expert", max_tokens=TOKENS_PER_SHARD, hidden=HIDDEN,
-                                                   top_k=TOP_K, dtype=jnp.dtype(dtype_name))
+                                                   top_k=TOP_K, dtype=jnp.dtype(dtype_name),
+                                                   overlap=NVLINK_OVERLAP[backend])
     spec = P("expert")
     fn = jax.shard_map(functools.partial(jmm.moe_ffn_ep, **options), mesh=mesh, in_specs=(spec,) * 5,
                        out_specs=spec)
@@ -87,12 +93,21 @@ def check(mesh: Mesh, backend: str, dtype_name: str, routing: str) -> bool:
     tokens = TOKENS_PER_SHARD * mesh.size
     args, dy = gathered_problem(routing, jnp.dtype(dtype_name), tokens)
     sharding = NamedSharding(mesh, P("expert"))
-    got = ep_value_and_grads(mesh, backend, dtype_name)(tuple(to_global(a, sharding) for a in args), to_global(dy, sharding))
+    fn = ep_value_and_grads(mesh, backend, dtype_name)
+    global_args, global_dy = tuple(to_global(a, sharding) for a in args), to_global(dy, sharding)
+    got = fn(global_args, global_dy)
+    ok = True
+    if backend == "nvlink" and dtype_name == "bfloat16":  # stage 2 applies: its calls must be in the program
+        text = fn.lower(global_args, global_dy).as_text()
+        missing = [target for target in FUSED_CALLS if target not in text]
+        if missing:
+            print(f"FAIL process {jax.process_index()} nvlink bfloat16 {routing}: the program lacks {missing}",
+                  flush=True)
+            ok = False
 
     args32 = tuple(a.astype(np.float32) if a.dtype != np.int32 else a for a in args)
     on_local_device = functools.partial(jax.device_put, device=jax.local_devices()[0])
     expected = reference_value_and_grads()(on_local_device(args32), on_local_device(dy))
-    ok = True
     for name, result, want in zip(OUTPUT_NAMES, got, expected):
         want = np.asarray(want)
         if result.shape != want.shape:

@@ -4,7 +4,8 @@ Each test starts two workers (tests/ep_multiprocess_worker.py) that build the sa
 `moe_ffn_ep` forward and all gradients over the global mesh, and check the shards they hold against the
 float32 reference on the gathered problem (float32 <= 1e-5, bf16 <= 2e-2 normwise). The GPU test (marker
 `gpu`) gives each worker one GPU through CUDA_VISIBLE_DEVICES and runs the xla transport over NCCL and
-the nvlink transport through CUDA IPC (XLA refuses ragged_all_to_all across processes, so moe_ffn_ep
+the nvlink transport through CUDA IPC, with stage 2's overlapped calls (copy-engine pushes and stream writes
+into the IPC mappings; checked to be in the bf16 program) and with stage 1 alone (XLA refuses ragged_all_to_all across processes, so moe_ffn_ep
 rejects "ragged" there); the CPU test runs the xla transport over gloo, so CI covers the multi-process plumbing. This file
 never initialises JAX in the pytest process (that could take GPUs the workers need): GPUs are counted
 with `nvidia-smi -L`. A worker that hangs fails the test after WORKER_TIMEOUT_S.
@@ -114,5 +115,5 @@ def test_two_gpu_processes_match_reference(tmp_path):
     gpus = visible_gpus()
     if len(gpus) < NUM_PROCESSES:
         pytest.skip(f"needs {NUM_PROCESSES} GPUs, nvidia-smi shows {len(gpus)}")
-    outputs = run_workers(tmp_path, "gpu", "xla,nvlink", gpus)
-    assert_all_checked(outputs, "xla,nvlink")
+    outputs = run_workers(tmp_path, "gpu", "xla,nvlink,nvlink_stage1", gpus)
+    assert_all_checked(outputs, "xla,nvlink,nvlink_stage1")

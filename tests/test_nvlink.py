@@ -318,10 +318,11 @@ def test_moe_ffn_ep_takes_the_overlapped_calls_when_asked(cuda_lowering, monkeyp
     assert len(custom_call_types(text, "jmm_cuda_nvlink_exchange")) == exchanges
 
 
-@pytest.mark.parametrize("other_process, expected", [(False, True), (True, False)])
-def test_overlap_is_off_when_the_axis_spans_processes(monkeypatch, other_process, expected):
-    """One process per GPU keeps stage 1 (the overlapped forward has not run across CUDA IPC yet), whatever the
-    caller asked for; within one process the requested overlap holds."""
+@pytest.mark.parametrize("other_process", [False, True])
+@pytest.mark.parametrize("asked, expected", [({}, True), ({"overlap": True}, True), ({"overlap": False}, False)])
+def test_overlap_is_on_by_default_and_holds_across_processes(monkeypatch, other_process, asked, expected):
+    """Stage 2 is the default, and what the caller asks for holds within one process and with one process per
+    GPU (CUDA IPC) alike."""
     created = {}
 
     def fake_create(self, groups, emulated, size, overlap):
@@ -332,5 +333,5 @@ def test_overlap_is_off_when_the_axis_spans_processes(monkeypatch, other_process
     monkeypatch.setattr(nvlink.NvlinkWorkspace, "_create", fake_create)
     monkeypatch.setattr(nvlink, "_exchange_handles", lambda *args: None)
     mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
-    nvlink.NvlinkWorkspace(mesh, "expert", max_tokens=4, hidden=8, top_k=1, overlap=True)
+    nvlink.NvlinkWorkspace(mesh, "expert", max_tokens=4, hidden=8, top_k=1, **asked)
     assert created["overlap"] is expected

@@ -40,7 +40,7 @@ def block_bytes(max_tokens: int, hidden: int, top_k: int, dtype) -> int:
     token rows (`hidden` elements), the local expert ids and routing weights (`top_k` 4-byte values each),
     and in the backward their cotangents; the largest of these sets the block size. Each GPU holds
     `ep * block_bytes` of staging (q30 at ep = 8, bf16: 8 * 16384 * 4096 B = 512 MiB), twice that with
-    `overlap=True` (the overlapped forward's push slots).
+    `overlap=True` (stage 2's push slots).
     """
     for name, value in (("max_tokens", max_tokens), ("hidden", hidden), ("top_k", top_k)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -64,8 +64,8 @@ def _cuda_extension():
 
 def _check_overlap(overlap) -> None:
     if not isinstance(overlap, bool):
-        raise TypeError(f"overlap must be a bool (True: stage 2's overlapped forward where it applies, False: "
-                        f"stage 1 everywhere), got {overlap!r}")
+        raise TypeError(f"overlap must be a bool (True: stage 2's overlapped forward and backward where they apply, "
+                        f"False: stage 1 everywhere), got {overlap!r}")
 
 
 REMOTE = -1  # a rank of another process (kRemote of cuda/ffi/nvlink_cuda.cc)
@@ -121,13 +121,12 @@ class NvlinkWorkspace:
       axis_name: the expert axis; one exchange group is made per combination of the other axes.
       max_tokens: the most tokens a shard passes to `moe_ffn_ep` (per call).
       hidden, top_k, dtype: the token width, routing fan-out and compute dtype of the MoE layers.
-      overlap: opt in to stage 2's overlapped forward where it applies (bf16, tensor-core shapes, the cuda
-        local backend, the expert axis within one process; `nvlink_experts.py`). It doubles the staging
-        memory (push slots). Measured at EP = 2, q30 on two H200s: forward 3% faster than stage 1 with
-        uniform routing, at parity with Zipf routing (benchmarks/RESULTS.md). Off by default until it has run
-        beside NCCL collectives on other streams (its GEMM holds all SMs but 16 while it waits for rows)
-        and across processes: with one process per GPU it stays off whatever is passed, because its
-        copy-engine pushes and stream writes into CUDA IPC mappings have not run yet.
+      overlap: stage 2's overlapped calls where they apply (bf16, tensor-core shapes, the cuda local backend;
+        `nvlink_experts.py`): the rows go to the experts by the copy engines beside the gate_up GEMM of the
+        shard's own rows, and their cotangent comes back beside the backward's last GEMM. It doubles the staging
+        memory (push slots). Measured at EP = 2, q30 on two H200s (benchmarks/RESULTS.md): forward 3% and
+        forward+backward 2% faster than stage 1 with uniform routing, at parity with Zipf routing; 1000 steps
+        beside NCCL collectives without a hang. `overlap=False` keeps stage 1 everywhere (half the staging).
 
     With one process per GPU (`jax.distributed`), every process constructs it (in the same order as
     its other workspaces); the processes swap CUDA IPC handles through the distributed key-value store.
@@ -137,7 +136,7 @@ class NvlinkWorkspace:
     _serial = 0  # multi-process workspaces made so far: names their key-value entries
 
     def __init__(self, mesh, axis_name: str = "expert", *, max_tokens: int, hidden: int, top_k: int,
-                 dtype=jnp.bfloat16, overlap: bool = False):
+                 dtype=jnp.bfloat16, overlap: bool = True):
         _check_overlap(overlap)
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
@@ -147,15 +146,14 @@ class NvlinkWorkspace:
         # are mapped through CUDA IPC. Every process must create its workspaces in the same order.
         global_index = [g for g, row in enumerate(groups) if any(o != REMOTE for o in row)]
         groups = [groups[g] for g in global_index]
-        spans_processes = any(REMOTE in row for row in groups)
-        self._create(groups, False, block_bytes(max_tokens, hidden, top_k, dtype), overlap and not spans_processes)
-        if spans_processes:
+        self._create(groups, False, block_bytes(max_tokens, hidden, top_k, dtype), overlap)
+        if any(REMOTE in row for row in groups):
             NvlinkWorkspace._serial += 1
             _exchange_handles(_ffi.extension(), self.id, groups, global_index, NvlinkWorkspace._serial)
 
     @classmethod
     def emulated(cls, ranks: int, *, max_tokens: int, hidden: int, top_k: int, dtype=jnp.bfloat16,
-                 device=None, overlap: bool = False) -> "NvlinkWorkspace":
+                 device=None, overlap: bool = True) -> "NvlinkWorkspace":
         """R emulated shards on one GPU (`device`, default the first): for `moe_ffn_ep` under
         `jax.vmap(..., axis_name=...)` over R, running the real kernels and protocol without NVLink.
         `overlap` as for the constructor."""
