@@ -6,8 +6,10 @@ machines; the JAX profiler (CUPTI) records every kernel with its real duration a
 script runs the forward+backward of `moe_ffn_ep` (bench_ep's inputs and backends; `--ep N` GPUs of
 this process, or `--emulate R` shards on one GPU) `--iters` times inside `jax.profiler.trace`, reads
 the Perfetto trace the profiler writes, and sums the duration of the complete events of each device
-process per event name. Prints the top kernels per device and writes OUT_DIR/profile_ep.json; the
-trace itself stays in OUT_DIR for Perfetto.
+process per event name. It also lays out the last step's events on each device in time (stream, start,
+duration), which shows what runs beside what and what waits: the sums alone do not give the critical path.
+Prints the top kernels and the last step per device and writes OUT_DIR/profile_ep.json; the trace itself
+stays in OUT_DIR for Perfetto.
 
 Usage: python benchmarks/profile_ep.py OUT_DIR [--config q30] [--ep 2 | --emulate R] [--backend xla]
                                        [--iters 5] [--top 25] [--process REGEX]
@@ -40,6 +42,36 @@ def kernel_times(trace: dict, process_pattern: str) -> dict[str, dict[str, dict[
             entry["total_us"] += float(event.get("dur", 0.0))
             entry["count"] += 1
     return {process: dict(events) for process, events in times.items()}
+
+
+def last_step_timeline(trace: dict, process_pattern: str, iters: int) -> dict[str, list[dict]]:
+    """`{process name: [{"stream", "start_us", "dur_us", "name"}]}`: the complete events of the last of `iters`
+    steps on each matching process, by start time, relative to the step's first event. The steps are told apart
+    by the `iters - 1` longest idle gaps of the process (the host waits for each step before the next)."""
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    events = collections.defaultdict(list)
+    for event in trace["traceEvents"]:
+        if event.get("ph") == "X" and re.search(process_pattern, names.get(event.get("pid"), "")):
+            events[event["pid"]].append(event)
+    out = {}
+    for pid, process_events in sorted(events.items(), key=lambda item: names[item[0]]):
+        process_events.sort(key=lambda e: float(e["ts"]))
+        gaps, busy_until = [], float("-inf")
+        for index, event in enumerate(process_events):
+            start = float(event["ts"])
+            if index:
+                gaps.append((start - busy_until, index))
+            busy_until = max(busy_until, start + float(event.get("dur", 0.0)))
+        starts = sorted(index for _, index in sorted(gaps, reverse=True)[:iters - 1])
+        step = process_events[starts[-1] if starts else 0:]
+        origin = float(step[0]["ts"])
+        out[names[pid]] = [{"stream": threads.get((pid, e["tid"]), str(e["tid"])),
+                            "start_us": round(float(e["ts"]) - origin, 1), "dur_us": round(float(e.get("dur", 0.0)), 1),
+                            "name": e["name"]} for e in step]
+    return out
 
 
 def per_step(times: dict, iters: int) -> dict:
@@ -97,16 +129,22 @@ def main(argv=None):
             for _ in range(opts.iters):
                 jax.block_until_ready(step(args, dy))
 
-    profile = per_step(kernel_times(latest_trace(opts.out_dir), opts.process), opts.iters)
+    trace = latest_trace(opts.out_dir)
+    profile = per_step(kernel_times(trace, opts.process), opts.iters)
     if not profile:
         raise SystemExit(f"no complete events in trace processes matching {opts.process!r}")
+    timeline = last_step_timeline(trace, opts.process, opts.iters)
     for process, summary in profile.items():
         print(f"{process}: {summary['total_ms']:.3f} ms of events per step (overlapping streams add up)")
         for row in summary["events"][:opts.top]:
             print(f"  {row['ms']:8.3f} ms  {row['calls']:5.1f}x  {row['name'][:110]}")
+    for process, events in timeline.items():
+        print(f"{process}: the last step, {len(events)} events (start and duration in us, stream)")
+        for event in events:
+            print(f"  {event['start_us']:9.1f} {event['dur_us']:8.1f}  {event['stream'][:24]:24}  {event['name'][:80]}")
     result = {"config": opts.config, "ranks": ranks, "emulated": opts.emulate is not None,
               "backend": opts.backend, "routing": opts.routing, "iters": opts.iters,
-              "device": jax.devices()[0].device_kind, "per_step": profile}
+              "device": jax.devices()[0].device_kind, "per_step": profile, "last_step": timeline}
     (opts.out_dir / "profile_ep.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {opts.out_dir / 'profile_ep.json'}")
 

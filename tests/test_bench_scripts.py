@@ -148,6 +148,26 @@ def test_profile_ep_sums_complete_events_per_device_process():
     assert profile["/device:GPU:1"]["events"] == [{"name": "nccl", "ms": 0.01, "calls": 0.5}]
 
 
+def test_profile_ep_lays_out_the_last_step_in_time():
+    import profile_ep
+    # Three steps on GPU 0, told apart by the two longest idle gaps; within the last, a gap shorter than those and an
+    # event on a second stream that overlaps the first.
+    events = [(7, 0, 10, "a"), (7, 12, 5, "b"), (7, 500, 10, "a"), (8, 505, 20, "c"),
+              (7, 1000, 10, "a"), (8, 1003, 2, "c"), (7, 1040, 30, "d")]
+    trace = {"traceEvents": [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
+        {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 3, "tid": 1, "ts": 2000, "dur": 9.0, "name": "host"},  # not a GPU
+        *({"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": name} for tid, ts, dur, name in events),
+    ]}
+    timeline = profile_ep.last_step_timeline(trace, profile_ep.DEVICE_PROCESS, iters=3)
+    assert timeline == {"/device:GPU:0": [
+        {"stream": "Stream #7", "start_us": 0.0, "dur_us": 10.0, "name": "a"},
+        {"stream": "8", "start_us": 3.0, "dur_us": 2.0, "name": "c"},
+        {"stream": "Stream #7", "start_us": 40.0, "dur_us": 30.0, "name": "d"}]}
+
+
 def test_profile_ep_runs_on_two_cpu_devices(tmp_path):
     # The whole script on the host platform (no GPU processes in the trace there: the CPU's events instead).
     proc = subprocess.run(

@@ -197,7 +197,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                                         x_perms[i], 2 * MultiprocessorCount(device), nullptr, stream));
     JMM_CUDA_TRY("nvlink forward gate_up GEMM",
                  cuda::GatedGateUpGemm(x_perms[i], c.w_gate_up, c.gate_up, c.source_offsets, ep, me, E, 2 * I, H,
-                                       group_counters[i], kSideGatherBlocks,
+                                       group_counters[i], cuda::GatherArrivalsPerGroup(kSideGatherBlocks),
                                        workspace->timeout_ns, sm_count, alloc, stream));
     JMM_CUDA_TRY("nvlink forward swiglu", cuda::SwigluForward(cuda::Dtype::kBFloat16, c.gate_up, hs[i],
                                                               c.expert_offsets, E, rows, I, stream));

@@ -14,8 +14,11 @@ constexpr int kLoadsInFlight = 8;  // per thread: a copy on few SMs is bound by 
 // Rows of groups (s, e) for the sources in `sources`, in the gated GEMM's group order (source me + j, then expert),
 // as 16-byte chunks: chunk c of row r goes from the source block's row (pair_of_row[r] / top_k - s * capacity) to
 // x_perm row r. Each thread walks (row, chunk) by a fixed step, so no 64-bit division runs per chunk, and keeps
-// kLoadsInFlight loads in flight before it stores. With `group_counters`, each block adds 1 to group g's counter
-// once its share of g's rows is stored, so g is complete when its counter reaches the grid size.
+// kLoadsInFlight loads in flight before it stores. With `group_counters`, each warp adds 1 to group g's counter
+// once its share of g's rows is stored, so g is complete when its counter reaches the grid's warp count. Per warp
+// rather than per block: a block barrier per group (about 1000 rows at EP = 2, q30) held every warp to the slowest
+// one's loads, latency the 16 SMs this kernel gets cannot hide (its two launches, own rows on every SM and peers' on
+// the 16, took 0.94 ms per step there, 2026-11-30 12:19 UTC).
 __global__ void __launch_bounds__(kGatherThreads, 2)
     GatherSourceRowsKernel(SourceBlocks blocks, uint32_t sources, int ep, int me, int64_t capacity,
                            int chunks_per_row, int top_k, const int32_t* pair_of_row, const int32_t* source_offsets,
@@ -52,10 +55,10 @@ __global__ void __launch_bounds__(kGatherThreads, 2)
           if (to[u] >= 0) x_perm[to[u]] = value[u];
         }
       }
-      if (group_counters != nullptr) {
+      if (group_counters != nullptr) {  // per warp, not per block: no warp waits for the others of its block
         __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) {
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) {
           asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(group_counters + j * local_experts + e),
                        "l"(uint64_t{1}) : "memory");
         }
@@ -109,6 +112,8 @@ Status GatherSourceRows(const SourceBlocks& sources_rows, uint32_t sources, int 
       source_offsets, static_cast<int>(local_experts), static_cast<uint4*>(x_perm), group_counters);
   return LaunchStatus("source row gather");
 }
+
+int GatherArrivalsPerGroup(int blocks) { return blocks * (kGatherThreads / 32); }
 
 size_t GatedGateUpGemmScratchBytes(int64_t groups) {
   return ScratchFootprint(cg::GroupArraysBound(groups)) + 2 * ScratchFootprint(groups * sizeof(uint64_t)) +
