@@ -6,8 +6,8 @@
 //   XLA's stream S ─ fork ───────────────────────────────────────────────────────────────────── wait(join) ─▶
 //     S:  gather own rows ─ gate_up GEMM: own groups at once, each peer group waits for its rows ─ SwiGLU ─ down ─ combine
 //     S2: wait: peers released my push slots ─ DMA my block d into peer d's push slot, stream-write `pushed` there ─
-//         wait: every peer's rows pushed here ─ gather them group by group in the GEMM's order (32 blocks on the 16
-//         SMs the GEMM leaves), counting each group's finished blocks ─ DMA them into recv_x (the backward's
+//         wait: every peer's rows pushed here ─ gather them group by group in the GEMM's order (one block on each of
+//         the 16 SMs the GEMM leaves), counting each group's finished warps ─ DMA them into recv_x (the backward's
 //         operand) ─ stream-write `released` into each peer ─ join
 //
 // The transfer is stage 2's push protocol (jmm/nvlink_push.h): the copy engines move the rows, stream writes of the
@@ -36,9 +36,8 @@ namespace jmm {
 namespace {
 
 // SMs left free of the GEMM for the side gather: at EP = 2, q30, 16 was the fastest of 4-32 (stage2_forward_bench,
-// 2026-11-30, docs/nvlink_design.md). Its blocks (512 threads, two fit an SM) fill them twice over.
+// 2026-11-30, docs/nvlink_design.md). The gather's blocks each fill an SM, so it takes exactly these.
 constexpr int kSideSMs = 16;
-constexpr int kSideGatherBlocks = 2 * kSideSMs;
 
 size_t ShardWorkspaceBytes(int64_t rows, int64_t hidden, int64_t intermediate, int64_t groups) {
   return cuda::ScratchFootprint(groups * sizeof(uint64_t)) + cuda::ScratchFootprint(rows * hidden * 2) +
@@ -180,7 +179,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     JMM_CUDA_TRY("nvlink forward peer gather",
                  cuda::GatherSourceRows(slots, ((1u << ep) - 1) & ~(1u << me), ep, me, capacity, H, K,
                                         calls[i].pair_of_row, calls[i].source_offsets, E, x_perms[i],
-                                        kSideGatherBlocks, group_counters[i], push.side()));
+                                        kSideSMs, group_counters[i], push.side()));
     if (auto err = push.CopyOutAndRelease(i, calls[i].send + me * block, calls[i].recv_x); err.failure()) return err;
   }
 
@@ -194,10 +193,10 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     own.rows[me] = c.send + me * block;
     JMM_CUDA_TRY("nvlink forward own gather",
                  cuda::GatherSourceRows(own, 1u << me, ep, me, capacity, H, K, c.pair_of_row, c.source_offsets, E,
-                                        x_perms[i], 2 * MultiprocessorCount(device), nullptr, stream));
+                                        x_perms[i], MultiprocessorCount(device), nullptr, stream));
     JMM_CUDA_TRY("nvlink forward gate_up GEMM",
                  cuda::GatedGateUpGemm(x_perms[i], c.w_gate_up, c.gate_up, c.source_offsets, ep, me, E, 2 * I, H,
-                                       group_counters[i], cuda::GatherArrivalsPerGroup(kSideGatherBlocks),
+                                       group_counters[i], cuda::GatherArrivalsPerGroup(kSideSMs),
                                        workspace->timeout_ns, sm_count, alloc, stream));
     JMM_CUDA_TRY("nvlink forward swiglu", cuda::SwigluForward(cuda::Dtype::kBFloat16, c.gate_up, hs[i],
                                                               c.expert_offsets, E, rows, I, stream));

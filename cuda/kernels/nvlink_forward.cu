@@ -8,7 +8,11 @@ namespace {
 
 namespace cg = cutlass_gemm;
 
-constexpr int kGatherThreads = 512;
+// One block of 1024 threads fills an SM's registers (at most 64 per thread), so a launch of N blocks takes exactly N
+// SMs: the side gather's blocks cannot spread over more SMs than the gated GEMM leaves it. (Two blocks of 512, as
+// before, spread over twice the SMs and kept the GEMM's last CTAs off them for the whole gather: 2026-11-30 12:29 UTC
+// timeline, the gated GEMM took 2.0 ms where 1.4 ms was expected.)
+constexpr int kGatherThreads = 1024;
 constexpr int kLoadsInFlight = 8;  // per thread: a copy on few SMs is bound by the bytes in flight per SM
 
 // Rows of groups (s, e) for the sources in `sources`, in the gated GEMM's group order (source me + j, then expert),
@@ -19,7 +23,7 @@ constexpr int kLoadsInFlight = 8;  // per thread: a copy on few SMs is bound by 
 // rather than per block: a block barrier per group (about 1000 rows at EP = 2, q30) held every warp to the slowest
 // one's loads, latency the 16 SMs this kernel gets cannot hide (its two launches, own rows on every SM and peers' on
 // the 16, took 0.94 ms per step there, 2026-11-30 12:19 UTC).
-__global__ void __launch_bounds__(kGatherThreads, 2)
+__global__ void __launch_bounds__(kGatherThreads, 1)
     GatherSourceRowsKernel(SourceBlocks blocks, uint32_t sources, int ep, int me, int64_t capacity,
                            int chunks_per_row, int top_k, const int32_t* pair_of_row, const int32_t* source_offsets,
                            int local_experts, uint4* x_perm, uint64_t* group_counters) {
@@ -104,16 +108,16 @@ __global__ void FillGatedGroups(const int32_t* source_offsets, int ep, int me, i
 
 Status GatherSourceRows(const SourceBlocks& sources_rows, uint32_t sources, int ep, int me, int64_t capacity,
                         int64_t hidden, int64_t top_k, const int32_t* pair_of_row, const int32_t* source_offsets,
-                        int64_t local_experts, void* x_perm, int blocks, uint64_t* group_counters,
+                        int64_t local_experts, void* x_perm, int sms, uint64_t* group_counters,
                         cudaStream_t stream) {
   if (hidden % 8 != 0) return "GatherSourceRows needs hidden % 8 == 0 (16-byte rows)";
-  GatherSourceRowsKernel<<<blocks, kGatherThreads, 0, stream>>>(
+  GatherSourceRowsKernel<<<sms, kGatherThreads, 0, stream>>>(
       sources_rows, sources, ep, me, capacity, static_cast<int>(hidden / 8), static_cast<int>(top_k), pair_of_row,
       source_offsets, static_cast<int>(local_experts), static_cast<uint4*>(x_perm), group_counters);
   return LaunchStatus("source row gather");
 }
 
-int GatherArrivalsPerGroup(int blocks) { return blocks * (kGatherThreads / 32); }
+int GatherArrivalsPerGroup(int sms) { return sms * (kGatherThreads / 32); }
 
 size_t GatedGateUpGemmScratchBytes(int64_t groups) {
   return ScratchFootprint(cg::GroupArraysBound(groups)) + 2 * ScratchFootprint(groups * sizeof(uint64_t)) +

@@ -25,17 +25,17 @@ struct SourceBlocks {
 };
 
 // x_perm[r] = source block s's row (pair_of_row[r] / top_k - s * capacity) for every row r of every group (s, e)
-// with bit s set in `sources`, on `blocks` thread blocks, in the gated GEMM's group order (g = j * E_local + e for
-// source s = (me + j) % ep). With `group_counters` ([ep * E_local], by g), each warp adds 1 to group g's counter
-// once its share of g's rows is stored, so after the launch every gathered group's counter has grown by
-// GatherArrivalsPerGroup(blocks). hidden % 8 == 0.
+// with bit s set in `sources`, on `sms` SMs (one block that fills an SM per SM), in the gated GEMM's group order
+// (g = j * E_local + e for source s = (me + j) % ep). With `group_counters` ([ep * E_local], by g), each warp adds 1
+// to group g's counter once its share of g's rows is stored, so after the launch every gathered group's counter has
+// grown by GatherArrivalsPerGroup(sms). hidden % 8 == 0.
 Status GatherSourceRows(const SourceBlocks& sources_rows, uint32_t sources, int ep, int me, int64_t capacity,
                         int64_t hidden, int64_t top_k, const int32_t* pair_of_row, const int32_t* source_offsets,
-                        int64_t local_experts, void* x_perm, int blocks, uint64_t* group_counters,
+                        int64_t local_experts, void* x_perm, int sms, uint64_t* group_counters,
                         cudaStream_t stream);
 
-// What one launch of GatherSourceRows on `blocks` blocks adds to each gathered group's counter.
-int GatherArrivalsPerGroup(int blocks);
+// What one launch of GatherSourceRows on `sms` SMs adds to each gathered group's counter.
+int GatherArrivalsPerGroup(int sms);
 
 // gate_up[rows of (s, e)] = x_perm[rows of (s, e)] @ W_gate_up[e] for every group, bf16 tensor cores (the row
 // GEMMs' default tiles, 128 x 256 cooperative without a cluster, so the result is bit for bit RowsGemm's with
