@@ -124,9 +124,10 @@ class NvlinkWorkspace:
       overlap: stage 2's overlapped calls where they apply (bf16, tensor-core shapes, the cuda local backend;
         `nvlink_experts.py`): the rows go to the experts by the copy engines beside the gate_up GEMM of the
         shard's own rows, and their cotangent comes back beside the backward's last GEMM. It doubles the staging
-        memory (push slots). Measured at EP = 2, q30 on two H200s (benchmarks/RESULTS.md): forward 3% and
-        forward+backward 2% faster than stage 1 with uniform routing, at parity with Zipf routing; 1000 steps
-        beside NCCL collectives without a hang. `overlap=False` keeps stage 1 everywhere (half the staging).
+        memory (push slots). Measured at EP = 2, q30 on two H200s (benchmarks/RESULTS.md): forward 3-4% and
+        forward+backward 2-4% faster than stage 1 with uniform routing, within 1% of it with Zipf routing, level
+        with "xla"; 1000 steps beside NCCL collectives without a hang; across processes through CUDA IPC too.
+        `overlap=False` keeps stage 1 everywhere (half the staging).
 
     With one process per GPU (`jax.distributed`), every process constructs it (in the same order as
     its other workspaces); the processes swap CUDA IPC handles through the distributed key-value store.
