@@ -6,7 +6,7 @@ At `--ep 1` (one GPU, the default) the difference is pure overhead: routing plan
 with T tokens and E/N experts on one device: the column then reads as the cost of the all-to-alls.
 `--backend` takes a comma list (e.g. `xla,ragged,nvlink`): every backend runs in the same process on the
 same inputs, one row each, with its time as a ratio to moe_ffn's. `nvlink` opens an `NvlinkWorkspace` for
-the mesh (GPUs of this process), with stage 2's overlapped forward where it applies; `nvlink_stage1` (a
+the mesh (GPUs of this process), with stage 2's overlapped forward and backward where they apply; `nvlink_stage1` (a
 bench-only name) runs `backend="nvlink"` with a workspace opened with `overlap=False`, so `nvlink,nvlink_stage1`
 compares the two in one run. A backend that fails is recorded with its error, the others still run, and the
 exit status is 1.

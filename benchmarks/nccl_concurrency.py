@@ -3,8 +3,8 @@
 One jitted `shard_map` step over every local device (mesh axis "expert") does two independent things, so
 XLA may run them concurrently:
   * MoE forward and backward (all four gradients) with `moe_ffn_ep(backend=--backend)` (bf16, a
-    bench_ep config, T tokens per device; `nvlink` opens an `NvlinkWorkspace` for the mesh with the
-    overlapped forward, `nvlink_stage1` one without, as bench_ep.py does);
+    bench_ep config, T tokens per device; `nvlink` opens an `NvlinkWorkspace` for the mesh with stage
+    2's overlapped forward and backward, `nvlink_stage1` one without, as bench_ep.py does);
   * the FSDP pattern: an all_gather of a `--collective-mib` MiB float32 shard per device and a
     psum_scatter of a buffer of that many MiB per device times the axis size (the next step's shard).
 The collective buffers start at 1.0 and stay exactly 1.0 (psum_scatter is divided by the axis size).

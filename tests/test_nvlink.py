@@ -1,6 +1,6 @@
 """The NVLink transport's CPU-checkable parts: workspace sizing, fill values, argument checks, and for the
-overlapped forward (nvlink_experts.py) its fine layout, when it applies, and the FFI call it lowers to
-(lowered for CUDA on the CPU against the handler's contract; nothing runs).
+overlapped forward and backward (nvlink_experts.py) their fine layout, when they apply, and the FFI calls they
+lower to (lowered for CUDA on the CPU against the handler's contract; nothing runs).
 
 The kernels themselves run in tests/test_nvlink_gpu.py (emulated shards on one GPU, and two GPUs).
 """

@@ -29,8 +29,8 @@ TENSOR_CORE_MULTIPLE = 8  # H and I multiples of this run the bf16 tensor-core G
 
 
 def overlap_applies(workspace: nvlink.NvlinkWorkspace, local_platform: str, dtype, hidden: int, inter: int) -> bool:
-    """Whether `moe_ffn_ep`'s nvlink path runs the overlapped forward: the workspace asks for it
-    (`overlap=True`), the local experts run on the CUDA kernels (`local_platform`, resolved), and the
+    """Whether `moe_ffn_ep`'s nvlink path runs stage 2's overlapped forward and backward: the workspace asks
+    for them (`overlap=True`, the default), the local experts run on the CUDA kernels (`local_platform`, resolved), and the
     problem takes the bf16 tensor-core GEMMs (`dtype` bfloat16, `hidden` and `inter` multiples of 8).
     Otherwise stage 1 runs unchanged."""
     return (workspace.overlap and local_platform == "cuda" and jnp.dtype(dtype) == jnp.bfloat16
