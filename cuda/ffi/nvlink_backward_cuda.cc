@@ -56,43 +56,29 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                              ffi::Result<ffi::AnyBuffer> d_w_gate_up, ffi::Result<ffi::AnyBuffer> d_w_down,
                              ffi::Result<ffi::AnyBuffer> dz, ffi::Result<ffi::Buffer<ffi::U8>> scratch,
                              int64_t workspace_id, std::string_view gemm_tiles) {
-  Workspace* workspace = FindOpen(workspace_id);
-  if (workspace == nullptr) return Invalid("workspace " + std::to_string(workspace_id) + " is closed or unknown");
-  if (!Ready(*workspace)) return Invalid("the workspace's peers in other processes are not attached yet");
-  int rank = 0;
-  Group* group = GroupOf(*workspace, device, &rank);
-  if (group == nullptr) return Invalid("GPU " + std::to_string(device) + " is not part of this workspace's mesh axis");
+  OverlappedShape shape;
+  if (auto err = ReadOverlappedShape(workspace_id, device, recv_x, weights, w_gate_up, w_down,
+                                     "nvlink overlapped backward", "recv_x", &shape);
+      err.failure()) {
+    return err;
+  }
   RowsGemmTiles tiles;
   if (auto err = ReadGemmTiles(gemm_tiles, &tiles); err.failure()) return err;
-
-  // Sizes; emulated calls carry every shard: a leading [ranks] on every operand and result.
-  const int ep = workspace->ranks;
-  const int shards = workspace->emulated ? ep : 1;
-  const size_t lead = workspace->emulated ? 1 : 0;
-  const auto xd = recv_x.dimensions(), wd = weights.dimensions(), gd = w_gate_up.dimensions();
-  if (xd.size() != lead + 3 || wd.size() != lead + 2 || gd.size() != lead + 3 || w_down.dimensions().size() != lead + 3 ||
-      (lead && (xd[0] != ep || wd[0] != ep || gd[0] != ep)) || xd[lead] != ep) {
-    return Invalid(workspace->emulated ? "an emulated workspace of " + std::to_string(ep) +
-                                             " shards needs every operand batched over the shards (jax.vmap)"
-                                       : "recv_x must be [" + std::to_string(ep) + ", C, H]");
+  const int ep = shape.ep, shards = shape.shards;
+  const int64_t capacity = shape.capacity, H = shape.hidden, K = shape.top_k, E = shape.experts;
+  const int64_t I = shape.intermediate, tokens = shape.tokens(), rows = shape.rows();
+  for (const ffi::AnyBuffer* b : {&dy, &gate_up}) {
+    if (b->element_type() != ffi::BF16) return Invalid("dy and gate_up must be bfloat16");
   }
-  const int64_t capacity = xd[lead + 1], H = xd[lead + 2], K = wd[lead + 1], E = gd[lead];
-  const int64_t I = gd[lead + 2] / 2, tokens = ep * capacity, rows = tokens * K;
-  for (const ffi::AnyBuffer* b : {&dy, &recv_x, &w_gate_up, &w_down, &gate_up}) {
-    if (b->element_type() != ffi::BF16) return Invalid("dy, recv_x, w_gate_up, w_down and gate_up must be bfloat16");
-  }
-  if (weights.element_type() != ffi::F32) return Invalid("weights must be float32");
-  if (!cuda::UseTensorCores(cuda::Dtype::kBFloat16, H, I)) return Invalid("H and I must be multiples of 8");
-  if (wd[lead] != tokens || gd[lead + 1] != H || gd[lead + 2] != 2 * I || dy.size_bytes() != recv_x.size_bytes() ||
-      w_down.element_count() != static_cast<size_t>(shards * E * I * H) ||
-      gate_up.element_count() != static_cast<size_t>(shards * rows * 2 * I) ||
+  if (dy.size_bytes() != recv_x.size_bytes() || gate_up.element_count() != static_cast<size_t>(shards * rows * 2 * I) ||
       row_of_pair.element_count() != static_cast<size_t>(shards * rows) ||
       pair_of_row.element_count() != static_cast<size_t>(shards * rows) ||
       expert_offsets.element_count() != static_cast<size_t>(shards * (E + 1)) ||
       d_send->size_bytes() != recv_x.size_bytes() || d_weights->size_bytes() != weights.size_bytes() ||
       d_w_gate_up->size_bytes() != w_gate_up.size_bytes() || d_w_down->size_bytes() != w_down.size_bytes() ||
       dz->size_bytes() != gate_up.size_bytes()) {
-    return Invalid("operand or result shapes disagree with recv_x [ep, C, H], weights [ep*C, K] and the weights");
+    return Invalid("dy, the layout or the result shapes disagree with recv_x [ep, C, H], weights [ep*C, K] and the "
+                   "weights");
   }
   const size_t shard_bytes = ShardWorkspaceBytes(tokens, K, H, I, E);
   if (scratch->element_count() < shards * shard_bytes) {
@@ -134,8 +120,7 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   for (MoeBackward& backward : backwards) {
     if (auto err = backward.ThroughDx(stream); err.failure()) return err;
   }
-  const int first_rank = workspace->emulated ? 0 : rank;
-  PushCall push(*workspace, *group, first_rank, shards, block, "nvlink backward");
+  PushCall push(*shape.workspace, *shape.group, shape.first_rank, shards, block, "nvlink backward");
   if (auto err = push.Fork(stream); err.failure()) return err;
   for (int i = 0; i < shards; ++i) {
     if (auto err = push.Push(i, dxs[i]); err.failure()) return err;

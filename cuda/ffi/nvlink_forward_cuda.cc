@@ -80,42 +80,24 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> y,
                             ffi::Result<ffi::AnyBuffer> gate_up, ffi::Result<ffi::Buffer<ffi::U8>> scratch,
                             int64_t workspace_id, std::string_view gemm_tiles) {
-  Workspace* workspace = FindOpen(workspace_id);
-  if (workspace == nullptr) return Invalid("workspace " + std::to_string(workspace_id) + " is closed or unknown");
-  if (!Ready(*workspace)) return Invalid("the workspace's peers in other processes are not attached yet");
-  int rank = 0;
-  Group* group = GroupOf(*workspace, device, &rank);
-  if (group == nullptr) return Invalid("GPU " + std::to_string(device) + " is not part of this workspace's mesh axis");
+  OverlappedShape shape;
+  if (auto err = ReadOverlappedShape(workspace_id, device, send, weights, w_gate_up, w_down,
+                                     "nvlink overlapped forward", "send", &shape);
+      err.failure()) {
+    return err;
+  }
   RowsGemmTiles tiles;
   if (auto err = ReadGemmTiles(gemm_tiles, &tiles); err.failure()) return err;
-
-  // Sizes; emulated calls carry every shard: a leading [ranks] on every operand and result.
-  const int ep = workspace->ranks;
-  const int shards = workspace->emulated ? ep : 1;
-  const size_t lead = workspace->emulated ? 1 : 0;
-  const auto sd = send.dimensions(), wd = weights.dimensions(), gd = w_gate_up.dimensions();
-  if (sd.size() != lead + 3 || wd.size() != lead + 2 || gd.size() != lead + 3 || w_down.dimensions().size() != lead + 3 ||
-      (lead && (sd[0] != ep || wd[0] != ep || gd[0] != ep)) || sd[lead] != ep) {
-    return Invalid(workspace->emulated ? "an emulated workspace of " + std::to_string(ep) +
-                                             " shards needs every operand batched over the shards (jax.vmap)"
-                                       : "send must be [" + std::to_string(ep) + ", C, H]");
-  }
-  const int64_t capacity = sd[lead + 1], H = sd[lead + 2], K = wd[lead + 1], E = gd[lead];
-  const int64_t I = gd[lead + 2] / 2, tokens = ep * capacity, rows = tokens * K, groups = ep * E;
-  for (const ffi::AnyBuffer* b : {&send, &w_gate_up, &w_down}) {
-    if (b->element_type() != ffi::BF16) return Invalid("send, w_gate_up and w_down must be bfloat16");
-  }
-  if (weights.element_type() != ffi::F32) return Invalid("weights must be float32");
-  if (!cuda::UseTensorCores(cuda::Dtype::kBFloat16, H, I)) return Invalid("H and I must be multiples of 8");
-  if (wd[lead] != tokens || gd[lead + 1] != H || gd[lead + 2] != 2 * I ||
-      w_down.element_count() != static_cast<size_t>(shards * E * I * H) ||
-      row_of_pair.element_count() != static_cast<size_t>(shards * rows) ||
+  const int ep = shape.ep, shards = shape.shards;
+  const int64_t capacity = shape.capacity, H = shape.hidden, K = shape.top_k, E = shape.experts;
+  const int64_t I = shape.intermediate, tokens = shape.tokens(), rows = shape.rows(), groups = ep * E;
+  if (row_of_pair.element_count() != static_cast<size_t>(shards * rows) ||
       pair_of_row.element_count() != static_cast<size_t>(shards * rows) ||
       source_offsets.element_count() != static_cast<size_t>(shards * (groups + 1)) ||
       expert_offsets.element_count() != static_cast<size_t>(shards * (E + 1)) ||
       recv_x->size_bytes() != send.size_bytes() || y->size_bytes() != send.size_bytes() ||
       gate_up->element_count() != static_cast<size_t>(shards * rows * 2 * I)) {
-    return Invalid("operand or result shapes disagree with send [ep, C, H], weights [ep*C, K] and the weights");
+    return Invalid("the layout or result shapes disagree with send [ep, C, H] and weights [ep*C, K]");
   }
   const size_t shard_bytes = ShardWorkspaceBytes(rows, H, I, groups);
   if (scratch->element_count() < shards * shard_bytes) {
@@ -140,7 +122,6 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                          static_cast<char*>(gate_up->untyped_data()) + i * rows * 2 * I * 2,
                          scratch->typed_data() + i * shard_bytes};
   }
-  const int first_rank = workspace->emulated ? 0 : rank;
 
   DeviceGuard guard;
   if (cudaSetDevice(device) != cudaSuccess) return Invalid("cannot select GPU " + std::to_string(device));
@@ -162,7 +143,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
       return Internal("nvlink forward", "cannot zero the group counters");
     }
   }
-  PushCall push(*workspace, *group, first_rank, shards, block, "nvlink forward");
+  PushCall push(*shape.workspace, *shape.group, shape.first_rank, shards, block, "nvlink forward");
   if (auto err = push.Fork(stream); err.failure()) return err;
   // Side stream: every shard's push, then each shard's wait for its peers' rows, their gather for the GEMM, their
   // copy into recv_x (the backward's operand) and their release.
@@ -187,7 +168,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   const int sm_count = MultiprocessorCount(device) - kSideSMs;
   for (int i = 0; i < shards; ++i) {
     const ShardCall& c = calls[i];
-    const int me = first_rank + i;
+    const int me = shape.first_rank + i;
     cuda::Scratch alloc = cursors[i].scratch();
     cuda::SourceBlocks own{};
     own.rows[me] = c.send + me * block;
@@ -197,7 +178,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     JMM_CUDA_TRY("nvlink forward gate_up GEMM",
                  cuda::GatedGateUpGemm(x_perms[i], c.w_gate_up, c.gate_up, c.source_offsets, ep, me, E, 2 * I, H,
                                        group_counters[i], cuda::GatherArrivalsPerGroup(kSideSMs),
-                                       workspace->timeout_ns, sm_count, alloc, stream));
+                                       shape.workspace->timeout_ns, sm_count, alloc, stream));
     JMM_CUDA_TRY("nvlink forward swiglu", cuda::SwigluForward(cuda::Dtype::kBFloat16, c.gate_up, hs[i],
                                                               c.expert_offsets, E, rows, I, stream));
     void* row_out = x_perms[i];  // x_perm is dead after the gate_up GEMM
