@@ -137,6 +137,7 @@ ffi::Error PushCall::CopyOutAndRelease(int shard, const char* own, char* out) {
   const int me = rank(shard);
   for (int s = 0; s < ep_; ++s) {
     const char* from = s == me ? own : PushSlot(me, s);
+    if (from == nullptr) continue;
     if (cudaMemcpyAsync(out + s * block_, from, block_, cudaMemcpyDefault, side_) != cudaSuccess) {
       return Fail("cannot enqueue the copy of the received rows");
     }

@@ -64,7 +64,7 @@ class PushCall {
   // The push slot of shard i that holds peer `source`'s block.
   const char* Slot(int shard, int source) const;
   // Shard i: DMA every block into `out` ([ep, C, row], source order), the peers' from the push slots and the own
-  // from `own`, then release the slots to their peers.
+  // from `own` (null: the caller writes out's own block itself), then release the slots to their peers.
   ffi::Error CopyOutAndRelease(int shard, const char* own, char* out);
   // Makes `stream` wait for everything enqueued on the side stream.
   ffi::Error Join(cudaStream_t stream);
