@@ -252,7 +252,7 @@ def test_overlapped_calls_emit_the_ffi_contract(cuda_lowering, monkeypatch):
 
     def forward_backward(send, weights, w_gate_up, w_down, ids):
         def forward(s, w, g, d):
-            per_shard = functools.partial(nvlink_experts.overlapped_expert_forward, workspace=workspace)
+            per_shard = functools.partial(nvlink_experts.overlapped_experts, workspace=workspace)
             return jax.vmap(per_shard, axis_name="expert")(s, ids, w, g, d)
         y, vjp = jax.vjp(forward, send, weights, w_gate_up, w_down)
         return y, vjp(y)
@@ -268,12 +268,13 @@ def test_overlapped_calls_emit_the_ffi_contract(cuda_lowering, monkeypatch):
     assert operands == [f"{r}{ranks}x{capacity}x{hidden}xbf16", f"{r}{rows}x{top_k}xf32", f"{r}{local_experts}x{hidden}x{2 * inter}xbf16",
                         f"{r}{local_experts}x{inter}x{hidden}xbf16", f"{r}{pairs}xi32", f"{r}{pairs}xi32",
                         f"{r}{local_experts * ranks + 1}xi32", f"{r}{local_experts + 1}xi32"]
-    assert results == [f"{r}{ranks}x{capacity}x{hidden}xbf16", f"{r}{rows}x{hidden}xbf16",
+    assert results == [f"{r}{ranks}x{capacity}x{hidden}xbf16", f"{r}{ranks}x{capacity}x{hidden}xbf16",
                        f"{r}{pairs}x{2 * inter}xbf16", f"{r}{FUSED_WORKSPACE_BYTES}xui8"]
     assert re.search(r'mhlo.backend_config = \{gemm_tiles = "pp64x256_c1", workspace = 3 : i64\}', text)
     assert ("nvlink_moe_forward", True, rows, top_k, hidden, inter, local_experts * ranks) in cuda_lowering
     [(operands, results)] = custom_call_types(text, "jmm_cuda_nvlink_moe_backward")
-    assert operands == [f"{r}{rows}x{hidden}xbf16", f"{r}{ranks}x{capacity}x{hidden}xbf16", f"{r}{rows}x{top_k}xf32",
+    assert operands == [f"{r}{ranks}x{capacity}x{hidden}xbf16", f"{r}{ranks}x{capacity}x{hidden}xbf16",
+                        f"{r}{rows}x{top_k}xf32",
                         f"{r}{local_experts}x{hidden}x{2 * inter}xbf16", f"{r}{local_experts}x{inter}x{hidden}xbf16",
                         f"{r}{pairs}x{2 * inter}xbf16", f"{r}{pairs}xi32", f"{r}{pairs}xi32",
                         f"{r}{local_experts + 1}xi32"]
@@ -291,11 +292,11 @@ def test_overlapped_calls_emit_the_ffi_contract(cuda_lowering, monkeypatch):
         assert not custom_call_types(text, target)
 
 
-@pytest.mark.parametrize("overlap, fused, exchanges", [(True, 1, 5), (False, 0, 7)])
+@pytest.mark.parametrize("overlap, fused, exchanges", [(True, 1, 3), (False, 0, 7)])
 def test_moe_ffn_ep_takes_the_overlapped_calls_when_asked(cuda_lowering, monkeypatch, overlap, fused, exchanges):
     """`moe_ffn_ep`'s nvlink path with the local experts on CUDA, bf16: overlap=True calls the fused forward and
-    backward once each and exchanges ids and weights out, y back, and the transposes of the last two (5); stage 1
-    also the rows and their cotangent (7)."""
+    backward once each and exchanges the ids and weights out and the weights' cotangent back (3); stage 1 also
+    the rows, the results, and their cotangents (7)."""
     from jax_megamoe.parallel import ep
     monkeypatch.setattr(ep, "resolve_backend", lambda backend: "cuda")  # as on a GPU
     ranks, tokens, hidden, inter, experts, top_k = 2, 8, 16, 8, 4, 2

@@ -1,18 +1,20 @@
 // The FFI handler `jmm_cuda_nvlink_moe_backward`: stage 2's overlapped backward of the nvlink transport
-// (docs/nvlink_design.md, "Stage 2, second step"). One call per shard does what stage 1 does with `moe_backward` on
-// the received rows followed by the reverse exchange of their dx, with the same results bit for bit, but sends dx
-// back by the copy engines while the last GEMM of the backward runs:
+// (docs/nvlink_design.md, "Stage 2, second step"). One call per shard does what stage 1 does with the exchange of
+// the results' cotangent to the experts, `moe_backward` on the received rows and the reverse exchange of their dx,
+// with the same results bit for bit, but moves both by the copy engines, dx while the last GEMM of the backward runs:
 //
-//   XLA's stream S ─ backward through dx ─ fork ─────────────────────────────────────────── wait(join) ─▶
+//   XLA's stream S ─ fork ─ wait(join) ─ backward through dx ─ fork ──────────────────────── wait(join) ─▶
+//     S2: push my d_returned block d to peer d, wait for the peers', DMA them and my own block into dy ─ join
 //     S:  gather x ─ d_w_gate_up GEMM (all SMs: nothing on the side stream needs them)
 //     S2: wait: peers released my push slots ─ DMA my dx block d into peer d's push slot, stream-write `pushed`
 //         there ─ wait: every peer's dx pushed here ─ DMA them and my own block into d_send ─ stream-write
 //         `released` into each peer ─ join
 //
-// The transfer is stage 2's push protocol (jmm/nvlink_push.h). A push moves a whole block of C rows: the received
-// rows past the live ones have no pairs (their ids are the exchange's -1 fill), so their dx is zero, as the reverse
-// exchange's fill. Emulated workspaces run every shard of the call: S each shard's backward through dx, S2 every
-// push, then each shard's wait, copy and release, S each shard's d_w_gate_up GEMM.
+// Both transfers are stage 2's push protocol (jmm/nvlink_push.h), one push call each. A push moves a whole block of
+// C rows: the cotangent of a returned row past the live ones is zero (the source's combine reads only live rows), and
+// the received rows past the live ones have no pairs (their ids are the exchange's -1 fill), so their dx is zero:
+// both as the exchanges' fill. Emulated workspaces run every shard of the call: each push call's pushes for every
+// shard before any shard's wait, S each shard's backward through dx, then each shard's d_w_gate_up GEMM.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -30,9 +32,9 @@ namespace jmm {
 
 namespace {
 
-// dx [tokens, H] bf16 first, then the moe_backward's own temporaries.
+// dy and dx [tokens, H] bf16 first, then the moe_backward's own temporaries.
 size_t ShardWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate, int64_t experts) {
-  return cuda::ScratchFootprint(tokens * hidden * 2) +
+  return 2 * cuda::ScratchFootprint(tokens * hidden * 2) +
          MoeBackwardWorkspaceBytes(true, tokens, top_k, hidden, intermediate, experts);
 }
 
@@ -48,7 +50,7 @@ namespace {
 
 ffi::Error Invalid(const std::string& message) { return InvalidArgument("nvlink overlapped backward: " + message); }
 
-ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, ffi::AnyBuffer recv_x,
+ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer d_returned, ffi::AnyBuffer recv_x,
                              ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
                              ffi::AnyBuffer gate_up, ffi::Buffer<ffi::S32> row_of_pair,
                              ffi::Buffer<ffi::S32> pair_of_row, ffi::Buffer<ffi::S32> expert_offsets,
@@ -56,43 +58,29 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                              ffi::Result<ffi::AnyBuffer> d_w_gate_up, ffi::Result<ffi::AnyBuffer> d_w_down,
                              ffi::Result<ffi::AnyBuffer> dz, ffi::Result<ffi::Buffer<ffi::U8>> scratch,
                              int64_t workspace_id, std::string_view gemm_tiles) {
-  Workspace* workspace = FindOpen(workspace_id);
-  if (workspace == nullptr) return Invalid("workspace " + std::to_string(workspace_id) + " is closed or unknown");
-  if (!Ready(*workspace)) return Invalid("the workspace's peers in other processes are not attached yet");
-  int rank = 0;
-  Group* group = GroupOf(*workspace, device, &rank);
-  if (group == nullptr) return Invalid("GPU " + std::to_string(device) + " is not part of this workspace's mesh axis");
+  OverlappedShape shape;
+  if (auto err = ReadOverlappedShape(workspace_id, device, recv_x, weights, w_gate_up, w_down,
+                                     "nvlink overlapped backward", "recv_x", &shape);
+      err.failure()) {
+    return err;
+  }
   RowsGemmTiles tiles;
   if (auto err = ReadGemmTiles(gemm_tiles, &tiles); err.failure()) return err;
-
-  // Sizes; emulated calls carry every shard: a leading [ranks] on every operand and result.
-  const int ep = workspace->ranks;
-  const int shards = workspace->emulated ? ep : 1;
-  const size_t lead = workspace->emulated ? 1 : 0;
-  const auto xd = recv_x.dimensions(), wd = weights.dimensions(), gd = w_gate_up.dimensions();
-  if (xd.size() != lead + 3 || wd.size() != lead + 2 || gd.size() != lead + 3 || w_down.dimensions().size() != lead + 3 ||
-      (lead && (xd[0] != ep || wd[0] != ep || gd[0] != ep)) || xd[lead] != ep) {
-    return Invalid(workspace->emulated ? "an emulated workspace of " + std::to_string(ep) +
-                                             " shards needs every operand batched over the shards (jax.vmap)"
-                                       : "recv_x must be [" + std::to_string(ep) + ", C, H]");
+  const int ep = shape.ep, shards = shape.shards;
+  const int64_t capacity = shape.capacity, H = shape.hidden, K = shape.top_k, E = shape.experts;
+  const int64_t I = shape.intermediate, tokens = shape.tokens(), rows = shape.rows();
+  for (const ffi::AnyBuffer* b : {&d_returned, &gate_up}) {
+    if (b->element_type() != ffi::BF16) return Invalid("d_returned and gate_up must be bfloat16");
   }
-  const int64_t capacity = xd[lead + 1], H = xd[lead + 2], K = wd[lead + 1], E = gd[lead];
-  const int64_t I = gd[lead + 2] / 2, tokens = ep * capacity, rows = tokens * K;
-  for (const ffi::AnyBuffer* b : {&dy, &recv_x, &w_gate_up, &w_down, &gate_up}) {
-    if (b->element_type() != ffi::BF16) return Invalid("dy, recv_x, w_gate_up, w_down and gate_up must be bfloat16");
-  }
-  if (weights.element_type() != ffi::F32) return Invalid("weights must be float32");
-  if (!cuda::UseTensorCores(cuda::Dtype::kBFloat16, H, I)) return Invalid("H and I must be multiples of 8");
-  if (wd[lead] != tokens || gd[lead + 1] != H || gd[lead + 2] != 2 * I || dy.size_bytes() != recv_x.size_bytes() ||
-      w_down.element_count() != static_cast<size_t>(shards * E * I * H) ||
-      gate_up.element_count() != static_cast<size_t>(shards * rows * 2 * I) ||
+  if (d_returned.size_bytes() != recv_x.size_bytes() || gate_up.element_count() != static_cast<size_t>(shards * rows * 2 * I) ||
       row_of_pair.element_count() != static_cast<size_t>(shards * rows) ||
       pair_of_row.element_count() != static_cast<size_t>(shards * rows) ||
       expert_offsets.element_count() != static_cast<size_t>(shards * (E + 1)) ||
       d_send->size_bytes() != recv_x.size_bytes() || d_weights->size_bytes() != weights.size_bytes() ||
       d_w_gate_up->size_bytes() != w_gate_up.size_bytes() || d_w_down->size_bytes() != w_down.size_bytes() ||
       dz->size_bytes() != gate_up.size_bytes()) {
-    return Invalid("operand or result shapes disagree with recv_x [ep, C, H], weights [ep*C, K] and the weights");
+    return Invalid("d_returned, the layout or the result shapes disagree with recv_x [ep, C, H], weights [ep*C, K] "
+                   "and the weights");
   }
   const size_t shard_bytes = ShardWorkspaceBytes(tokens, K, H, I, E);
   if (scratch->element_count() < shards * shard_bytes) {
@@ -109,16 +97,17 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   };
   std::vector<WorkspaceCursor> cursors;
   std::vector<MoeBackward> backwards;
-  std::vector<char*> dxs(shards);
+  std::vector<char*> dys(shards), dxs(shards);
   cursors.reserve(shards);
   backwards.reserve(shards);
   for (int i = 0; i < shards; ++i) {
     cursors.emplace_back(scratch->typed_data() + i * shard_bytes, shard_bytes);
     cuda::Scratch alloc = cursors[i].scratch();
+    dys[i] = static_cast<char*>(alloc(tokens * H * 2));
     dxs[i] = static_cast<char*>(alloc(tokens * H * 2));
-    if (dxs[i] == nullptr) return Internal("nvlink backward", "out of scratch memory");
+    if (dys[i] == nullptr || dxs[i] == nullptr) return Internal("nvlink backward", "out of scratch memory");
     const MoeBackwardCall call{cuda::Dtype::kBFloat16, tokens, K, H, I, E, tiles,
-                               at(dy, i, ep * block), at(recv_x, i, ep * block),
+                               dys[i], at(recv_x, i, ep * block),
                                reinterpret_cast<const float*>(at(weights, i, tokens * K * 4)),
                                at(w_gate_up, i, E * H * 2 * I * 2), at(w_down, i, E * I * H * 2),
                                at(gate_up, i, rows * 2 * I * 2),
@@ -130,12 +119,25 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
     backwards.emplace_back(call, alloc);
   }
 
+  // The side stream brings the results' cotangent to the experts; XLA's stream waits for it.
+  PushCall there(*shape.workspace, *shape.group, shape.first_rank, shards, block, "nvlink backward dy");
+  if (auto err = there.Fork(stream); err.failure()) return err;
+  for (int i = 0; i < shards; ++i) {
+    if (auto err = there.Push(i, at(d_returned, i, ep * block)); err.failure()) return err;
+  }
+  for (int i = 0; i < shards; ++i) {
+    if (auto err = there.AwaitPushes(i); err.failure()) return err;
+    if (auto err = there.CopyOutAndRelease(i, at(d_returned, i, ep * block) + there.rank(i) * block, dys[i]);
+        err.failure()) {
+      return err;
+    }
+  }
+  if (auto err = there.Join(stream); err.failure()) return err;
   // XLA's stream: each shard's backward up to its dx. Then the side stream sends the dx blocks back.
   for (MoeBackward& backward : backwards) {
     if (auto err = backward.ThroughDx(stream); err.failure()) return err;
   }
-  const int first_rank = workspace->emulated ? 0 : rank;
-  PushCall push(*workspace, *group, first_rank, shards, block, "nvlink backward");
+  PushCall push(*shape.workspace, *shape.group, shape.first_rank, shards, block, "nvlink backward dx");
   if (auto err = push.Fork(stream); err.failure()) return err;
   for (int i = 0; i < shards; ++i) {
     if (auto err = push.Push(i, dxs[i]); err.failure()) return err;
@@ -164,7 +166,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_backward, jmm::nvlink::NvlinkM
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()                // dy [ep*C, H]
+                                  .Arg<xla::ffi::AnyBuffer>()                // d_returned [ep, C, H]
                                   .Arg<xla::ffi::AnyBuffer>()                // recv_x [ep, C, H]
                                   .Arg<xla::ffi::AnyBuffer>()                // weights [ep*C, K] f32
                                   .Arg<xla::ffi::AnyBuffer>()                // w_gate_up [E, H, 2I]

@@ -1,17 +1,21 @@
 // The FFI handler `jmm_cuda_nvlink_moe_forward`: stage 2's overlapped forward of the nvlink transport
 // (docs/nvlink_design.md, "Stage 2, first step"). One call per shard does what stage 1 does with an exchange of the
-// token rows followed by `moe_forward` on the received rows, with the same results bit for bit, but moves the rows
-// by the copy engines and gathers the peers' rows beside the expert GEMM:
+// token rows, `moe_forward` on the received rows and the reverse exchange of their results, with the same results bit
+// for bit, but moves the rows and the results by the copy engines and gathers the peers' rows beside the expert GEMM:
 //
 //   XLA's stream S ─ fork ───────────────────────────────────────────────────────────────────── wait(join) ─▶
-//     S:  gather own rows ─ gate_up GEMM: own groups at once, each peer group waits for its rows ─ SwiGLU ─ down ─ combine
+//     S:  gather own rows ─ gate_up GEMM: own groups at once, each peer group waits for its rows ─ SwiGLU ─ down ─
+//         combine the peers' tokens ─ fork ─ combine the own tokens into `returned`'s own block
 //     S2: wait: peers released my push slots ─ DMA my block d into peer d's push slot, stream-write `pushed` there ─
 //         wait: every peer's rows pushed here ─ gather them group by group in the GEMM's order (one block on each of
 //         the 16 SMs the GEMM leaves), counting each group's finished warps ─ DMA them into recv_x (the backward's
-//         operand) ─ stream-write `released` into each peer ─ join
+//         operand) ─ stream-write `released` into each peer ─ (after the second fork) the same protocol on the peers'
+//         results: push result block d back to peer d, wait for the peers', DMA them into `returned` ─ join
 //
-// The transfer is stage 2's push protocol (jmm/nvlink_push.h): the copy engines move the rows, stream writes of the
-// call count f signal them, and the waits are bounded. A push moves a whole block (C rows; its size is fixed on the
+// Both transfers are stage 2's push protocol (jmm/nvlink_push.h), one push call each: the copy engines move the
+// blocks, stream writes of the call count f signal them, and the waits are bounded. The results' push overlaps the
+// combine of the shard's own tokens. The results of received rows past the live ones are zero (they have no pairs),
+// as the reverse exchange's fill. A push moves a whole block (C rows; its size is fixed on the
 // host): the rows past the live ones are dispatch_rows' zero fill, so recv_x equals the exchange's, fill included.
 // The per-group counters live in the call's own workspace result, zeroed on S before the fork: nothing outside
 // this call reads or writes them, so they need no epochs. The GEMM runs on all SMs but kSideSMs; its waits only lag
@@ -39,8 +43,9 @@ namespace {
 // 2026-11-30, docs/nvlink_design.md). The gather's blocks each fill an SM, so it takes exactly these.
 constexpr int kSideSMs = 16;
 
-size_t ShardWorkspaceBytes(int64_t rows, int64_t hidden, int64_t intermediate, int64_t groups) {
-  return cuda::ScratchFootprint(groups * sizeof(uint64_t)) + cuda::ScratchFootprint(rows * hidden * 2) +
+size_t ShardWorkspaceBytes(int64_t tokens, int64_t rows, int64_t hidden, int64_t intermediate, int64_t groups) {
+  return cuda::ScratchFootprint(groups * sizeof(uint64_t)) + cuda::ScratchFootprint(tokens * hidden * 2) +
+         cuda::ScratchFootprint(rows * hidden * 2) +
          cuda::ScratchFootprint(rows * intermediate * 2) + cuda::GatedGateUpGemmScratchBytes(groups) +
          cuda::GroupedGemmScratchBytes(groups);
 }
@@ -49,7 +54,7 @@ size_t ShardWorkspaceBytes(int64_t rows, int64_t hidden, int64_t intermediate, i
 
 size_t NvlinkForwardWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
                                    int64_t groups) {
-  return ShardWorkspaceBytes(tokens * top_k, hidden, intermediate, groups);
+  return ShardWorkspaceBytes(tokens, tokens * top_k, hidden, intermediate, groups);
 }
 
 namespace nvlink {
@@ -69,7 +74,7 @@ struct ShardCall {
   const float* weights;
   const char *w_gate_up, *w_down;
   const int32_t *row_of_pair, *pair_of_row, *source_offsets, *expert_offsets;
-  char *recv_x, *y, *gate_up;
+  char *recv_x, *returned, *gate_up;
   uint8_t* scratch;
 };
 
@@ -77,47 +82,29 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
                             ffi::Buffer<ffi::S32> row_of_pair, ffi::Buffer<ffi::S32> pair_of_row,
                             ffi::Buffer<ffi::S32> source_offsets, ffi::Buffer<ffi::S32> expert_offsets,
-                            ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> y,
+                            ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> returned,
                             ffi::Result<ffi::AnyBuffer> gate_up, ffi::Result<ffi::Buffer<ffi::U8>> scratch,
                             int64_t workspace_id, std::string_view gemm_tiles) {
-  Workspace* workspace = FindOpen(workspace_id);
-  if (workspace == nullptr) return Invalid("workspace " + std::to_string(workspace_id) + " is closed or unknown");
-  if (!Ready(*workspace)) return Invalid("the workspace's peers in other processes are not attached yet");
-  int rank = 0;
-  Group* group = GroupOf(*workspace, device, &rank);
-  if (group == nullptr) return Invalid("GPU " + std::to_string(device) + " is not part of this workspace's mesh axis");
+  OverlappedShape shape;
+  if (auto err = ReadOverlappedShape(workspace_id, device, send, weights, w_gate_up, w_down,
+                                     "nvlink overlapped forward", "send", &shape);
+      err.failure()) {
+    return err;
+  }
   RowsGemmTiles tiles;
   if (auto err = ReadGemmTiles(gemm_tiles, &tiles); err.failure()) return err;
-
-  // Sizes; emulated calls carry every shard: a leading [ranks] on every operand and result.
-  const int ep = workspace->ranks;
-  const int shards = workspace->emulated ? ep : 1;
-  const size_t lead = workspace->emulated ? 1 : 0;
-  const auto sd = send.dimensions(), wd = weights.dimensions(), gd = w_gate_up.dimensions();
-  if (sd.size() != lead + 3 || wd.size() != lead + 2 || gd.size() != lead + 3 || w_down.dimensions().size() != lead + 3 ||
-      (lead && (sd[0] != ep || wd[0] != ep || gd[0] != ep)) || sd[lead] != ep) {
-    return Invalid(workspace->emulated ? "an emulated workspace of " + std::to_string(ep) +
-                                             " shards needs every operand batched over the shards (jax.vmap)"
-                                       : "send must be [" + std::to_string(ep) + ", C, H]");
-  }
-  const int64_t capacity = sd[lead + 1], H = sd[lead + 2], K = wd[lead + 1], E = gd[lead];
-  const int64_t I = gd[lead + 2] / 2, tokens = ep * capacity, rows = tokens * K, groups = ep * E;
-  for (const ffi::AnyBuffer* b : {&send, &w_gate_up, &w_down}) {
-    if (b->element_type() != ffi::BF16) return Invalid("send, w_gate_up and w_down must be bfloat16");
-  }
-  if (weights.element_type() != ffi::F32) return Invalid("weights must be float32");
-  if (!cuda::UseTensorCores(cuda::Dtype::kBFloat16, H, I)) return Invalid("H and I must be multiples of 8");
-  if (wd[lead] != tokens || gd[lead + 1] != H || gd[lead + 2] != 2 * I ||
-      w_down.element_count() != static_cast<size_t>(shards * E * I * H) ||
-      row_of_pair.element_count() != static_cast<size_t>(shards * rows) ||
+  const int ep = shape.ep, shards = shape.shards;
+  const int64_t capacity = shape.capacity, H = shape.hidden, K = shape.top_k, E = shape.experts;
+  const int64_t I = shape.intermediate, tokens = shape.tokens(), rows = shape.rows(), groups = ep * E;
+  if (row_of_pair.element_count() != static_cast<size_t>(shards * rows) ||
       pair_of_row.element_count() != static_cast<size_t>(shards * rows) ||
       source_offsets.element_count() != static_cast<size_t>(shards * (groups + 1)) ||
       expert_offsets.element_count() != static_cast<size_t>(shards * (E + 1)) ||
-      recv_x->size_bytes() != send.size_bytes() || y->size_bytes() != send.size_bytes() ||
+      recv_x->size_bytes() != send.size_bytes() || returned->size_bytes() != send.size_bytes() ||
       gate_up->element_count() != static_cast<size_t>(shards * rows * 2 * I)) {
-    return Invalid("operand or result shapes disagree with send [ep, C, H], weights [ep*C, K] and the weights");
+    return Invalid("the layout or result shapes disagree with send [ep, C, H] and weights [ep*C, K]");
   }
-  const size_t shard_bytes = ShardWorkspaceBytes(rows, H, I, groups);
+  const size_t shard_bytes = ShardWorkspaceBytes(tokens, rows, H, I, groups);
   if (scratch->element_count() < shards * shard_bytes) {
     return Invalid("the workspace result holds " + std::to_string(scratch->element_count()) + " bytes, the call needs " +
                    std::to_string(shards * shard_bytes));
@@ -136,11 +123,10 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                          source_offsets.typed_data() + i * (groups + 1),
                          expert_offsets.typed_data() + i * (E + 1),
                          static_cast<char*>(recv_x->untyped_data()) + i * ep * block,
-                         static_cast<char*>(y->untyped_data()) + i * ep * block,
+                         static_cast<char*>(returned->untyped_data()) + i * ep * block,
                          static_cast<char*>(gate_up->untyped_data()) + i * rows * 2 * I * 2,
                          scratch->typed_data() + i * shard_bytes};
   }
-  const int first_rank = workspace->emulated ? 0 : rank;
 
   DeviceGuard guard;
   if (cudaSetDevice(device) != cudaSuccess) return Invalid("cannot select GPU " + std::to_string(device));
@@ -148,6 +134,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   std::vector<WorkspaceCursor> cursors;
   std::vector<uint64_t*> group_counters(shards);
   std::vector<void*> x_perms(shards), hs(shards);
+  std::vector<char*> ys(shards);  // each received token's result, summed over its pairs: the blocks that go back
   cursors.reserve(shards);
   for (int i = 0; i < shards; ++i) {
     cursors.emplace_back(calls[i].scratch, shard_bytes);
@@ -155,14 +142,15 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     group_counters[i] = static_cast<uint64_t*>(alloc(groups * sizeof(uint64_t)));
     x_perms[i] = alloc(rows * H * 2);
     hs[i] = alloc(rows * I * 2);
-    if (group_counters[i] == nullptr || x_perms[i] == nullptr || hs[i] == nullptr) {
+    ys[i] = static_cast<char*>(alloc(tokens * H * 2));
+    if (group_counters[i] == nullptr || x_perms[i] == nullptr || hs[i] == nullptr || ys[i] == nullptr) {
       return Internal("nvlink forward", "out of scratch memory");
     }
     if (cudaMemsetAsync(group_counters[i], 0, groups * sizeof(uint64_t), stream) != cudaSuccess) {
       return Internal("nvlink forward", "cannot zero the group counters");
     }
   }
-  PushCall push(*workspace, *group, first_rank, shards, block, "nvlink forward");
+  PushCall push(*shape.workspace, *shape.group, shape.first_rank, shards, block, "nvlink forward rows");
   if (auto err = push.Fork(stream); err.failure()) return err;
   // Side stream: every shard's push, then each shard's wait for its peers' rows, their gather for the GEMM, their
   // copy into recv_x (the backward's operand) and their release.
@@ -187,7 +175,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   const int sm_count = MultiprocessorCount(device) - kSideSMs;
   for (int i = 0; i < shards; ++i) {
     const ShardCall& c = calls[i];
-    const int me = first_rank + i;
+    const int me = shape.first_rank + i;
     cuda::Scratch alloc = cursors[i].scratch();
     cuda::SourceBlocks own{};
     own.rows[me] = c.send + me * block;
@@ -197,17 +185,39 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     JMM_CUDA_TRY("nvlink forward gate_up GEMM",
                  cuda::GatedGateUpGemm(x_perms[i], c.w_gate_up, c.gate_up, c.source_offsets, ep, me, E, 2 * I, H,
                                        group_counters[i], cuda::GatherArrivalsPerGroup(kSideSMs),
-                                       workspace->timeout_ns, sm_count, alloc, stream));
+                                       shape.workspace->timeout_ns, sm_count, alloc, stream));
     JMM_CUDA_TRY("nvlink forward swiglu", cuda::SwigluForward(cuda::Dtype::kBFloat16, c.gate_up, hs[i],
                                                               c.expert_offsets, E, rows, I, stream));
     void* row_out = x_perms[i];  // x_perm is dead after the gate_up GEMM
     JMM_CUDA_TRY("nvlink forward down GEMM",
                  cuda::RowsGemm(cuda::Dtype::kBFloat16, true, hs[i], c.w_down, row_out, c.expert_offsets, E, rows, H,
                                 I, /*b_transposed=*/false, tiles.fwd_down, alloc, stream));
-    JMM_CUDA_TRY("nvlink forward combine", cuda::CombineRows(cuda::Dtype::kBFloat16, row_out, c.row_of_pair,
-                                                             c.weights, tokens, K, H, c.y, stream));
+    // The peers' tokens first: their results go back while the own tokens are combined.
+    for (int s = 0; s < ep; ++s) {
+      if (s == me) continue;
+      JMM_CUDA_TRY("nvlink forward combine",
+                   cuda::CombineRows(cuda::Dtype::kBFloat16, row_out, c.row_of_pair + s * capacity * K,
+                                     c.weights + s * capacity * K, capacity, K, H, ys[i] + s * block, stream));
+    }
   }
-  return push.Join(stream);
+  PushCall back(*shape.workspace, *shape.group, shape.first_rank, shards, block, "nvlink forward results");
+  if (auto err = back.Fork(stream); err.failure()) return err;
+  for (int i = 0; i < shards; ++i) {
+    if (auto err = back.Push(i, ys[i]); err.failure()) return err;
+  }
+  for (int i = 0; i < shards; ++i) {
+    if (auto err = back.AwaitPushes(i); err.failure()) return err;
+    if (auto err = back.CopyOutAndRelease(i, nullptr, calls[i].returned); err.failure()) return err;
+  }
+  for (int i = 0; i < shards; ++i) {
+    const ShardCall& c = calls[i];
+    const int me = shape.first_rank + i;
+    JMM_CUDA_TRY("nvlink forward own combine",
+                 cuda::CombineRows(cuda::Dtype::kBFloat16, x_perms[i], c.row_of_pair + me * capacity * K,
+                                   c.weights + me * capacity * K, capacity, K, H, c.returned + me * block, stream));
+  }
+  if (auto err = push.Join(stream); err.failure()) return err;
+  return back.Join(stream);
 }
 
 }  // namespace
@@ -228,7 +238,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_forward, jmm::nvlink::NvlinkMo
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // source_offsets [E*ep + 1]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // expert_offsets [E + 1]
                                   .Ret<xla::ffi::AnyBuffer>()                // recv_x [ep, C, H]
-                                  .Ret<xla::ffi::AnyBuffer>()                // y [ep*C, H]
+                                  .Ret<xla::ffi::AnyBuffer>()                // returned [ep, C, H]
                                   .Ret<xla::ffi::AnyBuffer>()                // gate_up [ep*C*K, 2I]
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()     // workspace (temporaries)
                                   .Attr<int64_t>("workspace")

@@ -7,6 +7,55 @@
 
 namespace jmm::nvlink {
 
+ffi::Error ReadOverlappedShape(int64_t workspace_id, int device, const ffi::AnyBuffer& blocks,
+                               const ffi::AnyBuffer& weights, const ffi::AnyBuffer& w_gate_up,
+                               const ffi::AnyBuffer& w_down, const std::string& what, const std::string& blocks_name,
+                               OverlappedShape* shape) {
+  const auto invalid = [&](const std::string& message) { return InvalidArgument(what + ": " + message); };
+  Workspace* workspace = FindOpen(workspace_id);
+  if (workspace == nullptr) return invalid("workspace " + std::to_string(workspace_id) + " is closed or unknown");
+  if (!Ready(*workspace)) return invalid("the workspace's peers in other processes are not attached yet");
+  int rank = 0;
+  Group* group = GroupOf(*workspace, device, &rank);
+  if (group == nullptr) return invalid("GPU " + std::to_string(device) + " is not part of this workspace's mesh axis");
+
+  // Emulated calls carry every shard: a leading [ranks] on every operand and result.
+  const int ep = workspace->ranks;
+  const size_t lead = workspace->emulated ? 1 : 0;
+  const auto bd = blocks.dimensions(), wd = weights.dimensions(), gd = w_gate_up.dimensions(), dd = w_down.dimensions();
+  if (bd.size() != lead + 3 || wd.size() != lead + 2 || gd.size() != lead + 3 || dd.size() != lead + 3 ||
+      (lead && (bd[0] != ep || wd[0] != ep || gd[0] != ep || dd[0] != ep)) || bd[lead] != ep) {
+    return invalid(workspace->emulated ? "an emulated workspace of " + std::to_string(ep) +
+                                             " shards needs every operand batched over the shards (jax.vmap)"
+                                       : blocks_name + " must be [" + std::to_string(ep) + ", C, H]");
+  }
+  OverlappedShape s;
+  s.workspace = workspace;
+  s.group = group;
+  s.first_rank = workspace->emulated ? 0 : rank;
+  s.ep = ep;
+  s.shards = workspace->emulated ? ep : 1;
+  s.capacity = bd[lead + 1];
+  s.hidden = bd[lead + 2];
+  s.top_k = wd[lead + 1];
+  s.experts = gd[lead];
+  s.intermediate = gd[lead + 2] / 2;
+  for (const ffi::AnyBuffer* b : {&blocks, &w_gate_up, &w_down}) {
+    if (b->element_type() != ffi::BF16) return invalid(blocks_name + ", w_gate_up and w_down must be bfloat16");
+  }
+  if (weights.element_type() != ffi::F32) return invalid("weights must be float32");
+  if (!cuda::UseTensorCores(cuda::Dtype::kBFloat16, s.hidden, s.intermediate)) {
+    return invalid("H and I must be multiples of 8");
+  }
+  if (wd[lead] != s.tokens() || gd[lead + 1] != s.hidden || gd[lead + 2] != 2 * s.intermediate ||
+      dd[lead] != s.experts || dd[lead + 1] != s.intermediate || dd[lead + 2] != s.hidden) {
+    return invalid("operand shapes disagree with " + blocks_name + " [ep, C, H], weights [ep*C, K], w_gate_up " +
+                   "[E, H, 2I] and w_down [E, I, H]");
+  }
+  *shape = s;
+  return ffi::Error::Success();
+}
+
 PushCall::PushCall(Workspace& workspace, Group& group, int first_rank, int shards, int64_t block, std::string what)
     : workspace_(workspace),
       group_(group),
@@ -88,6 +137,7 @@ ffi::Error PushCall::CopyOutAndRelease(int shard, const char* own, char* out) {
   const int me = rank(shard);
   for (int s = 0; s < ep_; ++s) {
     const char* from = s == me ? own : PushSlot(me, s);
+    if (from == nullptr) continue;
     if (cudaMemcpyAsync(out + s * block_, from, block_, cudaMemcpyDefault, side_) != cudaSuccess) {
       return Fail("cannot enqueue the copy of the received rows");
     }

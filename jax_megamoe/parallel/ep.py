@@ -7,9 +7,10 @@ summed over its pairs), exchange the results back, and sum each token's returned
 Every step is linear in the floating-point data or is `moe_ffn`, so JAX's transposes give the exact
 gradient; expert-weight gradients are computed where the weights live. With one shard nothing moves
 and `moe_ffn` runs on the tokens directly. On the nvlink transport, where it applies
-(`nvlink_experts.overlap_applies`), the rows' exchange and `moe_ffn`'s forward are one call that runs the
-exchange beside the GEMM of the shard's own rows, and `moe_ffn`'s backward and the rows' cotangent going back
-are one call that sends it beside the last GEMM (stage 2), with the same results bit for bit.
+(`nvlink_experts.overlap_applies`), the rows' exchange, `moe_ffn`'s forward and the results' return are one call
+that runs the rows' exchange beside the GEMM of the shard's own rows, and the backward's two exchanges and
+`moe_ffn`'s backward are one call that sends the rows' cotangent back beside the last GEMM (stage 2), with the same
+results bit for bit.
 """
 
 from __future__ import annotations
@@ -166,8 +167,8 @@ def _exchange_and_compute(x, weights, plan, w_gate_up_local, w_down_local, axis_
     """Rows out to their expert shards, the local experts on what arrives, results back, summed per token.
 
     With stage 2's overlapped calls (nvlink, `nvlink_experts.overlap_applies`) the ids and weights go first and
-    one call moves the rows and runs the local experts (in the backward, one call runs their backward and sends
-    the rows' cotangent back); the return trip and the combine are the same.
+    one call moves the rows, runs the local experts and brings the results back (in the backward, one call moves
+    the results' cotangent, runs the experts' backward and sends the rows' cotangent back); the combine is the same.
     """
     ep, row_capacity = plan.token.shape
     local_experts, hidden, two_inter = w_gate_up_local.shape
@@ -189,10 +190,11 @@ def _exchange_and_compute(x, weights, plan, w_gate_up_local, w_down_local, axis_
     recv_ids = there(_gather_rows(row_ids, plan.token, INVALID_EXPERT), INVALID_EXPERT)
     recv_weights = there(_gather_rows(row_weights, plan.token, 0))
     if overlapped:
-        recv_y = nvlink_experts.overlapped_expert_forward(send, recv_ids, recv_weights, w_gate_up_local, w_down_local,
-                                                          workspace)
+        returned = nvlink_experts.overlapped_experts(send, recv_ids, recv_weights, w_gate_up_local, w_down_local,
+                                                     workspace)
     else:
         rows = ep * row_capacity
         recv_y = moe_ffn(recv_x.reshape(rows, -1), recv_weights.reshape(rows, -1), recv_ids.reshape(rows, -1),
                          w_gate_up_local, w_down_local, backend=local_backend).reshape(ep, row_capacity, -1)
-    return combine_rows(back(recv_y), plan.slot, plan.token)
+        returned = back(recv_y)
+    return combine_rows(returned, plan.slot, plan.token)

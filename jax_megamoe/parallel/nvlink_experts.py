@@ -6,10 +6,11 @@ forward on them: the transfer and the gather of the peers' rows run on a side st
 of the shard's own rows, whose peer groups wait (bounded) for their rows. The GEMM's groups must be known
 before the rows arrive, so the local expert ids and routing weights travel first (stage 1's exchange) and the
 pairs are laid out by the fine key (local expert, source shard). The rows arrive in source order, so that
-layout has the plain expert layout's row order: the backward is `moe_ffn`'s CUDA backward on it, in one more FFI
-call per shard (`jmm_cuda_nvlink_moe_backward`, cuda/ffi/nvlink_backward_cuda.cc) that sends the rows' cotangent
-back to their sources by the same copy-engine protocol while its last GEMM (d_w_gate_up) runs. Forward and
-gradients are bit for bit stage 1's.
+layout has the plain expert layout's row order. The results go back to their sources in the same call, pushed while
+the own tokens are combined. The backward is one more FFI call per shard (`jmm_cuda_nvlink_moe_backward`,
+cuda/ffi/nvlink_backward_cuda.cc): the results' cotangent to the experts by the same copy-engine protocol, `moe_ffn`'s
+CUDA backward on the received rows, and the rows' cotangent back to their sources while its last GEMM (d_w_gate_up)
+runs. Forward and gradients are bit for bit stage 1's.
 """
 
 from __future__ import annotations
@@ -50,15 +51,17 @@ def fine_keys(recv_ids: jax.Array) -> jax.Array:
     return keys.reshape(-1, recv_ids.shape[-1])
 
 
-def overlapped_expert_forward(send: jax.Array, recv_ids: jax.Array, recv_weights: jax.Array, w_gate_up: jax.Array,
-                              w_down: jax.Array, workspace: nvlink.NvlinkWorkspace) -> jax.Array:
-    """`moe_ffn` on the rows `send` brings, with the rows' exchange beside the own rows' gate_up GEMM, and in the
-    backward the rows' cotangent sent back beside the d_w_gate_up GEMM.
+def overlapped_experts(send: jax.Array, recv_ids: jax.Array, recv_weights: jax.Array, w_gate_up: jax.Array,
+                       w_down: jax.Array, workspace: nvlink.NvlinkWorkspace) -> jax.Array:
+    """The rows `send` there, `moe_ffn` on them, their results back: the rows' exchange beside the own rows'
+    gate_up GEMM, the results' push beside the own tokens' combine, and in the backward the results' cotangent
+    there and the rows' cotangent back beside the d_w_gate_up GEMM.
 
-    Equals `moe_ffn(nvlink.exchange(send, send_counts, recv_counts, workspace), recv_weights, recv_ids, ...)`
-    with the blocks flattened to rows, bit for bit, forward and gradients (CUDA kernels, bf16). The copy engines
-    move whole blocks, so no counts are needed: the rows past the live ones are zero going (`dispatch_rows`'
-    fill) and their cotangent is zero coming back (they have no pairs), as the exchange's fill.
+    Equals `nvlink.exchange(moe_ffn(nvlink.exchange(send, send_counts, recv_counts, workspace), recv_weights,
+    recv_ids, ...), recv_counts, send_counts, workspace)` with the blocks flattened to rows for `moe_ffn`, bit for
+    bit, forward and gradients (CUDA kernels, bf16). The copy engines move whole blocks, so no counts are needed:
+    the rows past the live ones are zero going (`dispatch_rows`' fill), and so are their results and cotangents
+    (they have no pairs; the source reads only its live rows), as the exchanges' fill.
 
     Args:
       send: `[ep, C, H]` bf16 rows for each destination: the live rows of block d first, the rest zero.
@@ -67,13 +70,14 @@ def overlapped_expert_forward(send: jax.Array, recv_ids: jax.Array, recv_weights
       w_gate_up, w_down: this shard's experts, `[E_local, H, 2I]` and `[E_local, I, H]`, bf16.
       workspace: the `NvlinkWorkspace` of the expert axis.
 
-    Returns the received rows' results `[ep, C, H]`, each summed over its pairs.
+    Returns the results of this shard's rows `[ep, C, H]`: block d from shard d, each row summed over its pairs
+    there.
     """
     ep, capacity, hidden = send.shape
     workspace.check_fits(capacity, hidden * send.dtype.itemsize)
     weights = recv_weights.reshape(ep * capacity, -1).astype(jnp.float32)
     args = _ffi.vary_alike(send, fine_keys(recv_ids), weights, w_gate_up, w_down)
-    return _overlapped(*args, workspace).reshape(ep, capacity, hidden)
+    return _overlapped(*args, workspace)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -92,17 +96,17 @@ def _overlapped_fwd(send, keys, weights, w_gate_up, w_down, workspace):
     # handlers), dropped.
     workspace_bytes = _ffi.extension().cuda_workspace_bytes("nvlink_moe_forward", True, rows, top_k, hidden,
                                                             two_inter // 2, local_experts * ep)
-    shapes = (jax.ShapeDtypeStruct(send.shape, send.dtype), jax.ShapeDtypeStruct((rows, hidden), send.dtype),
+    shapes = (jax.ShapeDtypeStruct(send.shape, send.dtype), jax.ShapeDtypeStruct(send.shape, send.dtype),
               jax.ShapeDtypeStruct((rows * top_k, two_inter), send.dtype),
               jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
-    recv_x, y, gate_up, _ = _ffi.call(
+    recv_x, returned, gate_up, _ = _ffi.call(
         "cuda", "nvlink_moe_forward", shapes, send, weights, w_gate_up, w_down,
         row_of_pair, pair_of_row, source_offsets, layout.expert_offsets, vmap_method="broadcast_all",
         workspace=np.int64(workspace.id), gemm_tiles=os.environ.get(GEMM_TILES_ENV, ""))
-    return y, (recv_x, weights, w_gate_up, w_down, gate_up, layout)
+    return returned, (recv_x, weights, w_gate_up, w_down, gate_up, layout)
 
 
-def _overlapped_bwd(workspace, residuals, dy):
+def _overlapped_bwd(workspace, residuals, d_returned):
     recv_x, weights, w_gate_up, w_down, gate_up, layout = residuals
     ep, capacity, hidden = recv_x.shape
     local_experts, _, two_inter = w_gate_up.shape
@@ -114,7 +118,7 @@ def _overlapped_bwd(workspace, residuals, dy):
               jax.ShapeDtypeStruct(w_gate_up.shape, w_gate_up.dtype), jax.ShapeDtypeStruct(w_down.shape, w_down.dtype),
               jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype), jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
     d_send, d_weights, d_w_gate_up, d_w_down, _, _ = _ffi.call(
-        "cuda", "nvlink_moe_backward", shapes, dy.astype(recv_x.dtype), recv_x, weights, w_gate_up, w_down, gate_up,
+        "cuda", "nvlink_moe_backward", shapes, d_returned.astype(recv_x.dtype), recv_x, weights, w_gate_up, w_down, gate_up,
         *layout, vmap_method="broadcast_all", input_output_aliases={5: 4}, workspace=np.int64(workspace.id),
         gemm_tiles=os.environ.get(GEMM_TILES_ENV, ""))
     return d_send, None, d_weights, d_w_gate_up, d_w_down

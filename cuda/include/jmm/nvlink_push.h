@@ -27,6 +27,26 @@
 
 namespace jmm::nvlink {
 
+// What both overlapped calls' handlers read first: the workspace, the device's group, and the shard sizes.
+struct OverlappedShape {
+  Workspace* workspace = nullptr;
+  Group* group = nullptr;
+  int first_rank = 0;  // the rank of shard 0: 0 when emulated, else the device's rank
+  int ep = 0, shards = 0;
+  int64_t capacity = 0, hidden = 0, top_k = 0, experts = 0, intermediate = 0;
+  int64_t tokens() const { return ep * capacity; }
+  int64_t rows() const { return tokens() * top_k; }
+};
+
+// Finds the open workspace `workspace_id` and `device`'s group in it, and reads the sizes from the row blocks
+// `blocks` ([ep, C, H] bf16, named `blocks_name` in errors), `weights` ([ep * C, K] f32), `w_gate_up` ([E, H, 2I]
+// bf16) and `w_down` ([E, I, H] bf16), each with a leading [ep] when the workspace is emulated. Checks their dtypes,
+// that they agree, and that H and I suit the tensor-core GEMMs. `what` begins every error message.
+ffi::Error ReadOverlappedShape(int64_t workspace_id, int device, const ffi::AnyBuffer& blocks,
+                               const ffi::AnyBuffer& weights, const ffi::AnyBuffer& w_gate_up,
+                               const ffi::AnyBuffer& w_down, const std::string& what, const std::string& blocks_name,
+                               OverlappedShape* shape);
+
 class PushCall {
  public:
   // One overlapped call of `shards` ranks from `first_rank` (emulation: every rank of the group; else the device's
@@ -44,7 +64,7 @@ class PushCall {
   // The push slot of shard i that holds peer `source`'s block.
   const char* Slot(int shard, int source) const;
   // Shard i: DMA every block into `out` ([ep, C, row], source order), the peers' from the push slots and the own
-  // from `own`, then release the slots to their peers.
+  // from `own` (null: the caller writes out's own block itself), then release the slots to their peers.
   ffi::Error CopyOutAndRelease(int shard, const char* own, char* out);
   // Makes `stream` wait for everything enqueued on the side stream.
   ffi::Error Join(cudaStream_t stream);
