@@ -277,7 +277,7 @@ def test_overlapped_calls_emit_the_ffi_contract(cuda_lowering, monkeypatch):
                         f"{r}{rows}x{top_k}xf32",
                         f"{r}{local_experts}x{hidden}x{2 * inter}xbf16", f"{r}{local_experts}x{inter}x{hidden}xbf16",
                         f"{r}{pairs}x{2 * inter}xbf16", f"{r}{pairs}xi32", f"{r}{pairs}xi32",
-                        f"{r}{local_experts + 1}xi32"]
+                        f"{r}{local_experts * ranks + 1}xi32", f"{r}{local_experts + 1}xi32"]
     assert results == [f"{r}{ranks}x{capacity}x{hidden}xbf16", f"{r}{rows}x{top_k}xf32",
                        f"{r}{local_experts}x{hidden}x{2 * inter}xbf16", f"{r}{local_experts}x{inter}x{hidden}xbf16",
                        f"{r}{pairs}x{2 * inter}xbf16", f"{r}{FUSED_WORKSPACE_BYTES}xui8"]

@@ -77,35 +77,48 @@ size_t MoeBackwardWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, i
          GemmsScratchBytes(4, cuda::UseTensorCores(dtype, hidden, intermediate), experts);
 }
 
-ffi::Error MoeBackward::ThroughDx(cudaStream_t stream) {
+void* MoeBackward::GatheredDy() {
+  if (rows_h_ != nullptr) return rows_h_;
   const MoeBackwardCall& c = call_;
   const int64_t rows = c.tokens * c.top_k, H = c.hidden, I = c.intermediate, E = c.experts;
   const size_t bytes = ElementBytes(c.dtype);
-  const bool tc = cuda::UseTensorCores(c.dtype, H, I);
   // `rows_h` holds gathered dy (until the d_W_down GEMM), then the per-row dx; `x_rows` gathered x for the last
   // GEMM. rows_h and g live in d_w_gate_up's buffer until that GEMM writes it, when they fit, else in the
   // workspace with x_rows over rows_h (dead by then). The routing weight goes into h (rows x I), not into a
   // second copy of dy (rows x H); the SwiGLU backward is the last reader of g and of gate_up, and writes
   // w * h over g and dz over gate_up (when the caller aliased them, as jax_megamoe does).
   x_rows_ = scratch_(rows * H * bytes);
-  rows_h_ = x_rows_;
-  void* g = nullptr;
+  void* rows_h = x_rows_;
   if (BackwardStagesInWeightGradient(rows, H, I, E, bytes)) {
-    rows_h_ = c.d_w_gate_up;
-    g = static_cast<char*>(rows_h_) + BackwardStagedGOffset(rows, H, bytes);
+    rows_h = c.d_w_gate_up;
+    g_ = static_cast<char*>(rows_h) + BackwardStagedGOffset(rows, H, bytes);
   } else {
-    g = scratch_(rows * I * bytes);
+    g_ = scratch_(rows * I * bytes);
   }
-  if (!x_rows_ || !g) return Internal("backward", "out of scratch memory");
-  void* weighted_h = g;
+  if (x_rows_ == nullptr || g_ == nullptr) return nullptr;
+  return rows_h_ = rows_h;
+}
 
-  JMM_CUDA_TRY("backward gather dy",
-               cuda::GatherRows(c.dtype, c.dy, H, c.pair_of_row, c.expert_offsets, E, rows, c.top_k, rows_h_, stream));
-  JMM_CUDA_TRY("backward dy @ W_down^T GEMM", cuda::RowsGemm(c.dtype, tc, rows_h_, c.w_down, g, c.expert_offsets, E,
+ffi::Error MoeBackward::ThroughDx(cudaStream_t stream) {
+  const MoeBackwardCall& c = call_;
+  void* dy_rows = GatheredDy();
+  if (dy_rows == nullptr) return Internal("backward", "out of scratch memory");
+  JMM_CUDA_TRY("backward gather dy", cuda::GatherRows(c.dtype, c.dy, c.hidden, c.pair_of_row, c.expert_offsets,
+                                                      c.experts, c.tokens * c.top_k, c.top_k, dy_rows, stream));
+  return FromGatheredDy(stream);
+}
+
+ffi::Error MoeBackward::FromGatheredDy(cudaStream_t stream) {
+  const MoeBackwardCall& c = call_;
+  const int64_t rows = c.tokens * c.top_k, H = c.hidden, I = c.intermediate, E = c.experts;
+  const bool tc = cuda::UseTensorCores(c.dtype, H, I);
+  if (rows_h_ == nullptr) return Internal("backward", "FromGatheredDy must follow GatheredDy");
+  void* weighted_h = g_;  // the SwiGLU backward writes w * h over g
+  JMM_CUDA_TRY("backward dy @ W_down^T GEMM", cuda::RowsGemm(c.dtype, tc, rows_h_, c.w_down, g_, c.expert_offsets, E,
                                                              rows, I, H, /*b_transposed=*/true, c.tiles.bwd_down,
                                                              scratch_, stream));
   JMM_CUDA_TRY("backward swiglu",
-               cuda::SwigluBackward(c.dtype, c.gate_up, g, c.weights, c.pair_of_row, c.row_of_pair, c.expert_offsets,
+               cuda::SwigluBackward(c.dtype, c.gate_up, g_, c.weights, c.pair_of_row, c.row_of_pair, c.expert_offsets,
                                     E, rows, I, weighted_h, c.dz, c.d_weights, stream));
   JMM_CUDA_TRY("backward d_w_down GEMM", cuda::WeightGemm(c.dtype, tc, weighted_h, rows_h_, c.d_w_down,
                                                           c.expert_offsets, E, rows, I, H, scratch_, stream));

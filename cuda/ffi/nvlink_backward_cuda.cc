@@ -1,16 +1,20 @@
 // The FFI handler `jmm_cuda_nvlink_moe_backward`: stage 2's overlapped backward of the nvlink transport
-// (docs/nvlink_design.md, "Stage 2, second step"). One call per shard does what stage 1 does with the exchange of
-// the results' cotangent to the experts, `moe_backward` on the received rows and the reverse exchange of their dx,
-// with the same results bit for bit, but moves both by the copy engines, dx while the last GEMM of the backward runs:
+// (docs/nvlink_design.md, "Stage 2, second step" and "third step"). One call per shard does what stage 1 does with
+// the exchange of the results' cotangent to the experts, `moe_backward` on the received rows and the reverse exchange
+// of their dx, with the same results bit for bit, but moves both by the copy engines: dy while XLA's stream gathers
+// the own rows' dy, dx while the last GEMM of the backward runs:
 //
-//   XLA's stream S ─ fork ─ wait(join) ─ backward through dx ─ fork ──────────────────────── wait(join) ─▶
-//     S2: push my d_returned block d to peer d, wait for the peers', DMA them and my own block into dy ─ join
+//   XLA's stream S ─ fork ─ gather own dy rows ─ wait(join) ─ backward from dy rows through dx ─ fork ── wait(join) ─▶
+//     S2: push my d_returned block d to peer d ─ wait for the peers' ─ gather their dy rows from the push slots (on
+//         every SM) ─ release the slots ─ join
 //     S:  gather x ─ d_w_gate_up GEMM (all SMs: nothing on the side stream needs them)
 //     S2: wait: peers released my push slots ─ DMA my dx block d into peer d's push slot, stream-write `pushed`
 //         there ─ wait: every peer's dx pushed here ─ DMA them and my own block into d_send ─ stream-write
 //         `released` into each peer ─ join
 //
-// Both transfers are stage 2's push protocol (jmm/nvlink_push.h), one push call each. A push moves a whole block of
+// Both transfers are stage 2's push protocol (jmm/nvlink_push.h), one push call each. The dy rows are gathered from
+// their source blocks as the forward gathers x's (GatherSourceRows, by source_offsets), into the rows MoeBackward
+// would gather them to, so nothing copies the blocks out first. A push moves a whole block of
 // C rows: the cotangent of a returned row past the live ones is zero (the source's combine reads only live rows), and
 // the received rows past the live ones have no pairs (their ids are the exchange's -1 fill), so their dx is zero:
 // both as the exchanges' fill. Emulated workspaces run every shard of the call: each push call's pushes for every
@@ -25,6 +29,7 @@
 #include "jmm/handlers.h"
 #include "jmm/moe_backward_cuda.h"
 #include "jmm/moe_host.h"
+#include "jmm/nvlink_forward.h"
 #include "jmm/nvlink_push.h"
 #include "jmm/nvlink_workspace.h"
 
@@ -32,9 +37,9 @@ namespace jmm {
 
 namespace {
 
-// dy and dx [tokens, H] bf16 first, then the moe_backward's own temporaries.
+// dx [tokens, H] bf16 first, then the moe_backward's own temporaries.
 size_t ShardWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate, int64_t experts) {
-  return 2 * cuda::ScratchFootprint(tokens * hidden * 2) +
+  return cuda::ScratchFootprint(tokens * hidden * 2) +
          MoeBackwardWorkspaceBytes(true, tokens, top_k, hidden, intermediate, experts);
 }
 
@@ -53,7 +58,8 @@ ffi::Error Invalid(const std::string& message) { return InvalidArgument("nvlink 
 ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer d_returned, ffi::AnyBuffer recv_x,
                              ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
                              ffi::AnyBuffer gate_up, ffi::Buffer<ffi::S32> row_of_pair,
-                             ffi::Buffer<ffi::S32> pair_of_row, ffi::Buffer<ffi::S32> expert_offsets,
+                             ffi::Buffer<ffi::S32> pair_of_row, ffi::Buffer<ffi::S32> source_offsets,
+                             ffi::Buffer<ffi::S32> expert_offsets,
                              ffi::Result<ffi::AnyBuffer> d_send, ffi::Result<ffi::AnyBuffer> d_weights,
                              ffi::Result<ffi::AnyBuffer> d_w_gate_up, ffi::Result<ffi::AnyBuffer> d_w_down,
                              ffi::Result<ffi::AnyBuffer> dz, ffi::Result<ffi::Buffer<ffi::U8>> scratch,
@@ -75,6 +81,7 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   if (d_returned.size_bytes() != recv_x.size_bytes() || gate_up.element_count() != static_cast<size_t>(shards * rows * 2 * I) ||
       row_of_pair.element_count() != static_cast<size_t>(shards * rows) ||
       pair_of_row.element_count() != static_cast<size_t>(shards * rows) ||
+      source_offsets.element_count() != static_cast<size_t>(shards * (ep * E + 1)) ||
       expert_offsets.element_count() != static_cast<size_t>(shards * (E + 1)) ||
       d_send->size_bytes() != recv_x.size_bytes() || d_weights->size_bytes() != weights.size_bytes() ||
       d_w_gate_up->size_bytes() != w_gate_up.size_bytes() || d_w_down->size_bytes() != w_down.size_bytes() ||
@@ -97,17 +104,17 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   };
   std::vector<WorkspaceCursor> cursors;
   std::vector<MoeBackward> backwards;
-  std::vector<char*> dys(shards), dxs(shards);
+  std::vector<char*> dxs(shards);
+  std::vector<void*> dy_rows(shards);
   cursors.reserve(shards);
   backwards.reserve(shards);
   for (int i = 0; i < shards; ++i) {
     cursors.emplace_back(scratch->typed_data() + i * shard_bytes, shard_bytes);
     cuda::Scratch alloc = cursors[i].scratch();
-    dys[i] = static_cast<char*>(alloc(tokens * H * 2));
     dxs[i] = static_cast<char*>(alloc(tokens * H * 2));
-    if (dys[i] == nullptr || dxs[i] == nullptr) return Internal("nvlink backward", "out of scratch memory");
+    if (dxs[i] == nullptr) return Internal("nvlink backward", "out of scratch memory");
     const MoeBackwardCall call{cuda::Dtype::kBFloat16, tokens, K, H, I, E, tiles,
-                               dys[i], at(recv_x, i, ep * block),
+                               /*dy=*/nullptr, at(recv_x, i, ep * block),
                                reinterpret_cast<const float*>(at(weights, i, tokens * K * 4)),
                                at(w_gate_up, i, E * H * 2 * I * 2), at(w_down, i, E * I * H * 2),
                                at(gate_up, i, rows * 2 * I * 2),
@@ -117,25 +124,43 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                                at(*dz, i, rows * 2 * I * 2),
                                reinterpret_cast<float*>(at(*d_weights, i, tokens * K * 4))};
     backwards.emplace_back(call, alloc);
+    dy_rows[i] = backwards[i].GatheredDy();
+    if (dy_rows[i] == nullptr) return Internal("nvlink backward", "out of scratch memory");
   }
 
-  // The side stream brings the results' cotangent to the experts; XLA's stream waits for it.
+  // The results' cotangent to the experts. Side stream: the pushes, then each shard's wait for its peers' blocks,
+  // the gather of their dy rows on every SM, and the release. XLA's stream meanwhile gathers the own rows' dy.
+  const auto rows_of = [&](int i) { return pair_of_row.typed_data() + i * rows; };
+  const auto source_offsets_of = [&](int i) { return source_offsets.typed_data() + i * (ep * E + 1); };
   PushCall there(*shape.workspace, *shape.group, shape.first_rank, shards, block, "nvlink backward dy");
   if (auto err = there.Fork(stream); err.failure()) return err;
   for (int i = 0; i < shards; ++i) {
     if (auto err = there.Push(i, at(d_returned, i, ep * block)); err.failure()) return err;
   }
   for (int i = 0; i < shards; ++i) {
+    const int me = there.rank(i);
     if (auto err = there.AwaitPushes(i); err.failure()) return err;
-    if (auto err = there.CopyOutAndRelease(i, at(d_returned, i, ep * block) + there.rank(i) * block, dys[i]);
-        err.failure()) {
-      return err;
+    cuda::SourceBlocks slots{};
+    for (int s = 0; s < ep; ++s) {
+      if (s != me) slots.rows[s] = there.Slot(i, s);
     }
+    JMM_CUDA_TRY("nvlink backward peer dy gather",
+                 cuda::GatherSourceRows(slots, ((1u << ep) - 1) & ~(1u << me), ep, me, capacity, H, K, rows_of(i),
+                                        source_offsets_of(i), E, dy_rows[i], shape.sms, nullptr, there.side()));
+    if (auto err = there.Release(i); err.failure()) return err;
+  }
+  for (int i = 0; i < shards; ++i) {
+    const int me = there.rank(i);
+    cuda::SourceBlocks own{};
+    own.rows[me] = at(d_returned, i, ep * block) + me * block;
+    JMM_CUDA_TRY("nvlink backward own dy gather",
+                 cuda::GatherSourceRows(own, 1u << me, ep, me, capacity, H, K, rows_of(i), source_offsets_of(i), E,
+                                        dy_rows[i], shape.sms, nullptr, stream));
   }
   if (auto err = there.Join(stream); err.failure()) return err;
   // XLA's stream: each shard's backward up to its dx. Then the side stream sends the dx blocks back.
   for (MoeBackward& backward : backwards) {
-    if (auto err = backward.ThroughDx(stream); err.failure()) return err;
+    if (auto err = backward.FromGatheredDy(stream); err.failure()) return err;
   }
   PushCall push(*shape.workspace, *shape.group, shape.first_rank, shards, block, "nvlink backward dx");
   if (auto err = push.Fork(stream); err.failure()) return err;
@@ -174,6 +199,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_backward, jmm::nvlink::NvlinkM
                                   .Arg<xla::ffi::AnyBuffer>()                // gate_up [ep*C*K, 2I]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // row_of_pair
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // pair_of_row
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // source_offsets [E*ep + 1]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // expert_offsets [E + 1]
                                   .Ret<xla::ffi::AnyBuffer>()                // d_send [ep, C, H]
                                   .Ret<xla::ffi::AnyBuffer>()                // d_weights [ep*C, K] f32

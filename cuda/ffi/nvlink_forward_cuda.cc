@@ -62,12 +62,6 @@ namespace {
 
 ffi::Error Invalid(const std::string& message) { return InvalidArgument("nvlink overlapped forward: " + message); }
 
-int MultiprocessorCount(int device) {
-  int count = 0;
-  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-  return count;
-}
-
 // One shard's operands and results.
 struct ShardCall {
   const char* send;
@@ -172,7 +166,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   }
 
   // XLA's stream: each shard's expert forward, its own rows first, on the SMs the side stream leaves.
-  const int sm_count = MultiprocessorCount(device) - kSideSMs;
+  const int sm_count = shape.sms - kSideSMs;
   for (int i = 0; i < shards; ++i) {
     const ShardCall& c = calls[i];
     const int me = shape.first_rank + i;
@@ -181,7 +175,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     own.rows[me] = c.send + me * block;
     JMM_CUDA_TRY("nvlink forward own gather",
                  cuda::GatherSourceRows(own, 1u << me, ep, me, capacity, H, K, c.pair_of_row, c.source_offsets, E,
-                                        x_perms[i], MultiprocessorCount(device), nullptr, stream));
+                                        x_perms[i], shape.sms, nullptr, stream));
     JMM_CUDA_TRY("nvlink forward gate_up GEMM",
                  cuda::GatedGateUpGemm(x_perms[i], c.w_gate_up, c.gate_up, c.source_offsets, ep, me, E, 2 * I, H,
                                        group_counters[i], cuda::GatherArrivalsPerGroup(kSideSMs),

@@ -35,6 +35,9 @@ ffi::Error ReadOverlappedShape(int64_t workspace_id, int device, const ffi::AnyB
   s.first_rank = workspace->emulated ? 0 : rank;
   s.ep = ep;
   s.shards = workspace->emulated ? ep : 1;
+  if (cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || s.sms <= 0) {
+    return invalid("cannot read GPU " + std::to_string(device) + "'s multiprocessor count");
+  }
   s.capacity = bd[lead + 1];
   s.hidden = bd[lead + 2];
   s.top_k = wd[lead + 1];
@@ -142,6 +145,11 @@ ffi::Error PushCall::CopyOutAndRelease(int shard, const char* own, char* out) {
       return Fail("cannot enqueue the copy of the received rows");
     }
   }
+  return Release(shard);
+}
+
+ffi::Error PushCall::Release(int shard) {
+  const int me = rank(shard);
   for (int s : PeersOf(me)) {
     if (!Write(Signal(s, ReleasedSignal(ep_, me)), call_[shard])) {
       return Fail("cannot release shard " + std::to_string(s) + "'s push slot");

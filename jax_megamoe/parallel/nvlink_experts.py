@@ -103,11 +103,11 @@ def _overlapped_fwd(send, keys, weights, w_gate_up, w_down, workspace):
         "cuda", "nvlink_moe_forward", shapes, send, weights, w_gate_up, w_down,
         row_of_pair, pair_of_row, source_offsets, layout.expert_offsets, vmap_method="broadcast_all",
         workspace=np.int64(workspace.id), gemm_tiles=os.environ.get(GEMM_TILES_ENV, ""))
-    return returned, (recv_x, weights, w_gate_up, w_down, gate_up, layout)
+    return returned, (recv_x, weights, w_gate_up, w_down, gate_up, layout, source_offsets)
 
 
 def _overlapped_bwd(workspace, residuals, d_returned):
-    recv_x, weights, w_gate_up, w_down, gate_up, layout = residuals
+    recv_x, weights, w_gate_up, w_down, gate_up, layout, source_offsets = residuals
     ep, capacity, hidden = recv_x.shape
     local_experts, _, two_inter = w_gate_up.shape
     top_k = weights.shape[1]
@@ -119,7 +119,7 @@ def _overlapped_bwd(workspace, residuals, d_returned):
               jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype), jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
     d_send, d_weights, d_w_gate_up, d_w_down, _, _ = _ffi.call(
         "cuda", "nvlink_moe_backward", shapes, d_returned.astype(recv_x.dtype), recv_x, weights, w_gate_up, w_down, gate_up,
-        *layout, vmap_method="broadcast_all", input_output_aliases={5: 4}, workspace=np.int64(workspace.id),
+        layout.row_of_pair, layout.pair_of_row, source_offsets, layout.expert_offsets, vmap_method="broadcast_all", input_output_aliases={5: 4}, workspace=np.int64(workspace.id),
         gemm_tiles=os.environ.get(GEMM_TILES_ENV, ""))
     return d_send, None, d_weights, d_w_gate_up, d_w_down
 

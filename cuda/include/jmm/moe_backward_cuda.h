@@ -31,6 +31,12 @@ class MoeBackward {
 
   // gather dy -> g = dy @ W_d^T -> SwiGLU backward (w*h, dz, d_weights) -> d_W_d -> dx rows = dz @ W_gu^T -> dx.
   ffi::Error ThroughDx(cudaStream_t stream);
+  // Where ThroughDx gathers dy: rows x H in the layout's row order, null when out of scratch. A caller whose dy
+  // is not one [tokens, H] array (the nvlink backward's blocks arrive from several GPUs) gathers the rows there
+  // itself, then calls FromGatheredDy instead of ThroughDx. call.dy is not read then.
+  void* GatheredDy();
+  // ThroughDx after its gather.
+  ffi::Error FromGatheredDy(cudaStream_t stream);
   // gather x -> d_W_gu = x_perm^T dz per expert. After ThroughDx, on the same stream.
   ffi::Error GateUpWeightGradient(cudaStream_t stream);
 
@@ -39,6 +45,7 @@ class MoeBackward {
   cuda::Scratch scratch_;
   void* x_rows_ = nullptr;  // gathered x, for the last GEMM
   void* rows_h_ = nullptr;  // gathered dy, then the per-row dx
+  void* g_ = nullptr;       // dy @ W_d^T, then w * h
 };
 
 }  // namespace jmm

@@ -33,6 +33,7 @@ struct OverlappedShape {
   Group* group = nullptr;
   int first_rank = 0;  // the rank of shard 0: 0 when emulated, else the device's rank
   int ep = 0, shards = 0;
+  int sms = 0;  // the device's multiprocessors
   int64_t capacity = 0, hidden = 0, top_k = 0, experts = 0, intermediate = 0;
   int64_t tokens() const { return ep * capacity; }
   int64_t rows() const { return tokens() * top_k; }
@@ -66,6 +67,8 @@ class PushCall {
   // Shard i: DMA every block into `out` ([ep, C, row], source order), the peers' from the push slots and the own
   // from `own` (null: the caller writes out's own block itself), then release the slots to their peers.
   ffi::Error CopyOutAndRelease(int shard, const char* own, char* out);
+  // Shard i: release the push slots to their peers, once what the side stream has enqueued has read them.
+  ffi::Error Release(int shard);
   // Makes `stream` wait for everything enqueued on the side stream.
   ffi::Error Join(cudaStream_t stream);
 
