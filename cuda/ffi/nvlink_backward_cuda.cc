@@ -138,15 +138,11 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
     if (auto err = there.Push(i, at(d_returned, i, ep * block)); err.failure()) return err;
   }
   for (int i = 0; i < shards; ++i) {
-    const int me = there.rank(i);
     if (auto err = there.AwaitPushes(i); err.failure()) return err;
-    cuda::SourceBlocks slots{};
-    for (int s = 0; s < ep; ++s) {
-      if (s != me) slots.rows[s] = there.Slot(i, s);
+    if (auto err = there.GatherPeerRows(i, H, K, rows_of(i), source_offsets_of(i), E, dy_rows[i], shape.sms, nullptr);
+        err.failure()) {
+      return err;
     }
-    JMM_CUDA_TRY("nvlink backward peer dy gather",
-                 cuda::GatherSourceRows(slots, ((1u << ep) - 1) & ~(1u << me), ep, me, capacity, H, K, rows_of(i),
-                                        source_offsets_of(i), E, dy_rows[i], shape.sms, nullptr, there.side()));
     if (auto err = there.Release(i); err.failure()) return err;
   }
   for (int i = 0; i < shards; ++i) {
@@ -162,18 +158,15 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   for (MoeBackward& backward : backwards) {
     if (auto err = backward.FromGatheredDy(stream); err.failure()) return err;
   }
+  std::vector<const char*> dx_blocks(shards), own_dx(shards);
+  std::vector<char*> d_sends(shards);
+  for (int i = 0; i < shards; ++i) {
+    dx_blocks[i] = dxs[i];
+    own_dx[i] = dxs[i] + (shape.first_rank + i) * block;
+    d_sends[i] = at(*d_send, i, ep * block);
+  }
   PushCall push(*shape.workspace, *shape.group, shape.first_rank, shards, block, "nvlink backward dx");
-  if (auto err = push.Fork(stream); err.failure()) return err;
-  for (int i = 0; i < shards; ++i) {
-    if (auto err = push.Push(i, dxs[i]); err.failure()) return err;
-  }
-  for (int i = 0; i < shards; ++i) {
-    if (auto err = push.AwaitPushes(i); err.failure()) return err;
-    if (auto err = push.CopyOutAndRelease(i, dxs[i] + push.rank(i) * block, at(*d_send, i, ep * block));
-        err.failure()) {
-      return err;
-    }
-  }
+  if (auto err = push.PushAndCopyOut(stream, dx_blocks, own_dx, d_sends); err.failure()) return err;
   // Meanwhile, XLA's stream: each shard's d_w_gate_up GEMM.
   for (MoeBackward& backward : backwards) {
     if (auto err = backward.GateUpWeightGradient(stream); err.failure()) return err;

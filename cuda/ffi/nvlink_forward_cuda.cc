@@ -152,17 +152,16 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     if (auto err = push.Push(i, calls[i].send); err.failure()) return err;
   }
   for (int i = 0; i < shards; ++i) {
-    const int me = push.rank(i);
     if (auto err = push.AwaitPushes(i); err.failure()) return err;
-    cuda::SourceBlocks slots{};
-    for (int s = 0; s < ep; ++s) {
-      if (s != me) slots.rows[s] = push.Slot(i, s);
+    if (auto err = push.GatherPeerRows(i, H, K, calls[i].pair_of_row, calls[i].source_offsets, E, x_perms[i],
+                                       kSideSMs, group_counters[i]);
+        err.failure()) {
+      return err;
     }
-    JMM_CUDA_TRY("nvlink forward peer gather",
-                 cuda::GatherSourceRows(slots, ((1u << ep) - 1) & ~(1u << me), ep, me, capacity, H, K,
-                                        calls[i].pair_of_row, calls[i].source_offsets, E, x_perms[i],
-                                        kSideSMs, group_counters[i], push.side()));
-    if (auto err = push.CopyOutAndRelease(i, calls[i].send + me * block, calls[i].recv_x); err.failure()) return err;
+    if (auto err = push.CopyOutAndRelease(i, calls[i].send + push.rank(i) * block, calls[i].recv_x);
+        err.failure()) {
+      return err;
+    }
   }
 
   // XLA's stream: each shard's expert forward, its own rows first, on the SMs the side stream leaves.
@@ -194,15 +193,11 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                                      c.weights + s * capacity * K, capacity, K, H, ys[i] + s * block, stream));
     }
   }
+  std::vector<const char*> y_blocks(ys.begin(), ys.end()), no_own(shards, nullptr);
+  std::vector<char*> returned_blocks(shards);
+  for (int i = 0; i < shards; ++i) returned_blocks[i] = calls[i].returned;
   PushCall back(*shape.workspace, *shape.group, shape.first_rank, shards, block, "nvlink forward results");
-  if (auto err = back.Fork(stream); err.failure()) return err;
-  for (int i = 0; i < shards; ++i) {
-    if (auto err = back.Push(i, ys[i]); err.failure()) return err;
-  }
-  for (int i = 0; i < shards; ++i) {
-    if (auto err = back.AwaitPushes(i); err.failure()) return err;
-    if (auto err = back.CopyOutAndRelease(i, nullptr, calls[i].returned); err.failure()) return err;
-  }
+  if (auto err = back.PushAndCopyOut(stream, y_blocks, no_own, returned_blocks); err.failure()) return err;
   for (int i = 0; i < shards; ++i) {
     const ShardCall& c = calls[i];
     const int me = shape.first_rank + i;

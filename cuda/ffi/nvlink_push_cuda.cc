@@ -1,6 +1,8 @@
 // Stage 2's push protocol (contract and diagram in jmm/nvlink_push.h).
 #include "jmm/nvlink_push.h"
 
+#include "jmm/nvlink_forward.h"
+
 #include <cuda.h>
 
 #include <utility>
@@ -81,7 +83,17 @@ char* PushCall::PushSlot(int dest, int source) const {
   return group_.peers.staging[dest] + (ep_ + source) * workspace_.block_bytes;
 }
 
-const char* PushCall::Slot(int shard, int source) const { return PushSlot(rank(shard), source); }
+ffi::Error PushCall::GatherPeerRows(int shard, int64_t hidden, int64_t top_k, const int32_t* pair_of_row,
+                                    const int32_t* source_offsets, int64_t local_experts, void* rows_out, int sms,
+                                    uint64_t* group_counters) {
+  const int me = rank(shard);
+  cuda::SourceBlocks slots{};
+  for (int s : PeersOf(me)) slots.rows[s] = PushSlot(me, s);
+  const cuda::Status status =
+      cuda::GatherSourceRows(slots, ((1u << ep_) - 1) & ~(1u << me), ep_, me, block_ / (hidden * 2), hidden, top_k,
+                             pair_of_row, source_offsets, local_experts, rows_out, sms, group_counters, side_);
+  return status.empty() ? ffi::Error::Success() : Fail("gathering the peers' rows: " + status);
+}
 
 bool PushCall::Write(uint64_t* counter, uint64_t value) const {
   // DEFAULT flags: the write is fenced after the DMAs enqueued before it on the side stream.
@@ -154,6 +166,19 @@ ffi::Error PushCall::Release(int shard) {
     if (!Write(Signal(s, ReleasedSignal(ep_, me)), call_[shard])) {
       return Fail("cannot release shard " + std::to_string(s) + "'s push slot");
     }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error PushCall::PushAndCopyOut(cudaStream_t stream, const std::vector<const char*>& blocks,
+                                    const std::vector<const char*>& owns, const std::vector<char*>& outs) {
+  if (auto err = Fork(stream); err.failure()) return err;
+  for (int i = 0; i < shards_; ++i) {
+    if (auto err = Push(i, blocks[i]); err.failure()) return err;
+  }
+  for (int i = 0; i < shards_; ++i) {
+    if (auto err = AwaitPushes(i); err.failure()) return err;
+    if (auto err = CopyOutAndRelease(i, owns[i], outs[i]); err.failure()) return err;
   }
   return ffi::Error::Success();
 }

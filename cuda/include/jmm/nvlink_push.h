@@ -62,13 +62,22 @@ class PushCall {
   ffi::Error Push(int shard, const char* blocks);
   // Shard i: waits until every peer's block of this call is in this rank's push slots.
   ffi::Error AwaitPushes(int shard);
-  // The push slot of shard i that holds peer `source`'s block.
-  const char* Slot(int shard, int source) const;
+  // Shard i, on the side stream after AwaitPushes: gathers the rows of every (local expert, peer source) group
+  // from the push slots into `rows_out` (cuda::GatherSourceRows, jmm/nvlink_forward.h; blocks of C rows of `hidden`
+  // bf16), on `sms` SMs, counting each group's finished warps in `group_counters` when not null.
+  ffi::Error GatherPeerRows(int shard, int64_t hidden, int64_t top_k, const int32_t* pair_of_row,
+                            const int32_t* source_offsets, int64_t local_experts, void* rows_out, int sms,
+                            uint64_t* group_counters);
   // Shard i: DMA every block into `out` ([ep, C, row], source order), the peers' from the push slots and the own
   // from `own` (null: the caller writes out's own block itself), then release the slots to their peers.
   ffi::Error CopyOutAndRelease(int shard, const char* own, char* out);
   // Shard i: release the push slots to their peers, once what the side stream has enqueued has read them.
   ffi::Error Release(int shard);
+  // The whole call for blocks that only travel (the forward's results, the backward's dx): Fork off `stream`, every
+  // shard's Push of `blocks[i]`, then every shard's AwaitPushes and CopyOutAndRelease(i, owns[i], outs[i]). The
+  // caller's work on `stream` runs beside it until Join.
+  ffi::Error PushAndCopyOut(cudaStream_t stream, const std::vector<const char*>& blocks,
+                            const std::vector<const char*>& owns, const std::vector<char*>& outs);
   // Makes `stream` wait for everything enqueued on the side stream.
   ffi::Error Join(cudaStream_t stream);
 
