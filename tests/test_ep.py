@@ -392,3 +392,29 @@ def test_under_vmap_over_the_expert_axis(shards):
     merge = lambda a: a.reshape((-1,) + a.shape[2:])
     for name, got, want in zip(("y", "dx", "d_weights", "d_w_gate_up", "d_w_down"), (y, *grads), (y_mesh, *grads_mesh)):
         np.testing.assert_array_equal(np.asarray(merge(got)), np.asarray(want), err_msg=name)
+
+
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "empty"])
+def test_uncompacted_plan_keeps_each_token_at_its_index(routing):
+    """`make_plan(compact=False)`: token t takes slot t at every destination it is sent to, so dispatch_rows gives
+    x with the rows of the tokens not sent zeroed, and `sum_blocks` over result blocks that are zero there equals
+    `combine_rows` bit for bit (what stage 2's overlapped calls rely on when they take x itself as every block)."""
+    from jax_megamoe.parallel.plan import make_plan
+    from jax_megamoe.parallel.rows import combine_rows, dispatch_rows, sum_blocks
+    ep, tokens = 4, 24
+    rng = rng_for("uncompacted", routing)
+    _, ids = make_routing(rng, tokens, routing)
+    compact = make_plan(jnp.asarray(ids), ep, EXPERTS // ep, tokens * TOP_K, tokens)
+    plan = make_plan(jnp.asarray(ids), ep, EXPERTS // ep, tokens * TOP_K, tokens, compact=False)
+    sent = np.asarray(compact.slot) >= 0
+    index = np.broadcast_to(np.arange(tokens)[:, None], (tokens, ep))
+    np.testing.assert_array_equal(plan.slot, np.where(sent, index, -1))
+    np.testing.assert_array_equal(plan.token, np.where(sent.T, index.T, tokens))
+    np.testing.assert_array_equal(plan.row_counts, compact.row_counts)
+    x = jnp.asarray(rng.standard_normal((tokens, HIDDEN)), jnp.bfloat16)
+    blocks = dispatch_rows(x, plan.token, plan.slot)
+    np.testing.assert_array_equal(blocks, np.where(sent.T[..., None], np.asarray(x)[None], 0))
+    results = jnp.asarray(rng.standard_normal((ep, tokens, HIDDEN)) * sent.T[..., None], jnp.bfloat16)
+    np.testing.assert_array_equal(sum_blocks(results), combine_rows(results, plan.slot, plan.token))
+    with pytest.raises(ValueError, match="uncompacted rows need a slot per token"):
+        make_plan(jnp.asarray(ids), ep, EXPERTS // ep, tokens * TOP_K, tokens - 1, compact=False)

@@ -292,15 +292,20 @@ def test_overlapped_calls_emit_the_ffi_contract(cuda_lowering, monkeypatch):
         assert not custom_call_types(text, target)
 
 
-@pytest.mark.parametrize("overlap, fused, exchanges", [(True, 1, 3), (False, 0, 7)])
-def test_moe_ffn_ep_takes_the_overlapped_calls_when_asked(cuda_lowering, monkeypatch, overlap, fused, exchanges):
+@pytest.mark.parametrize("overlap, capacity_factor, fused, exchanges, blocks", [
+    (True, None, 1, 3, "1x8"),     # dropless: x itself is every destination's block
+    (True, 0.5, 1, 3, "2x4"),      # C = 4 < T: compacted send blocks
+    (False, None, 0, 7, None)])
+def test_moe_ffn_ep_takes_the_overlapped_calls_when_asked(cuda_lowering, monkeypatch, overlap, capacity_factor, fused,
+                                                          exchanges, blocks):
     """`moe_ffn_ep`'s nvlink path with the local experts on CUDA, bf16: overlap=True calls the fused forward and
     backward once each and exchanges the ids and weights out and the weights' cotangent back (3); stage 1 also
-    the rows, the results, and their cotangents (7)."""
+    the rows, the results, and their cotangents (7). The fused calls take x as their one block ([1, T, H]) and the
+    cotangent of y likewise when every token has a slot, else [ep, C, H] blocks."""
     from jax_megamoe.parallel import ep
     monkeypatch.setattr(ep, "resolve_backend", lambda backend: "cuda")  # as on a GPU
     ranks, tokens, hidden, inter, experts, top_k = 2, 8, 16, 8, 4, 2
-    per_shard = functools.partial(jmm.moe_ffn_ep, axis_name="expert", backend="nvlink",
+    per_shard = functools.partial(jmm.moe_ffn_ep, axis_name="expert", backend="nvlink", capacity_factor=capacity_factor,
                                   workspace=stand_in_workspace(ranks, overlap))
 
     def forward_backward(x, weights, ids, w_gate_up, w_down):
@@ -314,6 +319,9 @@ def test_moe_ffn_ep_takes_the_overlapped_calls_when_asked(cuda_lowering, monkeyp
         ((ranks, experts // ranks, inter, hidden), jnp.bfloat16))
     assert len(custom_call_types(text, "jmm_cuda_nvlink_moe_forward")) == fused
     assert len(custom_call_types(text, "jmm_cuda_nvlink_moe_backward")) == fused
+    for target in ("jmm_cuda_nvlink_moe_forward", "jmm_cuda_nvlink_moe_backward")[:fused * 2]:
+        [(operands, _)] = custom_call_types(text, target)
+        assert operands[0] == f"{ranks}x{blocks}x{hidden}xbf16"
     # Stage 1: moe_ffn's backward, on this machine's platform (the local backend resolves on its own).
     assert bool(re.search(r"@jmm_c[a-z]*_moe_backward", text)) == (not fused)
     assert len(custom_call_types(text, "jmm_cuda_nvlink_exchange")) == exchanges

@@ -12,9 +12,11 @@
 //         there ─ wait: every peer's dx pushed here ─ DMA them and my own block into d_send ─ stream-write
 //         `released` into each peer ─ join
 //
-// Both transfers are stage 2's push protocol (jmm/nvlink_push.h), one push call each. The dy rows are gathered from
-// their source blocks as the forward gathers x's (GatherSourceRows, by source_offsets), into the rows MoeBackward
-// would gather them to, so nothing copies the blocks out first. A push moves a whole block of
+// Both transfers are stage 2's push protocol (jmm/nvlink_push.h), one push call each. d_returned may be one block
+// for every source (the cotangent of the results' sum, when the forward took x itself as every destination's block):
+// then that block goes to every peer. The dy rows are gathered from their source blocks as the forward gathers x's
+// (GatherSourceRows, by source_offsets), into the rows MoeBackward would gather them to, so nothing copies the
+// blocks out first. A push moves a whole block of
 // C rows: the cotangent of a returned row past the live ones is zero (the source's combine reads only live rows), and
 // the received rows past the live ones have no pairs (their ids are the exchange's -1 fill), so their dx is zero:
 // both as the exchanges' fill. Emulated workspaces run every shard of the call: each push call's pushes for every
@@ -66,7 +68,7 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                              int64_t workspace_id, std::string_view gemm_tiles) {
   OverlappedShape shape;
   if (auto err = ReadOverlappedShape(workspace_id, device, recv_x, weights, w_gate_up, w_down,
-                                     "nvlink overlapped backward", "recv_x", &shape);
+                                     "nvlink overlapped backward", "recv_x", /*one_block_allowed=*/false, &shape);
       err.failure()) {
     return err;
   }
@@ -78,7 +80,10 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   for (const ffi::AnyBuffer* b : {&d_returned, &gate_up}) {
     if (b->element_type() != ffi::BF16) return Invalid("d_returned and gate_up must be bfloat16");
   }
-  if (d_returned.size_bytes() != recv_x.size_bytes() || gate_up.element_count() != static_cast<size_t>(shards * rows * 2 * I) ||
+  // d_returned holds a block per source, or one for all of them (the cotangent of their sum).
+  const bool one_dy_block = ep > 1 && d_returned.size_bytes() * ep == recv_x.size_bytes();
+  if ((d_returned.size_bytes() != recv_x.size_bytes() && !one_dy_block) ||
+      gate_up.element_count() != static_cast<size_t>(shards * rows * 2 * I) ||
       row_of_pair.element_count() != static_cast<size_t>(shards * rows) ||
       pair_of_row.element_count() != static_cast<size_t>(shards * rows) ||
       source_offsets.element_count() != static_cast<size_t>(shards * (ep * E + 1)) ||
@@ -86,8 +91,8 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
       d_send->size_bytes() != recv_x.size_bytes() || d_weights->size_bytes() != weights.size_bytes() ||
       d_w_gate_up->size_bytes() != w_gate_up.size_bytes() || d_w_down->size_bytes() != w_down.size_bytes() ||
       dz->size_bytes() != gate_up.size_bytes()) {
-    return Invalid("d_returned, the layout or the result shapes disagree with recv_x [ep, C, H], weights [ep*C, K] "
-                   "and the weights");
+    return Invalid("d_returned [ep or 1, C, H], the layout or the result shapes disagree with recv_x [ep, C, H], "
+                   "weights [ep*C, K] and the expert weights");
   }
   const size_t shard_bytes = ShardWorkspaceBytes(tokens, K, H, I, E);
   if (scratch->element_count() < shards * shard_bytes) {
@@ -132,10 +137,12 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   // the gather of their dy rows on every SM, and the release. XLA's stream meanwhile gathers the own rows' dy.
   const auto rows_of = [&](int i) { return pair_of_row.typed_data() + i * rows; };
   const auto source_offsets_of = [&](int i) { return source_offsets.typed_data() + i * (ep * E + 1); };
+  const int64_t dy_stride = one_dy_block ? 0 : block;
+  const auto dy_blocks = [&](int i) { return at(d_returned, i, (one_dy_block ? 1 : ep) * block); };
   PushCall there(*shape.workspace, *shape.group, shape.first_rank, shards, block, "nvlink backward dy");
   if (auto err = there.Fork(stream); err.failure()) return err;
   for (int i = 0; i < shards; ++i) {
-    if (auto err = there.Push(i, at(d_returned, i, ep * block)); err.failure()) return err;
+    if (auto err = there.Push(i, dy_blocks(i), dy_stride); err.failure()) return err;
   }
   for (int i = 0; i < shards; ++i) {
     if (auto err = there.AwaitPushes(i); err.failure()) return err;
@@ -148,7 +155,7 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   for (int i = 0; i < shards; ++i) {
     const int me = there.rank(i);
     cuda::SourceBlocks own{};
-    own.rows[me] = at(d_returned, i, ep * block) + me * block;
+    own.rows[me] = dy_blocks(i) + me * dy_stride;
     JMM_CUDA_TRY("nvlink backward own dy gather",
                  cuda::GatherSourceRows(own, 1u << me, ep, me, capacity, H, K, rows_of(i), source_offsets_of(i), E,
                                         dy_rows[i], shape.sms, nullptr, stream));
@@ -184,7 +191,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_backward, jmm::nvlink::NvlinkM
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()                // d_returned [ep, C, H]
+                                  .Arg<xla::ffi::AnyBuffer>()                // d_returned [ep or 1, C, H]
                                   .Arg<xla::ffi::AnyBuffer>()                // recv_x [ep, C, H]
                                   .Arg<xla::ffi::AnyBuffer>()                // weights [ep*C, K] f32
                                   .Arg<xla::ffi::AnyBuffer>()                // w_gate_up [E, H, 2I]

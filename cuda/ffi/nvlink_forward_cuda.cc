@@ -17,6 +17,8 @@
 // combine of the shard's own tokens. The results of received rows past the live ones are zero (they have no pairs),
 // as the reverse exchange's fill. A push moves a whole block (C rows; its size is fixed on the
 // host): the rows past the live ones are dispatch_rows' zero fill, so recv_x equals the exchange's, fill included.
+// `send` may also be one block, x itself, for every destination (an uncompacted plan, C = T): the rows of tokens not
+// sent to a destination then carry data there, but no pair reads them, so their results are zero all the same.
 // The per-group counters live in the call's own workspace result, zeroed on S before the fork: nothing outside
 // this call reads or writes them, so they need no epochs. The GEMM runs on all SMs but kSideSMs; its waits only lag
 // when the side stream's do, and trap after the same bound.
@@ -64,7 +66,8 @@ ffi::Error Invalid(const std::string& message) { return InvalidArgument("nvlink 
 
 // One shard's operands and results.
 struct ShardCall {
-  const char* send;
+  const char* send;      // block d at send + d * send_stride
+  int64_t send_stride;   // 0 when one block goes to every destination
   const float* weights;
   const char *w_gate_up, *w_down;
   const int32_t *row_of_pair, *pair_of_row, *source_offsets, *expert_offsets;
@@ -81,7 +84,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             int64_t workspace_id, std::string_view gemm_tiles) {
   OverlappedShape shape;
   if (auto err = ReadOverlappedShape(workspace_id, device, send, weights, w_gate_up, w_down,
-                                     "nvlink overlapped forward", "send", &shape);
+                                     "nvlink overlapped forward", "send", /*one_block_allowed=*/true, &shape);
       err.failure()) {
     return err;
   }
@@ -94,9 +97,10 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
       pair_of_row.element_count() != static_cast<size_t>(shards * rows) ||
       source_offsets.element_count() != static_cast<size_t>(shards * (groups + 1)) ||
       expert_offsets.element_count() != static_cast<size_t>(shards * (E + 1)) ||
-      recv_x->size_bytes() != send.size_bytes() || returned->size_bytes() != send.size_bytes() ||
+      recv_x->size_bytes() != returned->size_bytes() ||
+      send.size_bytes() * (shape.one_block ? ep : 1) != recv_x->size_bytes() ||
       gate_up->element_count() != static_cast<size_t>(shards * rows * 2 * I)) {
-    return Invalid("the layout or result shapes disagree with send [ep, C, H] and weights [ep*C, K]");
+    return Invalid("the layout or result shapes disagree with send [ep or 1, C, H] and weights [ep*C, K]");
   }
   const size_t shard_bytes = ShardWorkspaceBytes(tokens, rows, H, I, groups);
   if (scratch->element_count() < shards * shard_bytes) {
@@ -105,10 +109,11 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   }
   if (send.size_bytes() == 0) return ffi::Error::Success();
 
-  const int64_t block = capacity * H * 2;
+  const int64_t block = capacity * H * 2, send_stride = shape.one_block ? 0 : block;
   std::vector<ShardCall> calls(shards);
   for (int i = 0; i < shards; ++i) {
-    calls[i] = ShardCall{static_cast<const char*>(send.untyped_data()) + i * ep * block,
+    calls[i] = ShardCall{static_cast<const char*>(send.untyped_data()) + i * (shape.one_block ? 1 : ep) * block,
+                         send_stride,
                          static_cast<const float*>(weights.untyped_data()) + i * tokens * K,
                          static_cast<const char*>(w_gate_up.untyped_data()) + i * E * H * 2 * I * 2,
                          static_cast<const char*>(w_down.untyped_data()) + i * E * I * H * 2,
@@ -149,7 +154,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   // Side stream: every shard's push, then each shard's wait for its peers' rows, their gather for the GEMM, their
   // copy into recv_x (the backward's operand) and their release.
   for (int i = 0; i < shards; ++i) {
-    if (auto err = push.Push(i, calls[i].send); err.failure()) return err;
+    if (auto err = push.Push(i, calls[i].send, calls[i].send_stride); err.failure()) return err;
   }
   for (int i = 0; i < shards; ++i) {
     if (auto err = push.AwaitPushes(i); err.failure()) return err;
@@ -158,7 +163,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
         err.failure()) {
       return err;
     }
-    if (auto err = push.CopyOutAndRelease(i, calls[i].send + push.rank(i) * block, calls[i].recv_x);
+    if (auto err = push.CopyOutAndRelease(i, calls[i].send + push.rank(i) * calls[i].send_stride, calls[i].recv_x);
         err.failure()) {
       return err;
     }
@@ -171,7 +176,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     const int me = shape.first_rank + i;
     cuda::Scratch alloc = cursors[i].scratch();
     cuda::SourceBlocks own{};
-    own.rows[me] = c.send + me * block;
+    own.rows[me] = c.send + me * c.send_stride;
     JMM_CUDA_TRY("nvlink forward own gather",
                  cuda::GatherSourceRows(own, 1u << me, ep, me, capacity, H, K, c.pair_of_row, c.source_offsets, E,
                                         x_perms[i], shape.sms, nullptr, stream));
@@ -218,7 +223,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_forward, jmm::nvlink::NvlinkMo
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()                // send [ep, C, H]
+                                  .Arg<xla::ffi::AnyBuffer>()                // send [ep or 1, C, H]
                                   .Arg<xla::ffi::AnyBuffer>()                // weights [ep*C, K] f32
                                   .Arg<xla::ffi::AnyBuffer>()                // w_gate_up [E, H, 2I]
                                   .Arg<xla::ffi::AnyBuffer>()                // w_down [E, I, H]

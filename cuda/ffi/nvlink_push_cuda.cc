@@ -12,7 +12,7 @@ namespace jmm::nvlink {
 ffi::Error ReadOverlappedShape(int64_t workspace_id, int device, const ffi::AnyBuffer& blocks,
                                const ffi::AnyBuffer& weights, const ffi::AnyBuffer& w_gate_up,
                                const ffi::AnyBuffer& w_down, const std::string& what, const std::string& blocks_name,
-                               OverlappedShape* shape) {
+                               bool one_block_allowed, OverlappedShape* shape) {
   const auto invalid = [&](const std::string& message) { return InvalidArgument(what + ": " + message); };
   Workspace* workspace = FindOpen(workspace_id);
   if (workspace == nullptr) return invalid("workspace " + std::to_string(workspace_id) + " is closed or unknown");
@@ -26,10 +26,12 @@ ffi::Error ReadOverlappedShape(int64_t workspace_id, int device, const ffi::AnyB
   const size_t lead = workspace->emulated ? 1 : 0;
   const auto bd = blocks.dimensions(), wd = weights.dimensions(), gd = w_gate_up.dimensions(), dd = w_down.dimensions();
   if (bd.size() != lead + 3 || wd.size() != lead + 2 || gd.size() != lead + 3 || dd.size() != lead + 3 ||
-      (lead && (bd[0] != ep || wd[0] != ep || gd[0] != ep || dd[0] != ep)) || bd[lead] != ep) {
+      (lead && (bd[0] != ep || wd[0] != ep || gd[0] != ep || dd[0] != ep)) ||
+      !(bd[lead] == ep || (one_block_allowed && bd[lead] == 1))) {
     return invalid(workspace->emulated ? "an emulated workspace of " + std::to_string(ep) +
                                              " shards needs every operand batched over the shards (jax.vmap)"
-                                       : blocks_name + " must be [" + std::to_string(ep) + ", C, H]");
+                                       : blocks_name + " must be [" + std::to_string(ep) + ", C, H]" +
+                                             (one_block_allowed ? " or [1, C, H]" : ""));
   }
   OverlappedShape s;
   s.workspace = workspace;
@@ -37,6 +39,7 @@ ffi::Error ReadOverlappedShape(int64_t workspace_id, int device, const ffi::AnyB
   s.first_rank = workspace->emulated ? 0 : rank;
   s.ep = ep;
   s.shards = workspace->emulated ? ep : 1;
+  s.one_block = bd[lead] == 1 && ep > 1;
   if (cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || s.sms <= 0) {
     return invalid("cannot read GPU " + std::to_string(device) + "'s multiprocessor count");
   }
@@ -118,7 +121,7 @@ ffi::Error PushCall::Fork(cudaStream_t stream) {
   return ffi::Error::Success();
 }
 
-ffi::Error PushCall::Push(int shard, const char* blocks) {
+ffi::Error PushCall::Push(int shard, const char* blocks, int64_t stride) {
   const int me = rank(shard);
   const uint64_t f = call_[shard];
   std::vector<const uint64_t*> released;
@@ -128,7 +131,7 @@ ffi::Error PushCall::Push(int shard, const char* blocks) {
     return Fail("waiting for the peers' push slots: " + status);
   }
   for (int d : PeersOf(me)) {
-    if (cudaMemcpyAsync(PushSlot(d, me), blocks + d * block_, block_, cudaMemcpyDefault, side_) != cudaSuccess ||
+    if (cudaMemcpyAsync(PushSlot(d, me), blocks + d * stride, block_, cudaMemcpyDefault, side_) != cudaSuccess ||
         !Write(Signal(d, PushedSignal(ep_, me)), f)) {
       return Fail("cannot enqueue the push to shard " + std::to_string(d));
     }
@@ -174,7 +177,7 @@ ffi::Error PushCall::PushAndCopyOut(cudaStream_t stream, const std::vector<const
                                     const std::vector<const char*>& owns, const std::vector<char*>& outs) {
   if (auto err = Fork(stream); err.failure()) return err;
   for (int i = 0; i < shards_; ++i) {
-    if (auto err = Push(i, blocks[i]); err.failure()) return err;
+    if (auto err = Push(i, blocks[i], block_); err.failure()) return err;
   }
   for (int i = 0; i < shards_; ++i) {
     if (auto err = AwaitPushes(i); err.failure()) return err;

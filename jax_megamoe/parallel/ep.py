@@ -10,7 +10,8 @@ and `moe_ffn` runs on the tokens directly. On the nvlink transport, where it app
 (`nvlink_experts.overlap_applies`), the rows' exchange, `moe_ffn`'s forward and the results' return are one call
 that runs the rows' exchange beside the GEMM of the shard's own rows, and the backward's two exchanges and
 `moe_ffn`'s backward are one call that sends the rows' cotangent back beside the last GEMM (stage 2), with the same
-results bit for bit.
+results bit for bit. Those calls move whole blocks, so when every token has a slot they take x itself as every
+destination's block (an uncompacted plan) instead of building send blocks.
 """
 
 from __future__ import annotations
@@ -148,13 +149,19 @@ def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_l
         x, weights, experts, w_gate_up_local, w_down_local, num_experts=local_experts * ep)
 
     pair_capacity, row_capacity = capacities(tokens, top_k, ep, capacity_factor)
-    plan = make_plan(experts, ep, local_experts, pair_capacity, row_capacity)
+    hidden, inter = x.shape[1], w_down_local.shape[1]
+    overlapped = ep > 1 and transport_name == "nvlink" and nvlink_experts.overlap_applies(
+        workspace, resolve_backend(local_backend), x.dtype, hidden, inter)
+    # The overlapped calls push whole blocks, so compacting the rows buys nothing once every token has a slot
+    # (C = T): then each block is x itself and no send blocks are built.
+    x_as_blocks = overlapped and row_capacity == tokens
+    plan = make_plan(experts, ep, local_experts, pair_capacity, row_capacity, compact=not x_as_blocks)
     if ep == 1:  # nothing moves: moe_ffn itself, bit for bit, minus the pairs over capacity
         kept_ids = experts if capacity_factor is None else jnp.where(plan.pair_mask[..., 0], experts, INVALID_EXPERT)
         y = moe_ffn(x, weights, kept_ids, w_gate_up_local, w_down_local, backend=local_backend)
     else:
         y = _exchange_and_compute(x, weights, plan, w_gate_up_local, w_down_local, axis_name, transport_name,
-                                  local_backend, workspace)
+                                  local_backend, workspace, overlapped, x_as_blocks)
     if not return_stats:
         return y
     counts = jnp.stack([plan.kept_counts, plan.dropped_counts], axis=1)              # [ep, 2, E_local]
@@ -163,32 +170,37 @@ def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_l
 
 
 def _exchange_and_compute(x, weights, plan, w_gate_up_local, w_down_local, axis_name, transport_name,
-                          local_backend, workspace):
+                          local_backend, workspace, overlapped, x_as_blocks):
     """Rows out to their expert shards, the local experts on what arrives, results back, summed per token.
 
     With stage 2's overlapped calls (nvlink, `nvlink_experts.overlap_applies`) the ids and weights go first and
     one call moves the rows, runs the local experts and brings the results back (in the backward, one call moves
-    the results' cotangent, runs the experts' backward and sends the rows' cotangent back); the combine is the same.
+    the results' cotangent, runs the experts' backward and sends the rows' cotangent back); with `x_as_blocks`
+    (an uncompacted plan) x itself is every destination's block, and the call sums the results too.
     """
     ep, row_capacity = plan.token.shape
-    local_experts, hidden, two_inter = w_gate_up_local.shape
+    local_experts = w_gate_up_local.shape[0]
     row_ids, row_weights = row_routing(plan, weights, local_experts)
-    recv_counts = transport.all_to_all_blocks(plan.row_counts, axis_name)
+    if x_as_blocks:  # rows sit at their token's index: the exchanges move whole blocks
+        send_counts = recv_counts = jnp.full((ep,), row_capacity, jnp.int32)
+    else:
+        send_counts, recv_counts = plan.row_counts, transport.all_to_all_blocks(plan.row_counts, axis_name)
 
     def there(buffer, fill_value=0):
-        return transport.exchange(buffer, plan.row_counts, recv_counts, axis_name, transport_name, fill_value,
+        return transport.exchange(buffer, send_counts, recv_counts, axis_name, transport_name, fill_value,
                                   workspace)
 
     def back(buffer):
-        return transport.exchange(buffer, recv_counts, plan.row_counts, axis_name, transport_name,
+        return transport.exchange(buffer, recv_counts, send_counts, axis_name, transport_name,
                                   workspace=workspace)
 
-    overlapped = transport_name == "nvlink" and nvlink_experts.overlap_applies(
-        workspace, resolve_backend(local_backend), x.dtype, hidden, two_inter // 2)
-    send = dispatch_rows(x, plan.token, plan.slot)
+    send = None if x_as_blocks else dispatch_rows(x, plan.token, plan.slot)
     recv_x = None if overlapped else there(send)  # stage 1: the rows go first, as they always have
     recv_ids = there(_gather_rows(row_ids, plan.token, INVALID_EXPERT), INVALID_EXPERT)
     recv_weights = there(_gather_rows(row_weights, plan.token, 0))
+    if x_as_blocks:
+        return nvlink_experts.overlapped_experts_on_tokens(x, recv_ids, recv_weights, w_gate_up_local, w_down_local,
+                                                           workspace)
     if overlapped:
         returned = nvlink_experts.overlapped_experts(send, recv_ids, recv_weights, w_gate_up_local, w_down_local,
                                                      workspace)

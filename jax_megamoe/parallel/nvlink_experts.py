@@ -25,6 +25,7 @@ import numpy as np
 from jax_megamoe import _ffi
 from jax_megamoe.ops.moe import GEMM_TILES_ENV, Layout, moe_layout
 from jax_megamoe.parallel import nvlink
+from jax_megamoe.parallel.rows import sum_blocks
 
 TENSOR_CORE_MULTIPLE = 8  # H and I multiples of this run the bf16 tensor-core GEMMs (UseTensorCores, moe_cuda.h)
 
@@ -55,7 +56,7 @@ def overlapped_experts(send: jax.Array, recv_ids: jax.Array, recv_weights: jax.A
                        w_down: jax.Array, workspace: nvlink.NvlinkWorkspace) -> jax.Array:
     """The rows `send` there, `moe_ffn` on them, their results back: the rows' exchange beside the own rows'
     gate_up GEMM, the results' push beside the own tokens' combine, and in the backward the results' cotangent
-    there and the rows' cotangent back beside the d_w_gate_up GEMM.
+    there beside the own rows' gather and the rows' cotangent back beside the d_w_gate_up GEMM.
 
     Equals `nvlink.exchange(moe_ffn(nvlink.exchange(send, send_counts, recv_counts, workspace), recv_weights,
     recv_ids, ...), recv_counts, send_counts, workspace)` with the blocks flattened to rows for `moe_ffn`, bit for
@@ -73,21 +74,40 @@ def overlapped_experts(send: jax.Array, recv_ids: jax.Array, recv_weights: jax.A
     Returns the results of this shard's rows `[ep, C, H]`: block d from shard d, each row summed over its pairs
     there.
     """
-    ep, capacity, hidden = send.shape
-    workspace.check_fits(capacity, hidden * send.dtype.itemsize)
+    return _overlapped(*_operands(send, recv_ids, recv_weights, w_gate_up, w_down, workspace), workspace, False)
+
+
+def overlapped_experts_on_tokens(x: jax.Array, recv_ids: jax.Array, recv_weights: jax.Array, w_gate_up: jax.Array,
+                                 w_down: jax.Array, workspace: nvlink.NvlinkWorkspace) -> jax.Array:
+    """`overlapped_experts` with `x [T, H]` itself as every destination's block, its results summed per token:
+    `rows.sum_blocks(overlapped_experts(send, ...))` where `send[d]` is x with the rows not sent to d zeroed, bit
+    for bit, without building `send` or, in the backward, the blocks of the results' cotangent.
+
+    For uncompacted plans (`plan.make_plan(compact=False)`): token t is row t of every block, and a token not sent
+    to d has no pairs there (`recv_ids` -1), so its row there is never read, and its result and cotangent there
+    are zero, which is what the zeroed row would have given.
+    """
+    return _overlapped(*_operands(x[None], recv_ids, recv_weights, w_gate_up, w_down, workspace), workspace, True)
+
+
+def _operands(blocks, recv_ids, recv_weights, w_gate_up, w_down, workspace):
+    ep, capacity, _ = recv_ids.shape
+    workspace.check_fits(capacity, blocks.shape[2] * blocks.dtype.itemsize)
     weights = recv_weights.reshape(ep * capacity, -1).astype(jnp.float32)
-    args = _ffi.vary_alike(send, fine_keys(recv_ids), weights, w_gate_up, w_down)
-    return _overlapped(*args, workspace)
+    return _ffi.vary_alike(blocks, fine_keys(recv_ids), weights, w_gate_up, w_down)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _overlapped(send, keys, weights, w_gate_up, w_down, workspace):
-    return _overlapped_fwd(send, keys, weights, w_gate_up, w_down, workspace)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _overlapped(blocks, keys, weights, w_gate_up, w_down, workspace, summed):
+    return _overlapped_fwd(blocks, keys, weights, w_gate_up, w_down, workspace, summed)[0]
 
 
-def _overlapped_fwd(send, keys, weights, w_gate_up, w_down, workspace):
-    ep, _, hidden = send.shape
+def _overlapped_fwd(blocks, keys, weights, w_gate_up, w_down, workspace, summed):
+    """`blocks` [ep, C, H], or [1, C, H] for one block that every destination gets; `summed`: return the
+    results' sum over sources [C, H] instead of the blocks [ep, C, H]."""
+    _, capacity, hidden = blocks.shape
     rows, top_k = weights.shape
+    ep = rows // capacity
     local_experts, _, two_inter = w_gate_up.shape
     row_of_pair, pair_of_row, source_offsets = moe_layout(keys, local_experts * ep, "cuda")
     # Same row order as moe_layout(ids, E_local): a valid layout for moe_ffn's backward.
@@ -96,21 +116,24 @@ def _overlapped_fwd(send, keys, weights, w_gate_up, w_down, workspace):
     # handlers), dropped.
     workspace_bytes = _ffi.extension().cuda_workspace_bytes("nvlink_moe_forward", True, rows, top_k, hidden,
                                                             two_inter // 2, local_experts * ep)
-    shapes = (jax.ShapeDtypeStruct(send.shape, send.dtype), jax.ShapeDtypeStruct(send.shape, send.dtype),
-              jax.ShapeDtypeStruct((rows * top_k, two_inter), send.dtype),
+    block_shape = jax.ShapeDtypeStruct((ep, capacity, hidden), blocks.dtype)
+    shapes = (block_shape, block_shape, jax.ShapeDtypeStruct((rows * top_k, two_inter), blocks.dtype),
               jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
     recv_x, returned, gate_up, _ = _ffi.call(
-        "cuda", "nvlink_moe_forward", shapes, send, weights, w_gate_up, w_down,
+        "cuda", "nvlink_moe_forward", shapes, blocks, weights, w_gate_up, w_down,
         row_of_pair, pair_of_row, source_offsets, layout.expert_offsets, vmap_method="broadcast_all",
         workspace=np.int64(workspace.id), gemm_tiles=os.environ.get(GEMM_TILES_ENV, ""))
-    return returned, (recv_x, weights, w_gate_up, w_down, gate_up, layout, source_offsets)
+    out = sum_blocks(returned) if summed else returned
+    return out, (recv_x, weights, w_gate_up, w_down, gate_up, layout, source_offsets)
 
 
-def _overlapped_bwd(workspace, residuals, d_returned):
+def _overlapped_bwd(workspace, summed, residuals, d_out):
     recv_x, weights, w_gate_up, w_down, gate_up, layout, source_offsets = residuals
     ep, capacity, hidden = recv_x.shape
     local_experts, _, two_inter = w_gate_up.shape
     top_k = weights.shape[1]
+    # The sum's cotangent is every source's: one block of it serves them all.
+    d_returned = (d_out[None] if summed else d_out).astype(recv_x.dtype)
     # dz, the gradient of gate_up, is written over the saved gate_up (operand 5, result 4), as in moe_backward.
     workspace_bytes = _ffi.extension().cuda_workspace_bytes("nvlink_moe_backward", True, ep * capacity, top_k, hidden,
                                                             two_inter // 2, local_experts)
@@ -118,10 +141,11 @@ def _overlapped_bwd(workspace, residuals, d_returned):
               jax.ShapeDtypeStruct(w_gate_up.shape, w_gate_up.dtype), jax.ShapeDtypeStruct(w_down.shape, w_down.dtype),
               jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype), jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
     d_send, d_weights, d_w_gate_up, d_w_down, _, _ = _ffi.call(
-        "cuda", "nvlink_moe_backward", shapes, d_returned.astype(recv_x.dtype), recv_x, weights, w_gate_up, w_down, gate_up,
-        layout.row_of_pair, layout.pair_of_row, source_offsets, layout.expert_offsets, vmap_method="broadcast_all", input_output_aliases={5: 4}, workspace=np.int64(workspace.id),
-        gemm_tiles=os.environ.get(GEMM_TILES_ENV, ""))
-    return d_send, None, d_weights, d_w_gate_up, d_w_down
+        "cuda", "nvlink_moe_backward", shapes, d_returned, recv_x, weights, w_gate_up, w_down, gate_up,
+        layout.row_of_pair, layout.pair_of_row, source_offsets, layout.expert_offsets, vmap_method="broadcast_all",
+        input_output_aliases={5: 4}, workspace=np.int64(workspace.id), gemm_tiles=os.environ.get(GEMM_TILES_ENV, ""))
+    d_blocks = sum_blocks(d_send)[None] if summed else d_send
+    return d_blocks, None, d_weights, d_w_gate_up, d_w_down
 
 
 _overlapped.defvjp(_overlapped_fwd, _overlapped_bwd)

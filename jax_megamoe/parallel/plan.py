@@ -7,6 +7,10 @@ local expert FFN on the row with those pairs' local expert ids and routing weigh
 Capacity is counted in (token, k) pairs per (source shard, destination shard): each destination
 accepts at most `pair_capacity` pairs from each source, in (token, k) order; later pairs are dropped
 (contribute zero) and counted. Dropless means `pair_capacity = T * K`.
+
+Rows are compacted by default: the rows sent to shard d fill the first slots of its buffer, so a transport can
+move only those. A transport that moves whole buffers anyway (stage 2 of nvlink) asks for uncompacted rows when
+every token fits (`C = T`): token t keeps slot t in every buffer, so each buffer is x itself.
 """
 
 from __future__ import annotations
@@ -43,9 +47,14 @@ def capacities(tokens: int, top_k: int, ep: int, capacity_factor: float | None) 
     return pair_capacity, min(tokens, pair_capacity)
 
 
-def make_plan(experts: jax.Array, ep: int, local_experts: int, pair_capacity: int, row_capacity: int) -> Plan:
-    """Builds the dispatch plan from GLOBAL expert ids `[T, K]`; ids outside `[0, ep*E_local)` are ignored."""
+def make_plan(experts: jax.Array, ep: int, local_experts: int, pair_capacity: int, row_capacity: int,
+              compact: bool = True) -> Plan:
+    """Builds the dispatch plan from GLOBAL expert ids `[T, K]`; ids outside `[0, ep*E_local)` are ignored.
+
+    `compact=False` (needs `row_capacity == T`) gives token t slot t at every destination it is sent to."""
     tokens, top_k = experts.shape
+    if not compact and row_capacity != tokens:
+        raise ValueError(f"uncompacted rows need a slot per token: row_capacity {row_capacity} != tokens {tokens}")
     num_experts = ep * local_experts
     experts = experts.astype(jnp.int32)
     valid = (experts >= 0) & (experts < num_experts)
@@ -61,7 +70,11 @@ def make_plan(experts: jax.Array, ep: int, local_experts: int, pair_capacity: in
     pair_mask = to_dest & kept[..., None]
 
     row_sent = jnp.any(pair_mask, axis=1)                                           # [T, ep]
-    slot = jnp.where(row_sent, jnp.cumsum(row_sent.astype(jnp.int32), axis=0) - 1, -1)
+    if compact:
+        rank = jnp.cumsum(row_sent.astype(jnp.int32), axis=0) - 1
+    else:
+        rank = jnp.arange(tokens, dtype=jnp.int32)[:, None]
+    slot = jnp.where(row_sent, rank, -1)
     dest_index = jnp.broadcast_to(jnp.arange(ep, dtype=jnp.int32), (tokens, ep))
     token_index = jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32)[:, None], (tokens, ep))
     # Unsent (slot -1 -> row_capacity) writes fall off the end; each (d, c) gets at most one token.

@@ -31,13 +31,24 @@ def combine_rows(rows: jax.Array, slot: jax.Array, token: jax.Array) -> jax.Arra
 
     Accumulates in float32 (or wider) and returns `rows`' dtype. `rows [ep, C, F]` -> `[T, F]`.
     """
-    ep, capacity = rows.shape[:2]
+    capacity = rows.shape[1]
     slot = jnp.where(slot >= 0, slot, capacity)  # -1 would wrap around; `capacity` is out of range: zero
-    acc = jnp.zeros((slot.shape[0], rows.shape[2]), _accumulation_dtype(rows.dtype))
-    for d in range(ep):
-        part = rows[d].at[slot[:, d]].get(mode="fill", fill_value=0)
+    return _sum_in_order([rows[d].at[slot[:, d]].get(mode="fill", fill_value=0) for d in range(rows.shape[0])])
+
+
+def sum_blocks(rows: jax.Array) -> jax.Array:
+    """`out[t] = sum_d rows[d, t]` in order d = 0, 1, ...: `combine_rows` when every token sits at its own row
+    and the rows of the destinations that do not hold it are zero (uncompacted plans, `plan.make_plan`)."""
+    return _sum_in_order(list(rows))
+
+
+def _sum_in_order(parts: list[jax.Array]) -> jax.Array:
+    """The parts' sum accumulated in float32 (or wider) in list order, so that every way of combining rows
+    rounds alike; returns their dtype."""
+    acc = jnp.zeros(parts[0].shape, _accumulation_dtype(parts[0].dtype))
+    for part in parts:
         acc = acc + part.astype(acc.dtype)
-    return acc.astype(rows.dtype)
+    return acc.astype(parts[0].dtype)
 
 
 def _dispatch_fwd(x, token, slot):

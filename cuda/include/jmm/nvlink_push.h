@@ -34,19 +34,21 @@ struct OverlappedShape {
   int first_rank = 0;  // the rank of shard 0: 0 when emulated, else the device's rank
   int ep = 0, shards = 0;
   int sms = 0;  // the device's multiprocessors
+  bool one_block = false;  // the row blocks' operand holds one block, the same for every destination
   int64_t capacity = 0, hidden = 0, top_k = 0, experts = 0, intermediate = 0;
   int64_t tokens() const { return ep * capacity; }
   int64_t rows() const { return tokens() * top_k; }
 };
 
 // Finds the open workspace `workspace_id` and `device`'s group in it, and reads the sizes from the row blocks
-// `blocks` ([ep, C, H] bf16, named `blocks_name` in errors), `weights` ([ep * C, K] f32), `w_gate_up` ([E, H, 2I]
-// bf16) and `w_down` ([E, I, H] bf16), each with a leading [ep] when the workspace is emulated. Checks their dtypes,
-// that they agree, and that H and I suit the tensor-core GEMMs. `what` begins every error message.
+// `blocks` ([ep, C, H] bf16, or [1, C, H] when `one_block_allowed`; named `blocks_name` in errors), `weights`
+// ([ep * C, K] f32), `w_gate_up` ([E, H, 2I] bf16) and `w_down` ([E, I, H] bf16), each with a leading [ep] when the
+// workspace is emulated. Checks their dtypes, that they agree, and that H and I suit the tensor-core GEMMs. `what`
+// begins every error message.
 ffi::Error ReadOverlappedShape(int64_t workspace_id, int device, const ffi::AnyBuffer& blocks,
                                const ffi::AnyBuffer& weights, const ffi::AnyBuffer& w_gate_up,
                                const ffi::AnyBuffer& w_down, const std::string& what, const std::string& blocks_name,
-                               OverlappedShape* shape);
+                               bool one_block_allowed, OverlappedShape* shape);
 
 class PushCall {
  public:
@@ -58,8 +60,8 @@ class PushCall {
   // after the work already enqueued there.
   ffi::Error Fork(cudaStream_t stream);
   // Shard i: once every peer d has released its push slot for this rank's last call, DMA block d of `blocks`
-  // ([ep, C, row]) into it and signal it.
-  ffi::Error Push(int shard, const char* blocks);
+  // (block d at blocks + d * stride: stride 0 sends one block to every peer) into it and signal it.
+  ffi::Error Push(int shard, const char* blocks, int64_t stride);
   // Shard i: waits until every peer's block of this call is in this rank's push slots.
   ffi::Error AwaitPushes(int shard);
   // Shard i, on the side stream after AwaitPushes: gathers the rows of every (local expert, peer source) group
