@@ -95,7 +95,7 @@ def test_exchange_path_on_one_gpu(transport_name):
     def exchange_path(x, weights, ids, w_gate_up, w_down):
         plan = make_plan(ids, 1, experts, tokens * top_k, tokens)
         return ep_module._exchange_and_compute(x, weights, plan, w_gate_up, w_down, "expert", transport_name, "auto",
-                                               None)  # no nvlink workspace: the collective transports
+                                               workspace=None, overlapped=False, x_as_blocks=False)
 
     spec = P("expert")
     fn = jax.shard_map(exchange_path, mesh=Mesh(np.array(GPUS[:1]), ("expert",)), in_specs=(spec,) * 5,

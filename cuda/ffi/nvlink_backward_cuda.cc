@@ -158,7 +158,7 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
     own.rows[me] = dy_blocks(i) + me * dy_stride;
     JMM_CUDA_TRY("nvlink backward own dy gather",
                  cuda::GatherSourceRows(own, 1u << me, ep, me, capacity, H, K, rows_of(i), source_offsets_of(i), E,
-                                        dy_rows[i], shape.sms, nullptr, stream));
+                                        dy_rows[i], shape.sms - kPushSMs, nullptr, stream));
   }
   if (auto err = there.Join(stream); err.failure()) return err;
   // XLA's stream: each shard's backward up to its dx. Then the side stream sends the dx blocks back.

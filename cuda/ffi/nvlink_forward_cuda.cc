@@ -179,7 +179,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     own.rows[me] = c.send + me * c.send_stride;
     JMM_CUDA_TRY("nvlink forward own gather",
                  cuda::GatherSourceRows(own, 1u << me, ep, me, capacity, H, K, c.pair_of_row, c.source_offsets, E,
-                                        x_perms[i], shape.sms, nullptr, stream));
+                                        x_perms[i], shape.sms - kPushSMs, nullptr, stream));
     JMM_CUDA_TRY("nvlink forward gate_up GEMM",
                  cuda::GatedGateUpGemm(x_perms[i], c.w_gate_up, c.gate_up, c.source_offsets, ep, me, E, 2 * I, H,
                                        group_counters[i], cuda::GatherArrivalsPerGroup(kSideSMs),

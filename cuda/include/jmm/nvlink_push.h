@@ -27,6 +27,12 @@
 
 namespace jmm::nvlink {
 
+// SMs that a kernel launched on XLA's stream beside a push call's waits leaves free. The waits are one-block
+// kernels on the side stream; the gathers fill every SM they are given (one 1024-thread block each), so a gather on
+// all SMs launched first kept the dy push's wait off the GPU until the gather ended (2026-11-30 14:20 UTC timeline:
+// the push 150 us late on one GPU, its peer waiting 119 us for it).
+inline constexpr int kPushSMs = 1;
+
 // What both overlapped calls' handlers read first: the workspace, the device's group, and the shard sizes.
 struct OverlappedShape {
   Workspace* workspace = nullptr;
