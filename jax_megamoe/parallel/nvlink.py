@@ -124,9 +124,10 @@ class NvlinkWorkspace:
       overlap: stage 2's overlapped calls where they apply (bf16, tensor-core shapes, the cuda local backend;
         `nvlink_experts.py`): the rows go to the experts by the copy engines beside the gate_up GEMM of the
         shard's own rows, and their cotangent comes back beside the backward's last GEMM. It doubles the staging
-        memory (push slots). Measured at EP = 2, q30 on two H200s (benchmarks/RESULTS.md): forward 3-4% and
-        forward+backward 2-4% faster than stage 1 with uniform routing, within 1% of it with Zipf routing, level
-        with "xla"; 1000 steps beside NCCL collectives without a hang; across processes through CUDA IPC too.
+        memory (push slots). Measured at EP = 2, q30 on two H200s (benchmarks/RESULTS.md, 2026-11-30 14:26 UTC):
+        forward 11% and forward+backward 4% faster than "xla" with uniform routing, 6% and 1% with Zipf routing;
+        1000 steps beside NCCL collectives without a hang; across processes through CUDA IPC too. One open defect:
+        a first call that timed out once in a fresh process (docs/nvlink_design.md, "A first-call timeout").
         `overlap=False` keeps stage 1 everywhere (half the staging).
 
     With one process per GPU (`jax.distributed`), every process constructs it (in the same order as
