@@ -11,6 +11,7 @@ import functools
 import re
 import socket
 import types
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -344,3 +345,13 @@ def test_overlap_is_on_by_default_and_holds_across_processes(monkeypatch, other_
     mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
     nvlink.NvlinkWorkspace(mesh, "expert", max_tokens=4, hidden=8, top_k=1, **asked)
     assert created["overlap"] is expected
+
+
+def test_every_kernel_file_registers_its_module():
+    """The nvlink workspace loads the kernels of the modules registered through jmm/kernel_module.cuh; a .cu file
+    that does not include it would have its kernels loaded at their first launch, possibly while a peer GPU spins
+    (tests/test_nvlink_gpu.py::test_workspace_loads_every_kernel_of_the_library checks the loading itself)."""
+    kernel_files = sorted((Path(__file__).parents[1] / "cuda" / "kernels").glob("*.cu"))
+    assert kernel_files
+    missing = [f.name for f in kernel_files if '#include "jmm/kernel_module.cuh"' not in f.read_text()]
+    assert missing == []

@@ -18,10 +18,12 @@ real protocol (epochs, staging reuse, bounded waits) with R shards' memory on on
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -271,3 +273,31 @@ def test_missing_peer_fails_with_bounded_wait_message():
     assert proc.returncode != 0, output
     assert "finished" not in output
     assert "shard 0 timed out after 500 ms in phase 'receive (rows arrive)' waiting for shard 1" in output, output
+
+
+LOAD_COUNTS = textwrap.dedent("""
+    import json, jax
+    from jax_megamoe import _ffi
+    from jax_megamoe.parallel import nvlink
+    ext = _ffi.extension()
+    device = jax.devices()[0].local_hardware_id
+    before = ext.kernel_load_counts(device)
+    ws = nvlink.NvlinkWorkspace.emulated(2, max_tokens=8, hidden=64, top_k=1)
+    print(json.dumps({"before": before, "after": ext.kernel_load_counts(device)}))
+""")
+
+
+def test_workspace_loads_every_kernel_of_the_library():
+    """Under CUDA's lazy loading a kernel's first launch loads it, and a load may wait for the kernels running in the
+    process, which deadlocks with a peer spinning on this GPU's push (jmm/kernel_modules.h): the workspace loads
+    every kernel of the library, on each of its devices, when it is made. A fresh process, so that nothing of ours
+    has been loaded before."""
+    env = dict(os.environ, CUDA_MODULE_LOADING="LAZY")
+    proc = subprocess.run([sys.executable, "-c", LOAD_COUNTS], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    total, not_loaded = counts["before"]
+    kernel_files = len(list((Path(__file__).parents[1] / "cuda" / "kernels").glob("*.cu")))
+    assert total > kernel_files  # every file's anchor kernel, and the kernels beside it
+    assert not_loaded > 0, counts  # lazy loading is in effect, so the check below means something
+    assert counts["after"] == [total, 0], counts

@@ -8,6 +8,7 @@
 
 #include "jmm/handlers.h"
 #ifdef JMM_WITH_CUDA
+#include "jmm/kernel_modules.h"
 #include "jmm/moe_host.h"
 #include "jmm/nvlink_cuda.h"
 #endif
@@ -92,6 +93,17 @@ NB_MODULE(_ext, m) {
       },
       nb::arg("workspace"), nb::arg("group"), nb::arg("rank"), nb::arg("handles"),
       "Maps another process's rank of a group into this process.");
+  m.def(
+      "kernel_load_counts",
+      [](int device) {
+        jmm::cuda::KernelLoadCounts counts;
+        if (const std::string error = jmm::cuda::CountLoadedKernels(device, counts); !error.empty()) {
+          throw std::runtime_error("kernel_load_counts: " + error);
+        }
+        return nb::make_tuple(counts.total, counts.not_loaded);
+      },
+      nb::arg("device"),
+      "(kernels, not loaded yet) of the library's kernels on a CUDA device (jmm/kernel_modules.h).");
 #else
   m.attr("with_cuda") = false;
 #endif

@@ -12,8 +12,8 @@
 
 #include "jmm/ffi_common.h"
 #include "jmm/handlers.h"
+#include "jmm/kernel_modules.h"
 #include "jmm/nvlink_cuda.h"
-#include "jmm/nvlink_forward.h"
 #include "jmm/nvlink_workspace.h"
 
 namespace jmm::nvlink {
@@ -92,11 +92,11 @@ void Allocate(Group& group, int ranks, int64_t block_bytes, bool overlap) {
     Check(cudaStreamCreateWithFlags(&group.side_streams[r], cudaStreamNonBlocking), "creating the side stream");
     Check(cudaEventCreateWithFlags(&group.forks[r], cudaEventDisableTiming), "creating an event");
     Check(cudaEventCreateWithFlags(&group.joins[r], cudaEventDisableTiming), "creating an event");
-    for (const std::string& error : {LoadExchangeKernels(), cuda::LoadForwardKernels()}) {
-      if (!error.empty()) {
-        throw std::runtime_error("jax_megamoe nvlink workspace: loading the transport's kernels on GPU " +
-                                 std::to_string(group.devices[r]) + ": " + error);
-      }
+    // Every kernel of the library, not only the transport's: any of them may be launched for the first time while
+    // a peer waits (jmm/kernel_modules.h).
+    if (const std::string error = cuda::LoadAllKernels(); !error.empty()) {
+      throw std::runtime_error("jax_megamoe nvlink workspace: loading the library's kernels on GPU " +
+                               std::to_string(group.devices[r]) + ": " + error);
     }
   }
   for (int r = 0; r < ranks; ++r) {

@@ -3,6 +3,7 @@
 // plain FMAs (no tf32), so float32 results match the CPU kernels to float32 rounding.
 #include <cuda_bf16.h>
 
+#include "jmm/kernel_module.cuh"
 #include "jmm/moe_cuda.h"
 
 namespace jmm::cuda {

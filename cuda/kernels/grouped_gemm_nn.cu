@@ -1,5 +1,6 @@
 // bf16 row-grouped GEMM with both operands row-major, default tiles: x_perm @ W_gate_up and h @ W_down.
 #include "jmm/grouped_gemm_cutlass_cuda.h"
+#include "jmm/kernel_module.cuh"
 
 namespace jmm::cuda::cutlass_gemm {
 

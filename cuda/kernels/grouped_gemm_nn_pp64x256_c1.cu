@@ -1,6 +1,7 @@
 // bf16 row-grouped GEMM with both operands row-major (x_perm @ W_gate_up, h @ W_down),
 // tiles GemmTiles::kPingpong64x256Cluster1.
 #include "jmm/grouped_gemm_cutlass_cuda.h"
+#include "jmm/kernel_module.cuh"
 
 namespace jmm::cuda::cutlass_gemm {
 

@@ -1,5 +1,6 @@
 // bf16 row-grouped GEMM against transposed expert weights, default tiles: dy @ W_down^T and dz @ W_gate_up^T.
 #include "jmm/grouped_gemm_cutlass_cuda.h"
+#include "jmm/kernel_module.cuh"
 
 namespace jmm::cuda::cutlass_gemm {
 

@@ -1,6 +1,7 @@
 // bf16 row-grouped GEMM against transposed expert weights (dy @ W_down^T, dz @ W_gate_up^T),
 // tiles GemmTiles::kPingpong64x256Cluster1.
 #include "jmm/grouped_gemm_cutlass_cuda.h"
+#include "jmm/kernel_module.cuh"
 
 namespace jmm::cuda::cutlass_gemm {
 

@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 
 #include "jmm/device_math.cuh"
+#include "jmm/kernel_module.cuh"
 #include "jmm/moe_cuda.h"
 
 namespace jmm::cuda {

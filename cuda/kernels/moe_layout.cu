@@ -2,6 +2,7 @@
 // offsets read off the sorted keys. No atomics, no host synchronisation; dropped ids sort last.
 #include <cub/device/device_radix_sort.cuh>
 
+#include "jmm/kernel_module.cuh"
 #include "jmm/moe_cuda.h"
 
 namespace jmm::cuda {

@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "jmm/device_math.cuh"
+#include "jmm/kernel_module.cuh"
 #include "jmm/nvlink_cuda.h"
 
 namespace jmm::nvlink {
@@ -152,17 +153,6 @@ std::string EnqueueWaitForPeers(const std::vector<const uint64_t*>& counters, co
   WaitForPeers<<<1, 32, 0, stream>>>(wait, target, rank, rows_arrive, timeout_ns);
   const cudaError_t status = cudaGetLastError();
   return status == cudaSuccess ? std::string() : std::string(cudaGetErrorString(status));
-}
-
-std::string LoadExchangeKernels() {
-  cudaFuncAttributes attributes;
-  for (const void* kernel : {reinterpret_cast<const void*>(AdvanceEpochs), reinterpret_cast<const void*>(SendBlocks),
-                             reinterpret_cast<const void*>(ReceiveBlocks), reinterpret_cast<const void*>(WaitForPeers)}) {
-    if (const cudaError_t status = cudaFuncGetAttributes(&attributes, kernel); status != cudaSuccess) {
-      return cudaGetErrorString(status);
-    }
-  }
-  return {};
 }
 
 std::string EnqueueExchange(const Peers& peers, int ranks, int first_rank, const std::vector<Exchange>& calls,

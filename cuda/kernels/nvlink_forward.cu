@@ -1,6 +1,7 @@
 // Kernels of stage 2's overlapped forward; the contract is in jmm/nvlink_forward.h.
 #include "jmm/arrival_mainloop_sm90.hpp"
 #include "jmm/grouped_gemm_cutlass_cuda.h"
+#include "jmm/kernel_module.cuh"
 #include "jmm/nvlink_forward.h"
 
 namespace jmm::cuda {
@@ -149,18 +150,6 @@ Status GatedGateUpGemm(const void* x_perm, const void* w_gate_up, void* gate_up,
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
   return cg::LaunchGroupedGemm<GatedGemm>(args, scratch, stream);
-}
-
-std::string LoadForwardKernels() {
-  cudaFuncAttributes attributes;
-  for (const void* kernel : {reinterpret_cast<const void*>(GatherSourceRowsKernel),
-                             reinterpret_cast<const void*>(FillGatedGroups),
-                             reinterpret_cast<const void*>(cutlass::device_kernel<GatedGemm::Kernel>)}) {
-    if (const cudaError_t status = cudaFuncGetAttributes(&attributes, kernel); status != cudaSuccess) {
-      return cudaGetErrorString(status);
-    }
-  }
-  return {};
 }
 
 }  // namespace jmm::cuda

@@ -126,13 +126,17 @@ class NvlinkWorkspace:
         shard's own rows, and their cotangent comes back beside the backward's last GEMM. It doubles the staging
         memory (push slots). Measured at EP = 2, q30 on two H200s (benchmarks/RESULTS.md, 2026-11-30 14:26 UTC):
         forward 11% and forward+backward 4% faster than "xla" with uniform routing, 6% and 1% with Zipf routing;
-        1000 steps beside NCCL collectives without a hang; across processes through CUDA IPC too. One open defect:
-        a first call that timed out once in a fresh process (docs/nvlink_design.md, "A first-call timeout").
+        1000 steps beside NCCL collectives without a hang; across processes through CUDA IPC too.
         `overlap=False` keeps stage 1 everywhere (half the staging).
 
     With one process per GPU (`jax.distributed`), every process constructs it (in the same order as
     its other workspaces); the processes swap CUDA IPC handles through the distributed key-value store.
     An expert group spanning processes must have one GPU per process.
+
+    Making it loads every CUDA kernel of jax_megamoe on its devices: CUDA loads kernels lazily by default, and a
+    load can wait for running kernels, so a first launch beside a kernel that waits for a peer could stall both
+    until the wait's bound (docs/nvlink_design.md, "A first-call timeout"). Other libraries' kernels that a program
+    launches between the transport's calls are not covered; `CUDA_MODULE_LOADING=EAGER` covers them too.
     """
 
     _serial = 0  # multi-process workspaces made so far: names their key-value entries

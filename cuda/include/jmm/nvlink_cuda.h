@@ -54,13 +54,6 @@ struct Exchange {
 std::string EnqueueExchange(const Peers& peers, int ranks, int first_rank, const std::vector<Exchange>& calls,
                             int64_t block_bytes, int blocks_per_peer, uint64_t timeout_ns, cudaStream_t stream);
 
-// Loads the exchange's kernels on the current device. With CUDA's lazy module loading a kernel's first launch
-// loads it, and that load can wait for kernels already running on the device (seen 2026-11-30 with the gated
-// GEMM, docs/nvlink_design.md). An exchange's kernels wait for other GPUs' kernels, and NCCL's beside them wait
-// for theirs, so nothing of an exchange may be loaded at its first launch: the workspace loads them when it is
-// made, on each of its devices. Returns the CUDA error's text, or an empty string.
-std::string LoadExchangeKernels();
-
 // One rank's signal array: [0] epoch, [1 + s] arrived from s, [1 + ranks + d] freed by d (the exchange), then stage
 // 2's push protocol's (jmm/nvlink_push.h), whose values are overlapped-call counts f (the same on every rank; written
 // by stream writes of that value): [PushedSignal(s)] s's rows are in my push slot for call f, [ReleasedSignal(d)] d

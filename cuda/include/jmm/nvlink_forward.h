@@ -50,8 +50,4 @@ Status GatedGateUpGemm(const void* x_perm, const void* w_gate_up, void* gate_up,
 // Upper bound of what GatedGateUpGemm takes from Scratch for `groups` = ep * E_local groups.
 size_t GatedGateUpGemmScratchBytes(int64_t groups);
 
-// Loads this file's kernels on the current device (see LoadExchangeKernels: they run beside kernels that wait on
-// other GPUs, so their first launch must not be what loads them). An empty message means success.
-std::string LoadForwardKernels();
-
 }  // namespace jmm::cuda
