@@ -4,8 +4,9 @@
 // for bit, but moves the rows and the results by the copy engines and gathers the peers' rows beside the expert GEMM:
 //
 //   XLA's stream S ─ fork ───────────────────────────────────────────────────────────────────── wait(join) ─▶
-//     S:  gather own rows ─ gate_up GEMM: own groups at once, each peer group waits for its rows ─ SwiGLU ─ down ─
-//         combine the peers' tokens ─ fork ─ combine the own tokens into `returned`'s own block
+//     S:  gather own rows ─ gate_up GEMM: own groups at once, each peer group waits for its rows ─ SwiGLU ─ down
+//         GEMM of the peers' rows ─ combine the peers' tokens ─ fork ─ down GEMM of the own rows ─ combine the own
+//         tokens into `returned`'s own block
 //     S2: wait: peers released my push slots ─ DMA my block d into peer d's push slot, stream-write `pushed` there ─
 //         wait: every peer's rows pushed here ─ gather them group by group in the GEMM's order (one block on each of
 //         the 16 SMs the GEMM leaves), counting each group's finished warps ─ DMA them into recv_x (the backward's
@@ -14,7 +15,8 @@
 //
 // Both transfers are stage 2's push protocol (jmm/nvlink_push.h), one push call each: the copy engines move the
 // blocks, stream writes of the call count f signal them, and the waits are bounded. The results' push overlaps the
-// combine of the shard's own tokens. The results of received rows past the live ones are zero (they have no pairs),
+// own rows' down GEMM and the combine of the shard's own tokens. Both GEMMs use one fixed tile configuration (the
+// gated kernel's, 128 x 256 cooperative), not JMM_GEMM_TILES. The results of received rows past the live ones are zero (they have no pairs),
 // as the reverse exchange's fill. A push moves a whole block (C rows; its size is fixed on the
 // host): the rows past the live ones are dispatch_rows' zero fill, so recv_x equals the exchange's, fill included.
 // `send` may also be one block, x itself, for every destination (an uncompacted plan, C = T): the rows of tokens not
@@ -48,8 +50,8 @@ constexpr int kSideSMs = 16;
 size_t ShardWorkspaceBytes(int64_t tokens, int64_t rows, int64_t hidden, int64_t intermediate, int64_t groups) {
   return cuda::ScratchFootprint(groups * sizeof(uint64_t)) + cuda::ScratchFootprint(tokens * hidden * 2) +
          cuda::ScratchFootprint(rows * hidden * 2) +
-         cuda::ScratchFootprint(rows * intermediate * 2) + cuda::GatedGateUpGemmScratchBytes(groups) +
-         cuda::GroupedGemmScratchBytes(groups);
+         cuda::ScratchFootprint(rows * intermediate * 2) +
+         3 * cuda::SourceGroupsGemmScratchBytes(groups);  // gated gate_up, then the peers' and the own down GEMM
 }
 
 }  // namespace
@@ -81,15 +83,13 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             ffi::Buffer<ffi::S32> source_offsets, ffi::Buffer<ffi::S32> expert_offsets,
                             ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> returned,
                             ffi::Result<ffi::AnyBuffer> gate_up, ffi::Result<ffi::Buffer<ffi::U8>> scratch,
-                            int64_t workspace_id, std::string_view gemm_tiles) {
+                            int64_t workspace_id) {
   OverlappedShape shape;
   if (auto err = ReadOverlappedShape(workspace_id, device, send, weights, w_gate_up, w_down,
                                      "nvlink overlapped forward", "send", /*one_block_allowed=*/true, &shape);
       err.failure()) {
     return err;
   }
-  RowsGemmTiles tiles;
-  if (auto err = ReadGemmTiles(gemm_tiles, &tiles); err.failure()) return err;
   const int ep = shape.ep, shards = shape.shards;
   const int64_t capacity = shape.capacity, H = shape.hidden, K = shape.top_k, E = shape.experts;
   const int64_t I = shape.intermediate, tokens = shape.tokens(), rows = shape.rows(), groups = ep * E;
@@ -187,10 +187,9 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     JMM_CUDA_TRY("nvlink forward swiglu", cuda::SwigluForward(cuda::Dtype::kBFloat16, c.gate_up, hs[i],
                                                               c.expert_offsets, E, rows, I, stream));
     void* row_out = x_perms[i];  // x_perm is dead after the gate_up GEMM
-    JMM_CUDA_TRY("nvlink forward down GEMM",
-                 cuda::RowsGemm(cuda::Dtype::kBFloat16, true, hs[i], c.w_down, row_out, c.expert_offsets, E, rows, H,
-                                I, /*b_transposed=*/false, tiles.fwd_down, alloc, stream));
-    // The peers' tokens first: their results go back while the own tokens are combined.
+    JMM_CUDA_TRY("nvlink forward peers' down GEMM",
+                 cuda::SourceRowsGemm(hs[i], c.w_down, row_out, c.source_offsets, ep, me, E, /*own=*/false, H, I,
+                                      shape.sms, alloc, stream));
     for (int s = 0; s < ep; ++s) {
       if (s == me) continue;
       JMM_CUDA_TRY("nvlink forward combine",
@@ -198,6 +197,8 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                                      c.weights + s * capacity * K, capacity, K, H, ys[i] + s * block, stream));
     }
   }
+  // The peers' results travel back while the own rows' down GEMM and combine run, on all SMs but the one that the
+  // side stream's waits need (kPushSMs).
   std::vector<const char*> y_blocks(ys.begin(), ys.end()), no_own(shards, nullptr);
   std::vector<char*> returned_blocks(shards);
   for (int i = 0; i < shards; ++i) returned_blocks[i] = calls[i].returned;
@@ -206,6 +207,10 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   for (int i = 0; i < shards; ++i) {
     const ShardCall& c = calls[i];
     const int me = shape.first_rank + i;
+    cuda::Scratch alloc = cursors[i].scratch();
+    JMM_CUDA_TRY("nvlink forward own down GEMM",
+                 cuda::SourceRowsGemm(hs[i], c.w_down, x_perms[i], c.source_offsets, ep, me, E, /*own=*/true, H, I,
+                                      shape.sms - kPushSMs, alloc, stream));
     JMM_CUDA_TRY("nvlink forward own combine",
                  cuda::CombineRows(cuda::Dtype::kBFloat16, x_perms[i], c.row_of_pair + me * capacity * K,
                                    c.weights + me * capacity * K, capacity, K, H, c.returned + me * block, stream));
@@ -235,5 +240,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_forward, jmm::nvlink::NvlinkMo
                                   .Ret<xla::ffi::AnyBuffer>()                // returned [ep, C, H]
                                   .Ret<xla::ffi::AnyBuffer>()                // gate_up [ep*C*K, 2I]
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()     // workspace (temporaries)
-                                  .Attr<int64_t>("workspace")
-                                  .Attr<std::string_view>("gemm_tiles"));
+                                  .Attr<int64_t>("workspace"));

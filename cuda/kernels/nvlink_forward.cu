@@ -84,14 +84,15 @@ struct GatedGemm {
   using StrideD = typename Kernel::InternalStrideD;
 };
 
-// One thread per group g = j * E_local + e: source s = (me + j) % ep, so the own groups come first.
-__global__ void FillGatedGroups(const int32_t* source_offsets, int ep, int me, int local_experts, const cg::Bf16* a,
-                                const cg::Bf16* b, cg::Bf16* d, int n, int k, cg::GroupArrays<GatedGemm> out,
-                                const uint64_t** counters, uint64_t* targets, const uint64_t* group_counters,
-                                uint64_t target) {
+// One thread per group g of the launch, g = (j - first_j) * E_local + e for source s = (me + j) % ep, j from first_j:
+// with first_j = 0 the own groups come first. Group counters are indexed by j * E_local + e; null: no waits.
+__global__ void FillSourceGroups(const int32_t* source_offsets, int ep, int me, int local_experts, int first_j,
+                                 int groups, const cg::Bf16* a, const cg::Bf16* b, cg::Bf16* d, int n, int k,
+                                 cg::GroupArrays<GatedGemm> out, const uint64_t** counters, uint64_t* targets,
+                                 const uint64_t* group_counters, uint64_t target) {
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
-  if (g >= ep * local_experts) return;
-  const int e = g % local_experts, s = (me + g / local_experts) % ep;
+  if (g >= groups) return;
+  const int j = first_j + g / local_experts, e = g % local_experts, s = (me + j) % ep;
   const int64_t first = source_offsets[e * ep + s];
   out.shapes[g] = cg::GroupShape{source_offsets[e * ep + s + 1] - static_cast<int>(first), n, k};
   out.a[g] = a + first * k;
@@ -100,8 +101,38 @@ __global__ void FillGatedGroups(const int32_t* source_offsets, int ep, int me, i
   out.stride_a[g] = cg::LeadingStride<GatedGemm::StrideA>(k);
   out.stride_b[g] = cg::LeadingStride<GatedGemm::StrideB>(n);
   out.stride_d[g] = cg::LeadingStride<GatedGemm::StrideD>(n);
-  counters[g] = s == me ? nullptr : group_counters + g;
+  counters[g] = (s == me || group_counters == nullptr) ? nullptr : group_counters + j * local_experts + e;
   targets[g] = target;
+}
+
+// The groups of sources j in [first_j, first_j + sources) (see FillSourceGroups), each waiting for its counter when
+// `group_counters` is not null.
+Status SourceGroupsGemm(const void* a, const void* b, void* d, const int32_t* source_offsets, int ep, int me,
+                        int64_t local_experts, int first_j, int sources, int64_t n, int64_t k,
+                        const uint64_t* group_counters, uint64_t target, uint64_t timeout_ns, int sm_count,
+                        const Scratch& scratch, cudaStream_t stream) {
+  const int groups = static_cast<int>(sources * local_experts);
+  cg::GroupArrays<GatedGemm> arrays;
+  auto* counters = static_cast<const uint64_t**>(scratch(groups * sizeof(uint64_t)));
+  auto* targets = static_cast<uint64_t*>(scratch(groups * sizeof(uint64_t)));
+  if (!cg::CarveGroupArrays(groups, scratch, &arrays) || counters == nullptr || targets == nullptr) {
+    return "out of scratch memory for the source groups' GEMM arguments";
+  }
+  const int threads = 128;
+  FillSourceGroups<<<(groups + threads - 1) / threads, threads, 0, stream>>>(
+      source_offsets, ep, me, static_cast<int>(local_experts), first_j, groups, static_cast<const cg::Bf16*>(a),
+      static_cast<const cg::Bf16*>(b), static_cast<cg::Bf16*>(d), static_cast<int>(n), static_cast<int>(k), arrays,
+      counters, targets, group_counters, target);
+  if (Status status = LaunchStatus("source groups' GEMM setup"); !status.empty()) return status;
+  typename GatedGemm::Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {groups, arrays.shapes, nullptr},
+      {{arrays.a, arrays.stride_a, arrays.b, arrays.stride_b}, cg::GroupArrival{counters, targets, timeout_ns}},
+      {{}, nullptr, nullptr, arrays.d, arrays.stride_d},
+      cg::HardwareInfo(sm_count)};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  return cg::LaunchGroupedGemm<GatedGemm>(args, scratch, stream);
 }
 
 }  // namespace
@@ -119,7 +150,7 @@ Status GatherSourceRows(const SourceBlocks& sources_rows, uint32_t sources, int 
 
 int GatherArrivalsPerGroup(int sms) { return sms * (kGatherThreads / 32); }
 
-size_t GatedGateUpGemmScratchBytes(int64_t groups) {
+size_t SourceGroupsGemmScratchBytes(int64_t groups) {
   return ScratchFootprint(cg::GroupArraysBound(groups)) + 2 * ScratchFootprint(groups * sizeof(uint64_t)) +
          ScratchFootprint(cg::CutlassWorkspaceBound(cg::MultiprocessorCount()));
 }
@@ -128,28 +159,15 @@ Status GatedGateUpGemm(const void* x_perm, const void* w_gate_up, void* gate_up,
                        int ep, int me, int64_t local_experts, int64_t two_inter, int64_t hidden,
                        const uint64_t* group_counters, uint64_t target, uint64_t timeout_ns, int sm_count,
                        const Scratch& scratch, cudaStream_t stream) {
-  const int groups = static_cast<int>(ep * local_experts);
-  cg::GroupArrays<GatedGemm> arrays;
-  auto* counters = static_cast<const uint64_t**>(scratch(groups * sizeof(uint64_t)));
-  auto* targets = static_cast<uint64_t*>(scratch(groups * sizeof(uint64_t)));
-  if (!cg::CarveGroupArrays(groups, scratch, &arrays) || counters == nullptr || targets == nullptr) {
-    return "out of scratch memory for the gated GEMM's arguments";
-  }
-  const int threads = 128;
-  FillGatedGroups<<<(groups + threads - 1) / threads, threads, 0, stream>>>(
-      source_offsets, ep, me, static_cast<int>(local_experts), static_cast<const cg::Bf16*>(x_perm),
-      static_cast<const cg::Bf16*>(w_gate_up), static_cast<cg::Bf16*>(gate_up), static_cast<int>(two_inter),
-      static_cast<int>(hidden), arrays, counters, targets, group_counters, target);
-  if (Status status = LaunchStatus("gated GEMM setup"); !status.empty()) return status;
-  typename GatedGemm::Gemm::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGrouped,
-      {groups, arrays.shapes, nullptr},
-      {{arrays.a, arrays.stride_a, arrays.b, arrays.stride_b}, cg::GroupArrival{counters, targets, timeout_ns}},
-      {{}, nullptr, nullptr, arrays.d, arrays.stride_d},
-      cg::HardwareInfo(sm_count)};
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  return cg::LaunchGroupedGemm<GatedGemm>(args, scratch, stream);
+  return SourceGroupsGemm(x_perm, w_gate_up, gate_up, source_offsets, ep, me, local_experts, 0, ep, two_inter, hidden,
+                          group_counters, target, timeout_ns, sm_count, scratch, stream);
+}
+
+Status SourceRowsGemm(const void* a, const void* b, void* d, const int32_t* source_offsets, int ep, int me,
+                      int64_t local_experts, bool own, int64_t n, int64_t k, int sm_count, const Scratch& scratch,
+                      cudaStream_t stream) {
+  return SourceGroupsGemm(a, b, d, source_offsets, ep, me, local_experts, own ? 0 : 1, own ? 1 : ep - 1, n, k,
+                          nullptr, 0, 0, sm_count, scratch, stream);
 }
 
 }  // namespace jmm::cuda

@@ -122,7 +122,7 @@ def _overlapped_fwd(blocks, keys, weights, w_gate_up, w_down, workspace, summed)
     recv_x, returned, gate_up, _ = _ffi.call(
         "cuda", "nvlink_moe_forward", shapes, blocks, weights, w_gate_up, w_down,
         row_of_pair, pair_of_row, source_offsets, layout.expert_offsets, vmap_method="broadcast_all",
-        workspace=np.int64(workspace.id), gemm_tiles=os.environ.get(GEMM_TILES_ENV, ""))
+        workspace=np.int64(workspace.id))
     out = sum_blocks(returned) if summed else returned
     return out, (recv_x, weights, w_gate_up, w_down, gate_up, layout, source_offsets)
 

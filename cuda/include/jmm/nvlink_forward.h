@@ -47,7 +47,16 @@ Status GatedGateUpGemm(const void* x_perm, const void* w_gate_up, void* gate_up,
                        const uint64_t* group_counters, uint64_t target, uint64_t timeout_ns, int sm_count,
                        const Scratch& scratch, cudaStream_t stream);
 
-// Upper bound of what GatedGateUpGemm takes from Scratch for `groups` = ep * E_local groups.
-size_t GatedGateUpGemmScratchBytes(int64_t groups);
+// d[rows of (s, e)] = a[rows of (s, e)] @ b[e] ([k, n] row-major) for the own source's groups (`own`, s = me) or
+// every peer's (s != me, in the order (me + 1) % ep, ...), without waits; the same kernel as GatedGateUpGemm, so
+// each row's result is bit for bit RowsGemm's. The forward's down GEMM runs as these two launches, peers first, so
+// that the peers' results can be pushed back while the own rows' GEMM runs. `sm_count` CTAs.
+Status SourceRowsGemm(const void* a, const void* b, void* d, const int32_t* source_offsets, int ep, int me,
+                      int64_t local_experts, bool own, int64_t n, int64_t k, int sm_count, const Scratch& scratch,
+                      cudaStream_t stream);
+
+// Upper bound of what one GatedGateUpGemm or SourceRowsGemm takes from Scratch for up to `groups` = ep * E_local
+// groups.
+size_t SourceGroupsGemmScratchBytes(int64_t groups);
 
 }  // namespace jmm::cuda
