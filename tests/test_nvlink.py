@@ -302,8 +302,8 @@ def test_moe_ffn_ep_takes_the_overlapped_calls_when_asked(cuda_lowering, monkeyp
                                                           exchanges, blocks):
     """`moe_ffn_ep`'s nvlink path with the local experts on CUDA, bf16: overlap=True calls the fused forward and
     backward once each and exchanges the ids and weights out and the weights' cotangent back (3); stage 1 also
-    the rows, the results, and their cotangents (7). The fused calls take x as their one block ([1, T, H]) and the
-    cotangent of y likewise when every token has a slot, else [ep, C, H] blocks."""
+    the rows, the results, and their cotangents (7). The fused calls take x as their one block ([1, T, H]), return
+    y likewise, take its cotangent and return x's likewise when every token has a slot, else [ep, C, H] blocks."""
     from jax_megamoe.parallel import ep
     monkeypatch.setattr(ep, "resolve_backend", lambda backend: "cuda")  # as on a GPU
     ranks, tokens, hidden, inter, experts, top_k = 2, 8, 16, 8, 4, 2
@@ -322,8 +322,10 @@ def test_moe_ffn_ep_takes_the_overlapped_calls_when_asked(cuda_lowering, monkeyp
     assert len(custom_call_types(text, "jmm_cuda_nvlink_moe_forward")) == fused
     assert len(custom_call_types(text, "jmm_cuda_nvlink_moe_backward")) == fused
     for target in ("jmm_cuda_nvlink_moe_forward", "jmm_cuda_nvlink_moe_backward")[:fused * 2]:
-        [(operands, _)] = custom_call_types(text, target)
+        [(operands, results)] = custom_call_types(text, target)
         assert operands[0] == f"{ranks}x{blocks}x{hidden}xbf16"
+        # The results (forward) and the rows' cotangent (backward) as the blocks: with x, summed per token.
+        assert results[1 if target == "jmm_cuda_nvlink_moe_forward" else 0] == f"{ranks}x{blocks}x{hidden}xbf16"
     # Stage 1: moe_ffn's backward, on this machine's platform (the local backend resolves on its own).
     assert bool(re.search(r"@jmm_c[a-z]*_moe_backward", text)) == (not fused)
     assert len(custom_call_types(text, "jmm_cuda_nvlink_exchange")) == exchanges

@@ -9,12 +9,14 @@
 //         every SM) ─ release the slots ─ join
 //     S:  gather x ─ d_w_gate_up GEMM (all SMs: nothing on the side stream needs them)
 //     S2: wait: peers released my push slots ─ DMA my dx block d into peer d's push slot, stream-write `pushed`
-//         there ─ wait: every peer's dx pushed here ─ DMA them and my own block into d_send ─ stream-write
-//         `released` into each peer ─ join
+//         there ─ wait: every peer's dx pushed here ─ DMA them and my own block into d_send (or S sums them) ─
+//         stream-write `released` into each peer ─ join
 //
 // Both transfers are stage 2's push protocol (jmm/nvlink_push.h), one push call each. d_returned may be one block
 // for every source (the cotangent of the results' sum, when the forward took x itself as every destination's block):
-// then that block goes to every peer. The dy rows are gathered from their source blocks as the forward gathers x's
+// then that block goes to every peer, and d_send is one block too, x's cotangent: dx summed over the sources in
+// rows.sum_blocks' order, which XLA's stream adds up from the own block and the push slots after the last GEMM
+// (join), before the side stream releases the slots (resume). The dy rows are gathered from their source blocks as the forward gathers x's
 // (GatherSourceRows, by source_offsets), into the rows MoeBackward would gather them to, so nothing copies the
 // blocks out first. A push moves a whole block of
 // C rows: the cotangent of a returned row past the live ones is zero (the source's combine reads only live rows), and
@@ -88,11 +90,11 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
       pair_of_row.element_count() != static_cast<size_t>(shards * rows) ||
       source_offsets.element_count() != static_cast<size_t>(shards * (ep * E + 1)) ||
       expert_offsets.element_count() != static_cast<size_t>(shards * (E + 1)) ||
-      d_send->size_bytes() != recv_x.size_bytes() || d_weights->size_bytes() != weights.size_bytes() ||
+      d_send->size_bytes() != d_returned.size_bytes() || d_weights->size_bytes() != weights.size_bytes() ||
       d_w_gate_up->size_bytes() != w_gate_up.size_bytes() || d_w_down->size_bytes() != w_down.size_bytes() ||
       dz->size_bytes() != gate_up.size_bytes()) {
-    return Invalid("d_returned [ep or 1, C, H], the layout or the result shapes disagree with recv_x [ep, C, H], "
-                   "weights [ep*C, K] and the expert weights");
+    return Invalid("d_returned [ep or 1, C, H] (d_send: the same), the layout or the result shapes disagree with "
+                   "recv_x [ep, C, H], weights [ep*C, K] and the expert weights");
   }
   const size_t shard_bytes = ShardWorkspaceBytes(tokens, K, H, I, E);
   if (scratch->element_count() < shards * shard_bytes) {
@@ -165,18 +167,47 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   for (MoeBackward& backward : backwards) {
     if (auto err = backward.FromGatheredDy(stream); err.failure()) return err;
   }
-  std::vector<const char*> dx_blocks(shards), own_dx(shards);
-  std::vector<char*> d_sends(shards);
-  for (int i = 0; i < shards; ++i) {
-    dx_blocks[i] = dxs[i];
-    own_dx[i] = dxs[i] + (shape.first_rank + i) * block;
-    d_sends[i] = at(*d_send, i, ep * block);
-  }
   PushCall push(*shape.workspace, *shape.group, shape.first_rank, shards, block, "nvlink backward dx");
-  if (auto err = push.PushAndCopyOut(stream, dx_blocks, own_dx, d_sends); err.failure()) return err;
-  // Meanwhile, XLA's stream: each shard's d_w_gate_up GEMM.
-  for (MoeBackward& backward : backwards) {
-    if (auto err = backward.GateUpWeightGradient(stream); err.failure()) return err;
+  const auto last_gemms = [&]() -> ffi::Error {  // XLA's stream, beside the dx push: each shard's d_w_gate_up GEMM
+    for (MoeBackward& backward : backwards) {
+      if (auto err = backward.GateUpWeightGradient(stream); err.failure()) return err;
+    }
+    return ffi::Error::Success();
+  };
+  if (!one_dy_block) {
+    std::vector<const char*> dx_blocks(shards), own_dx(shards);
+    std::vector<char*> d_sends(shards);
+    for (int i = 0; i < shards; ++i) {
+      dx_blocks[i] = dxs[i];
+      own_dx[i] = dxs[i] + push.rank(i) * block;
+      d_sends[i] = at(*d_send, i, ep * block);
+    }
+    if (auto err = push.PushAndCopyOut(stream, dx_blocks, own_dx, d_sends); err.failure()) return err;
+    if (auto err = last_gemms(); err.failure()) return err;
+    return push.Join(stream);
+  }
+  // One block of x went to every destination: d_send is its cotangent, dx summed over the sources, which XLA's
+  // stream adds up straight from the push slots once the last GEMM is done and the peers' blocks are in; then the
+  // side stream releases the slots.
+  if (auto err = push.Fork(stream); err.failure()) return err;
+  for (int i = 0; i < shards; ++i) {
+    if (auto err = push.Push(i, dxs[i], block); err.failure()) return err;
+  }
+  for (int i = 0; i < shards; ++i) {
+    if (auto err = push.AwaitPushes(i); err.failure()) return err;
+  }
+  if (auto err = last_gemms(); err.failure()) return err;
+  if (auto err = push.Join(stream); err.failure()) return err;
+  for (int i = 0; i < shards; ++i) {
+    cuda::SummedBlocks parts;
+    parts.count = ep;
+    for (int s = 0; s < ep; ++s) parts.rows[s] = s == push.rank(i) ? dxs[i] + s * block : push.Received(i, s);
+    JMM_CUDA_TRY("nvlink backward dx sum",
+                 cuda::SumBlocks(cuda::Dtype::kBFloat16, parts, capacity, H, at(*d_send, i, block), stream));
+  }
+  if (auto err = push.Resume(stream); err.failure()) return err;
+  for (int i = 0; i < shards; ++i) {
+    if (auto err = push.Release(i); err.failure()) return err;
   }
   return push.Join(stream);
 }

@@ -15,17 +15,21 @@
 //
 // Both transfers are stage 2's push protocol (jmm/nvlink_push.h), one push call each: the copy engines move the
 // blocks, stream writes of the call count f signal them, and the waits are bounded. The results' push overlaps the
-// own rows' down GEMM and the combine of the shard's own tokens. Both GEMMs use one fixed tile configuration (the
-// gated kernel's, 128 x 256 cooperative), not JMM_GEMM_TILES. The results of received rows past the live ones are zero (they have no pairs),
-// as the reverse exchange's fill. A push moves a whole block (C rows; its size is fixed on the
-// host): the rows past the live ones are dispatch_rows' zero fill, so recv_x equals the exchange's, fill included.
+// own rows' down GEMM. Both down GEMMs use one fixed tile configuration (the gated kernel's, 128 x 256 cooperative),
+// not JMM_GEMM_TILES. The results of received rows past the live ones are zero (they have no pairs), as the reverse
+// exchange's fill. A push moves a whole block (C rows; its size is fixed on the host): the rows past the live ones
+// are dispatch_rows' zero fill, so recv_x equals the exchange's, fill included.
 // `send` may also be one block, x itself, for every destination (an uncompacted plan, C = T): the rows of tokens not
 // sent to a destination then carry data there, but no pair reads them, so their results are zero all the same.
+// `returned` is then one block too, the results summed per token over the sources (rows.sum_blocks): S waits for the
+// peers' result blocks after the own rows' down GEMM (join), combines the own tokens and adds the peers' blocks
+// straight from the push slots in one pass (CombineRowsIntoSum), and only then does S2 release the slots (resume).
 // The per-group counters live in the call's own workspace result, zeroed on S before the fork: nothing outside
-// this call reads or writes them, so they need no epochs. The GEMM runs on all SMs but kSideSMs; its waits only lag
-// when the side stream's do, and trap after the same bound.
+// this call reads or writes them, so they need no epochs. The gate_up GEMM runs on all SMs but kSideSMs; its waits
+// only lag when the side stream's do, and trap after the same bound.
 // Emulated workspaces run every shard of the call: S2 holds all pushes, then each shard's wait, gather and release;
-// S the shards' expert work one after another. S2 never waits for S, so this cannot deadlock, and the GEMMs wait.
+// S the shards' expert work one after another. S2 waits for S only to release push slots that S has read, after S
+// has waited for every push of the call, so this cannot deadlock, and the GEMMs wait.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -97,10 +101,11 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
       pair_of_row.element_count() != static_cast<size_t>(shards * rows) ||
       source_offsets.element_count() != static_cast<size_t>(shards * (groups + 1)) ||
       expert_offsets.element_count() != static_cast<size_t>(shards * (E + 1)) ||
-      recv_x->size_bytes() != returned->size_bytes() ||
+      returned->size_bytes() != send.size_bytes() ||
       send.size_bytes() * (shape.one_block ? ep : 1) != recv_x->size_bytes() ||
       gate_up->element_count() != static_cast<size_t>(shards * rows * 2 * I)) {
-    return Invalid("the layout or result shapes disagree with send [ep or 1, C, H] and weights [ep*C, K]");
+    return Invalid("the layout or result shapes disagree with send [ep or 1, C, H] (returned: the same) and "
+                   "weights [ep*C, K]");
   }
   const size_t shard_bytes = ShardWorkspaceBytes(tokens, rows, H, I, groups);
   if (scratch->element_count() < shards * shard_bytes) {
@@ -122,7 +127,7 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                          source_offsets.typed_data() + i * (groups + 1),
                          expert_offsets.typed_data() + i * (E + 1),
                          static_cast<char*>(recv_x->untyped_data()) + i * ep * block,
-                         static_cast<char*>(returned->untyped_data()) + i * ep * block,
+                         static_cast<char*>(returned->untyped_data()) + i * (shape.one_block ? 1 : ep) * block,
                          static_cast<char*>(gate_up->untyped_data()) + i * rows * 2 * I * 2,
                          scratch->typed_data() + i * shard_bytes};
   }
@@ -197,23 +202,58 @@ ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                                      c.weights + s * capacity * K, capacity, K, H, ys[i] + s * block, stream));
     }
   }
-  // The peers' results travel back while the own rows' down GEMM and combine run, on all SMs but the one that the
-  // side stream's waits need (kPushSMs).
-  std::vector<const char*> y_blocks(ys.begin(), ys.end()), no_own(shards, nullptr);
-  std::vector<char*> returned_blocks(shards);
-  for (int i = 0; i < shards; ++i) returned_blocks[i] = calls[i].returned;
+  // The peers' results travel back while the own rows' down GEMM runs, on all SMs but the one that the side stream's
+  // waits need (kPushSMs).
   PushCall back(*shape.workspace, *shape.group, shape.first_rank, shards, block, "nvlink forward results");
-  if (auto err = back.PushAndCopyOut(stream, y_blocks, no_own, returned_blocks); err.failure()) return err;
-  for (int i = 0; i < shards; ++i) {
+  const auto own_down_gemm = [&](int i) -> ffi::Error {
     const ShardCall& c = calls[i];
-    const int me = shape.first_rank + i;
     cuda::Scratch alloc = cursors[i].scratch();
     JMM_CUDA_TRY("nvlink forward own down GEMM",
-                 cuda::SourceRowsGemm(hs[i], c.w_down, x_perms[i], c.source_offsets, ep, me, E, /*own=*/true, H, I,
-                                      shape.sms - kPushSMs, alloc, stream));
-    JMM_CUDA_TRY("nvlink forward own combine",
-                 cuda::CombineRows(cuda::Dtype::kBFloat16, x_perms[i], c.row_of_pair + me * capacity * K,
-                                   c.weights + me * capacity * K, capacity, K, H, c.returned + me * block, stream));
+                 cuda::SourceRowsGemm(hs[i], c.w_down, x_perms[i], c.source_offsets, ep, back.rank(i), E,
+                                      /*own=*/true, H, I, shape.sms - kPushSMs, alloc, stream));
+    return ffi::Error::Success();
+  };
+  const auto own_pairs = [&](int i) { return calls[i].row_of_pair + back.rank(i) * capacity * K; };
+  const auto own_weights = [&](int i) { return calls[i].weights + back.rank(i) * capacity * K; };
+  if (!shape.one_block) {
+    // `returned` gets every source's block: the peers' by the side stream, the own combined here.
+    std::vector<const char*> y_blocks(ys.begin(), ys.end()), no_own(shards, nullptr);
+    std::vector<char*> returned_blocks(shards);
+    for (int i = 0; i < shards; ++i) returned_blocks[i] = calls[i].returned;
+    if (auto err = back.PushAndCopyOut(stream, y_blocks, no_own, returned_blocks); err.failure()) return err;
+    for (int i = 0; i < shards; ++i) {
+      if (auto err = own_down_gemm(i); err.failure()) return err;
+      JMM_CUDA_TRY("nvlink forward own combine",
+                   cuda::CombineRows(cuda::Dtype::kBFloat16, x_perms[i], own_pairs(i), own_weights(i), capacity, K, H,
+                                     calls[i].returned + back.rank(i) * block, stream));
+    }
+  } else {
+    // x was every destination's block: `returned` is the results summed per token, which the own combine adds up
+    // straight from the push slots once they are in; then the side stream releases them.
+    if (auto err = back.Fork(stream); err.failure()) return err;
+    for (int i = 0; i < shards; ++i) {
+      if (auto err = back.Push(i, ys[i], block); err.failure()) return err;
+    }
+    for (int i = 0; i < shards; ++i) {
+      if (auto err = back.AwaitPushes(i); err.failure()) return err;
+    }
+    for (int i = 0; i < shards; ++i) {
+      if (auto err = own_down_gemm(i); err.failure()) return err;
+    }
+    if (auto err = back.Join(stream); err.failure()) return err;
+    for (int i = 0; i < shards; ++i) {
+      cuda::SummedBlocks parts;
+      parts.count = ep;
+      parts.own = back.rank(i);
+      for (int s = 0; s < ep; ++s) parts.rows[s] = s == parts.own ? nullptr : back.Received(i, s);
+      JMM_CUDA_TRY("nvlink forward own combine and sum",
+                   cuda::CombineRowsIntoSum(cuda::Dtype::kBFloat16, x_perms[i], own_pairs(i), own_weights(i),
+                                            capacity, K, H, parts, calls[i].returned, stream));
+    }
+    if (auto err = back.Resume(stream); err.failure()) return err;
+    for (int i = 0; i < shards; ++i) {
+      if (auto err = back.Release(i); err.failure()) return err;
+    }
   }
   if (auto err = push.Join(stream); err.failure()) return err;
   return back.Join(stream);

@@ -114,11 +114,7 @@ ffi::Error PushCall::Fork(cudaStream_t stream) {
   if (write_value_ == nullptr) return Fail("the driver has no cuStreamWriteValue64");
   call_.resize(shards_);
   for (int i = 0; i < shards_; ++i) call_[i] = ++group_.push_calls[rank(i)];
-  if (cudaEventRecord(group_.forks[first_rank_], stream) != cudaSuccess ||
-      cudaStreamWaitEvent(side_, group_.forks[first_rank_]) != cudaSuccess) {
-    return Fail("cannot fork the side stream");
-  }
-  return ffi::Error::Success();
+  return Resume(stream);
 }
 
 ffi::Error PushCall::Push(int shard, const char* blocks, int64_t stride) {
@@ -190,6 +186,14 @@ ffi::Error PushCall::Join(cudaStream_t stream) {
   if (cudaEventRecord(group_.joins[first_rank_], side_) != cudaSuccess ||
       cudaStreamWaitEvent(stream, group_.joins[first_rank_]) != cudaSuccess) {
     return Fail("cannot join the side stream");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error PushCall::Resume(cudaStream_t stream) {
+  if (cudaEventRecord(group_.forks[first_rank_], stream) != cudaSuccess ||
+      cudaStreamWaitEvent(side_, group_.forks[first_rank_]) != cudaSuccess) {
+    return Fail("cannot make the side stream wait for XLA's stream");
   }
   return ffi::Error::Success();
 }

@@ -25,7 +25,6 @@ import numpy as np
 from jax_megamoe import _ffi
 from jax_megamoe.ops.moe import GEMM_TILES_ENV, Layout, moe_layout
 from jax_megamoe.parallel import nvlink
-from jax_megamoe.parallel.rows import sum_blocks
 
 TENSOR_CORE_MULTIPLE = 8  # H and I multiples of this run the bf16 tensor-core GEMMs (UseTensorCores, moe_cuda.h)
 
@@ -81,7 +80,8 @@ def overlapped_experts_on_tokens(x: jax.Array, recv_ids: jax.Array, recv_weights
                                  w_down: jax.Array, workspace: nvlink.NvlinkWorkspace) -> jax.Array:
     """`overlapped_experts` with `x [T, H]` itself as every destination's block, its results summed per token:
     `rows.sum_blocks(overlapped_experts(send, ...))` where `send[d]` is x with the rows not sent to d zeroed, bit
-    for bit, without building `send` or, in the backward, the blocks of the results' cotangent.
+    for bit, without building `send` or, in the backward, the blocks of the results' cotangent. The handler adds the
+    sources' results up itself, from the push slots where the peers' land.
 
     For uncompacted plans (`plan.make_plan(compact=False)`): token t is row t of every block, and a token not sent
     to d has no pairs there (`recv_ids` -1), so its row there is never read, and its result and cotangent there
@@ -103,8 +103,9 @@ def _overlapped(blocks, keys, weights, w_gate_up, w_down, workspace, summed):
 
 
 def _overlapped_fwd(blocks, keys, weights, w_gate_up, w_down, workspace, summed):
-    """`blocks` [ep, C, H], or [1, C, H] for one block that every destination gets; `summed`: return the
-    results' sum over sources [C, H] instead of the blocks [ep, C, H]."""
+    """`blocks` [ep, C, H], or [1, C, H] for one block that every destination gets; `summed` (with one block):
+    return the results' sum over sources [C, H], which the handler adds up in `rows.sum_blocks`' order, instead of
+    the blocks [ep, C, H]."""
     _, capacity, hidden = blocks.shape
     rows, top_k = weights.shape
     ep = rows // capacity
@@ -116,14 +117,15 @@ def _overlapped_fwd(blocks, keys, weights, w_gate_up, w_down, workspace, summed)
     # handlers), dropped.
     workspace_bytes = _ffi.extension().cuda_workspace_bytes("nvlink_moe_forward", True, rows, top_k, hidden,
                                                             two_inter // 2, local_experts * ep)
-    block_shape = jax.ShapeDtypeStruct((ep, capacity, hidden), blocks.dtype)
-    shapes = (block_shape, block_shape, jax.ShapeDtypeStruct((rows * top_k, two_inter), blocks.dtype),
+    # With one block the handler returns the results already summed over the sources (one block too).
+    shapes = (jax.ShapeDtypeStruct((ep, capacity, hidden), blocks.dtype), jax.ShapeDtypeStruct(blocks.shape, blocks.dtype),
+              jax.ShapeDtypeStruct((rows * top_k, two_inter), blocks.dtype),
               jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
     recv_x, returned, gate_up, _ = _ffi.call(
         "cuda", "nvlink_moe_forward", shapes, blocks, weights, w_gate_up, w_down,
         row_of_pair, pair_of_row, source_offsets, layout.expert_offsets, vmap_method="broadcast_all",
         workspace=np.int64(workspace.id))
-    out = sum_blocks(returned) if summed else returned
+    out = returned[0] if summed else returned
     return out, (recv_x, weights, w_gate_up, w_down, gate_up, layout, source_offsets)
 
 
@@ -137,15 +139,15 @@ def _overlapped_bwd(workspace, summed, residuals, d_out):
     # dz, the gradient of gate_up, is written over the saved gate_up (operand 5, result 4), as in moe_backward.
     workspace_bytes = _ffi.extension().cuda_workspace_bytes("nvlink_moe_backward", True, ep * capacity, top_k, hidden,
                                                             two_inter // 2, local_experts)
-    shapes = (jax.ShapeDtypeStruct(recv_x.shape, recv_x.dtype), jax.ShapeDtypeStruct(weights.shape, weights.dtype),
+    # With one block of d_returned, d_send is one block too: dx summed over the sources by the handler.
+    shapes = (jax.ShapeDtypeStruct(d_returned.shape, recv_x.dtype), jax.ShapeDtypeStruct(weights.shape, weights.dtype),
               jax.ShapeDtypeStruct(w_gate_up.shape, w_gate_up.dtype), jax.ShapeDtypeStruct(w_down.shape, w_down.dtype),
               jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype), jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
     d_send, d_weights, d_w_gate_up, d_w_down, _, _ = _ffi.call(
         "cuda", "nvlink_moe_backward", shapes, d_returned, recv_x, weights, w_gate_up, w_down, gate_up,
         layout.row_of_pair, layout.pair_of_row, source_offsets, layout.expert_offsets, vmap_method="broadcast_all",
         input_output_aliases={5: 4}, workspace=np.int64(workspace.id), gemm_tiles=os.environ.get(GEMM_TILES_ENV, ""))
-    d_blocks = sum_blocks(d_send)[None] if summed else d_send
-    return d_blocks, None, d_weights, d_w_gate_up, d_w_down
+    return d_send, None, d_weights, d_w_gate_up, d_w_down
 
 
 _overlapped.defvjp(_overlapped_fwd, _overlapped_bwd)

@@ -63,6 +63,26 @@ Status SwigluForward(Dtype dtype, void* gate_up, void* h, const int32_t* expert_
 Status CombineRows(Dtype dtype, const void* row_values, const int32_t* row_of_pair, const float* weights,
                    int64_t tokens, int64_t top_k, int64_t width, void* out, cudaStream_t stream);
 
+// The parts that CombineRowsIntoSum and SumBlocks add up, in order: rows[d] ([tokens, width] of the dtype) for every
+// d but `own`, whose part is the combined rows (CombineRowsIntoSum; SumBlocks has none).
+struct SummedBlocks {
+  static constexpr int kMaxParts = 8;
+  static constexpr int kNoCombinedPart = -1;
+  const void* rows[kMaxParts] = {};
+  int count = 0, own = kNoCombinedPart;
+};
+
+// out[t] = round(sum_d part_d[t]) accumulated in float32 from zero in order d, where part_own[t] is CombineRows'
+// row t (rounded to the dtype) and part_d[t] = summed.rows[d][t]: the combine of one source's tokens and the sum of
+// every source's results per token (the nvlink transport's rows.sum_blocks, bit for bit) in one pass.
+Status CombineRowsIntoSum(Dtype dtype, const void* row_values, const int32_t* row_of_pair, const float* weights,
+                          int64_t tokens, int64_t top_k, int64_t width, const SummedBlocks& summed, void* out,
+                          cudaStream_t stream);
+
+// out[t] = round(sum_d summed.rows[d][t]) accumulated in float32 from zero in order d (rows.sum_blocks, bit for bit).
+Status SumBlocks(Dtype dtype, const SummedBlocks& summed, int64_t tokens, int64_t width, void* out,
+                 cudaStream_t stream);
+
 // The SwiGLU backward of kept rows, given g = dy @ W_down^T (row r in row order), with h = round(silu(zg) * zu):
 //   weighted_h = round(w * h); d_weights[pair] = <g, h>; dz = round(w * g * d(silu(zg) * zu)).
 // weighted_h feeds d_W_down = weighted_h^T dy, so no copy of w * dy is needed; it may be written over g (the

@@ -88,6 +88,11 @@ class PushCall {
                             const std::vector<const char*>& owns, const std::vector<char*>& outs);
   // Makes `stream` wait for everything enqueued on the side stream.
   ffi::Error Join(cudaStream_t stream);
+  // Makes the side stream wait for what is enqueued on `stream`, in the same call (Fork starts a new one): after a
+  // Join, so that the caller's work on `stream` can read the push slots before the side stream releases them.
+  ffi::Error Resume(cudaStream_t stream);
+  // Shard i's push slot for `source`'s block, valid from AwaitPushes(i) until Release(i).
+  const char* Received(int shard, int source) const { return PushSlot(rank(shard), source); }
 
   int rank(int shard) const { return first_rank_ + shard; }
   cudaStream_t side() const { return side_; }
