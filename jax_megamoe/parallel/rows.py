@@ -38,7 +38,9 @@ def combine_rows(rows: jax.Array, slot: jax.Array, token: jax.Array) -> jax.Arra
 
 def sum_blocks(rows: jax.Array) -> jax.Array:
     """`out[t] = sum_d rows[d, t]` in order d = 0, 1, ...: `combine_rows` when every token sits at its own row
-    and the rows of the destinations that do not hold it are zero (uncompacted plans, `plan.make_plan`)."""
+    and the rows of the destinations that do not hold it are zero (uncompacted plans, `plan.make_plan`). The
+    definition of what the nvlink transport's overlapped calls compute in their handlers for such plans
+    (`CombineRowsIntoSum` and `SumBlocks`, jmm/moe_cuda.h), kept here as their pure-JAX statement."""
     return _sum_in_order(list(rows))
 
 
