@@ -7,7 +7,7 @@
 //   XLA's stream S ─ fork ─ gather own dy rows ─ wait(join) ─ backward from dy rows through dx ─ fork ── wait(join) ─▶
 //     S2: push my d_returned block d to peer d ─ wait for the peers' ─ gather their dy rows from the push slots (on
 //         every SM) ─ release the slots ─ join
-//     S:  gather x ─ d_w_gate_up GEMM (all SMs: nothing on the side stream needs them)
+//     S:  gather x ─ d_w_gate_up GEMM (all SMs: with one block of x, the side stream's wait below follows it)
 //     S2: wait: peers released my push slots ─ DMA my dx block d into peer d's push slot, stream-write `pushed`
 //         there ─ wait: every peer's dx pushed here ─ DMA them and my own block into d_send (or S sums them) ─
 //         stream-write `released` into each peer ─ join
@@ -188,15 +188,18 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   }
   // One block of x went to every destination: d_send is its cotangent, dx summed over the sources, which XLA's
   // stream adds up straight from the push slots once the last GEMM is done and the peers' blocks are in; then the
-  // side stream releases the slots.
+  // side stream releases the slots. The side stream waits for the peers' blocks only after the last GEMM: that GEMM
+  // takes every SM, and a wait kernel spinning beside it (while a late peer's block is on its way) would hold one
+  // of them and delay the GEMM's last tiles by as long (180 us on one GPU in the timeline of 2026-11-30 16:28 UTC).
   if (auto err = push.Fork(stream); err.failure()) return err;
   for (int i = 0; i < shards; ++i) {
     if (auto err = push.Push(i, dxs[i], block); err.failure()) return err;
   }
+  if (auto err = last_gemms(); err.failure()) return err;
+  if (auto err = push.Resume(stream); err.failure()) return err;
   for (int i = 0; i < shards; ++i) {
     if (auto err = push.AwaitPushes(i); err.failure()) return err;
   }
-  if (auto err = last_gemms(); err.failure()) return err;
   if (auto err = push.Join(stream); err.failure()) return err;
   for (int i = 0; i < shards; ++i) {
     cuda::SummedBlocks parts;
