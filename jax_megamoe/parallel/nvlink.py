@@ -124,8 +124,8 @@ class NvlinkWorkspace:
       overlap: stage 2's overlapped calls where they apply (bf16, tensor-core shapes, the cuda local backend;
         `nvlink_experts.py`): the rows go to the experts by the copy engines beside the gate_up GEMM of the
         shard's own rows, and their cotangent comes back beside the backward's last GEMM. It doubles the staging
-        memory (push slots). Measured at EP = 2, q30 on two H200s (benchmarks/RESULTS.md, 2026-11-30 16:16 UTC):
-        forward 12% and forward+backward 5% faster than "xla" with uniform routing, 6% and 3% with Zipf routing;
+        memory (push slots). Measured at EP = 2, q30 on two H200s (benchmarks/RESULTS.md, 2026-11-30 16:33 UTC):
+        forward 12% and forward+backward 6% faster than "xla" with uniform routing, 5% and 1% with Zipf routing;
         1000 steps beside NCCL collectives without a hang; across processes through CUDA IPC too.
         `overlap=False` keeps stage 1 everywhere (half the staging).
 
