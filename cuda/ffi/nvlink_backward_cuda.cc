@@ -16,12 +16,11 @@
 // for every source (the cotangent of the results' sum, when the forward took x itself as every destination's block):
 // then that block goes to every peer, and d_send is one block too, x's cotangent: dx summed over the sources in
 // rows.sum_blocks' order, which XLA's stream adds up from the own block and the push slots after the last GEMM
-// (join), before the side stream releases the slots (resume). The dy rows are gathered from their source blocks as the forward gathers x's
-// (GatherSourceRows, by source_offsets), into the rows MoeBackward would gather them to, so nothing copies the
-// blocks out first. A push moves a whole block of
-// C rows: the cotangent of a returned row past the live ones is zero (the source's combine reads only live rows), and
-// the received rows past the live ones have no pairs (their ids are the exchange's -1 fill), so their dx is zero:
-// both as the exchanges' fill. Emulated workspaces run every shard of the call: each push call's pushes for every
+// (join), before the side stream releases the slots (resume). The dy rows are gathered from their source blocks as
+// the forward gathers x's (GatherSourceRows, by source_offsets), into the rows MoeBackward would gather them to, so
+// nothing copies the blocks out first. A push moves a whole block of C rows: the cotangent of a returned row past the
+// live ones is zero (the source's combine reads only live rows), and the received rows past the live ones have no
+// pairs (their ids are the exchange's -1 fill), so their dx is zero: both as the exchanges' fill. Emulated workspaces run every shard of the call: each push call's pushes for every
 // shard before any shard's wait, S each shard's backward through dx, then each shard's d_w_gate_up GEMM.
 #include <cuda_runtime.h>
 

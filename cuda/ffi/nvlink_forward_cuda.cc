@@ -33,7 +33,6 @@
 #include <cuda_runtime.h>
 
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "jmm/cuda_handler.h"
@@ -50,6 +49,9 @@ namespace {
 // SMs left free of the GEMM for the side gather: at EP = 2, q30, 16 was the fastest of 4-32 (stage2_forward_bench,
 // 2026-11-30, docs/nvlink_design.md). The gather's blocks each fill an SM, so it takes exactly these.
 constexpr int kSideSMs = 16;
+
+// The sum of the results takes one part per source (CombineRowsIntoSum).
+static_assert(cuda::SummedBlocks::kMaxParts >= nvlink::kMaxRanks);
 
 size_t ShardWorkspaceBytes(int64_t tokens, int64_t rows, int64_t hidden, int64_t intermediate, int64_t groups) {
   return cuda::ScratchFootprint(groups * sizeof(uint64_t)) + cuda::ScratchFootprint(tokens * hidden * 2) +

@@ -118,7 +118,8 @@ def _overlapped_fwd(blocks, keys, weights, w_gate_up, w_down, workspace, summed)
     workspace_bytes = _ffi.extension().cuda_workspace_bytes("nvlink_moe_forward", True, rows, top_k, hidden,
                                                             two_inter // 2, local_experts * ep)
     # With one block the handler returns the results already summed over the sources (one block too).
-    shapes = (jax.ShapeDtypeStruct((ep, capacity, hidden), blocks.dtype), jax.ShapeDtypeStruct(blocks.shape, blocks.dtype),
+    shapes = (jax.ShapeDtypeStruct((ep, capacity, hidden), blocks.dtype),
+              jax.ShapeDtypeStruct(blocks.shape, blocks.dtype),
               jax.ShapeDtypeStruct((rows * top_k, two_inter), blocks.dtype),
               jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
     recv_x, returned, gate_up, _ = _ffi.call(
