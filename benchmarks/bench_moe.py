@@ -11,8 +11,12 @@ grammar in cuda/include/jmm/gemm_tiles.h), e.g. `ours_tiles_default,ours_tiles_p
 ours_tiles_fwd_down=coop128x256_c2+bwd_down=coop128x256_c1` to compare GEMM tile configurations in one run,
 and `ours_graphs`: `ours` with XLA recording the custom calls into CUDA graphs (command buffers; XLA_FLAGS of
 GRAPH_XLA_FLAGS set for its subprocess), which XLA does not do for custom calls by default.
-Configs (bf16, router excluded): q30 (T=16384, H=2048, I=768, E=128, K=8), q235 (H=4096, I=1536), q30s
-(T=2048); uniform and Zipf-skewed routing. Reports forward and forward+backward time (median over samples
+Configs (bf16): q30 (T=16384, H=2048, I=768, E=128, K=8), q235 (H=4096, I=1536), q30s (T=2048), and `tiny`
+(a CPU smoke size); uniform and Zipf-skewed routing. Variants (DESIGN §7): `plain` (router excluded, as published
+fused-MoE numbers are taken), `router` (the router inside the timed call: logits GEMM, float32 softmax, top-k and
+renormalisation, differentiated into its weight; the same routing code for every implementation) and `remat`
+(the MoE under jax.checkpoint, torch.utils.checkpoint for torch: the backward recomputes the forward, as
+activation-checkpointed training runs it). Effective TF/s counts the experts' FLOPs only, in every variant. Reports forward and forward+backward time (median over samples
 of back-to-back calls, after warm-up; each sample is synchronised once, so the time is device time whenever
 the device is the bottleneck), peak device memory, effective TF/s (6*T*K*H*I per forward, 3x that for
 forward+backward) and the fraction of a bf16 matmul (torch, 8192^3) measured in the same run.
@@ -23,7 +27,8 @@ completes, so a peak read after them counts two sets of weight gradients for JAX
 row (implementation, config, routing) runs in its own subprocess, so its peak is its own; `peak_by_call`
 says whether the call set it (False: input creation or compilation went higher, and `peak_gib` is that;
 None: no memory statistics, e.g. on a CPU).
-Usage: python benchmarks/bench_moe.py [--configs q30s,q30,q235] [--impls ...] [--json F] [--png F]
+Usage: python benchmarks/bench_moe.py [--configs q30s,q30,q235] [--impls ...] [--variants plain,router,remat]
+                                     [--json F] [--png F]
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import sys
 import time
 
 CONFIGS = {  # name: (T, H, I, E, K), in ascending memory order
+    "tiny": (64, 128, 64, 8, 2),  # the CPU smoke test's size
     "q30s": (2048, 2048, 768, 128, 8),
     "q30": (16384, 2048, 768, 128, 8),
     "q235": (16384, 4096, 1536, 128, 8),
@@ -47,6 +53,7 @@ TILES_PREFIX = "ours_tiles_"  # + a JMM_GEMM_TILES value with '+' for ',' (comma
 GRAPHS_IMPL = "ours_graphs"
 GRAPH_XLA_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 ROUTINGS = ("uniform", "zipf")
+VARIANTS = ("plain", "router", "remat")
 # Peers known to be hopeless at a size are not run there (DESIGN §7 anchors): recorded as skipped.
 SKIP = {("gshard", "q235"): "not run: dense capacity einsum at q235 takes minutes of device time",
         ("ragged_dot", "q235"): "not run: already out of memory at q30 (dense expansion)"}
@@ -68,14 +75,41 @@ def gemm_tiles_spec(impl):
 
 # ----------------------------------------------------------------------------------------------- JAX side
 
+def log_prior(e, routing, xp):
+    """Log-probabilities of the experts before noise: flat, or Zipf-like (`xp`: numpy, jax.numpy or torch)."""
+    if routing == "uniform":
+        return xp.zeros(e)
+    return -1.2 * xp.log1p(xp.arange(e, dtype=xp.float32))
+
+
 def jax_routing(t, e, k, routing, seed):
     import jax
     import jax.numpy as jnp
     k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    log_p = jnp.zeros(e) if routing == "uniform" else -1.2 * jnp.log1p(jnp.arange(e))
-    experts = jax.lax.top_k(log_p + jax.random.gumbel(k1, (t, e)), k)[1].astype(jnp.int32)
+    experts = jax.lax.top_k(log_prior(e, routing, jnp) + jax.random.gumbel(k1, (t, e)), k)[1].astype(jnp.int32)
     weights = jax.nn.softmax(jax.random.normal(k2, (t, k)), axis=-1)
     return weights, experts
+
+
+def jax_variant(moe, variant, top_k):
+    """The timed forward `f(x, r1, r2, gu, d)` of `variant`. `plain`: moe itself, (r1, r2) = (weights, experts).
+    `remat`: the same under jax.checkpoint. `router`: (r1, r2) = (w_router [H, E], logit_bias [E]), routed inside by
+    jax_megamoe.route (what every JAX implementation here would call), so r1 gets the router's gradient."""
+    import jax
+    import jax.numpy as jnp
+    if variant == "plain":
+        return moe
+    if variant == "remat":
+        return jax.checkpoint(moe)
+    if variant == "router":
+        from jax_megamoe import route
+
+        def routed(x, w_router, logit_bias, gu, d):
+            logits = jnp.dot(x, w_router, preferred_element_type=jnp.float32) + logit_bias
+            weights, experts = route(logits, top_k, norm_topk_prob=True)
+            return moe(x, weights, experts, gu, d)
+        return routed
+    raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
 
 
 def jax_impl(name):
@@ -145,10 +179,10 @@ def time_calls(fn, args, sync, samples, inner):
     return statistics.median(times), min(times)
 
 
-def run_jax(name, cname, routing, samples, inner):
+def run_jax(name, cname, routing, variant, samples, inner):
     import jax
     import jax.numpy as jnp
-    row = dict(impl=name, config=cname, routing=routing)
+    row = dict(impl=name, config=cname, routing=routing, variant=variant)
     if name == "tokamax":
         if os.environ.get("JMM_PEER_SITE"):
             sys.path.append(os.environ["JMM_PEER_SITE"])
@@ -158,27 +192,31 @@ def run_jax(name, cname, routing, samples, inner):
             import tokamax  # noqa: F401
         except Exception as err:  # noqa: BLE001 - any import failure means the peer is unavailable
             return dict(row, status=f"skipped: tokamax not importable ({err!r})")
-    moe = jax_impl(name)
+    t, h, i, e, k = CONFIGS[cname]
+    moe = jax_variant(jax_impl(name), variant, k)
     # Without memory statistics (a CPU) the peak is NaN.
     peak_bytes = lambda: (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", float("nan"))
-    t, h, i, e, k = CONFIGS[cname]
     try:
-        keys = jax.random.split(jax.random.PRNGKey(7), 4)
+        keys = jax.random.split(jax.random.PRNGKey(7), 5)
         x = jax.random.normal(keys[0], (t, h), jnp.bfloat16)
         gu = (jax.random.normal(keys[1], (e, h, 2 * i), jnp.bfloat16) / math.sqrt(h)).astype(jnp.bfloat16)
         d = (jax.random.normal(keys[2], (e, i, h), jnp.bfloat16) / math.sqrt(i)).astype(jnp.bfloat16)
         dy = jax.random.normal(keys[3], (t, h), jnp.bfloat16)
-        w, ids = jax_routing(t, e, k, routing, seed=11)
+        if variant == "router":
+            r1 = (jax.random.normal(keys[4], (h, e), jnp.bfloat16) / math.sqrt(h)).astype(jnp.bfloat16)
+            r2 = log_prior(e, routing, jnp)
+        else:
+            r1, r2 = jax_routing(t, e, k, routing, seed=11)
         sync = lambda out: jax.block_until_ready(out)
         fwd = jax.jit(moe)
-        fwd_bwd = jax.jit(lambda x, w, ids, gu, d, dy: jax.vjp(
-            lambda a, b, c, f: moe(a, b, ids, c, f), x, w, gu, d)[1](dy)).lower(x, w, ids, gu, d, dy).compile()
+        fwd_bwd = jax.jit(lambda x, r1, r2, gu, d, dy: jax.vjp(
+            lambda a, b, c, f: moe(a, b, r2, c, f), x, r1, gu, d)[1](dy)).lower(x, r1, r2, gu, d, dy).compile()
         before = peak_bytes()
-        sync(fwd_bwd(x, w, ids, gu, d, dy))
+        sync(fwd_bwd(x, r1, r2, gu, d, dy))
         peak = peak_bytes()
         row.update(peak_gib=peak / 2**30, peak_by_call=bool(peak > before) if math.isfinite(peak) else None)
-        row["fwd_ms"], row["fwd_min_ms"] = time_calls(fwd, (x, w, ids, gu, d), sync, samples, inner)
-        row["fwd_bwd_ms"], row["fwd_bwd_min_ms"] = time_calls(fwd_bwd, (x, w, ids, gu, d, dy), sync,
+        row["fwd_ms"], row["fwd_min_ms"] = time_calls(fwd, (x, r1, r2, gu, d), sync, samples, inner)
+        row["fwd_bwd_ms"], row["fwd_bwd_min_ms"] = time_calls(fwd_bwd, (x, r1, r2, gu, d, dy), sync,
                                                               samples, inner)
         row["status"] = "ok"
     except Exception as err:  # noqa: BLE001 - OOM and compile failures are results here
@@ -199,49 +237,73 @@ def run_matmul():
     return dict(impl="bf16_matmul_8192", status="ok", tflops=2 * 8192**3 / mm_ms / 1e9, ms=mm_ms)
 
 
-def run_torch(cname, routing, samples, inner):
+def torch_variant(moe, variant, top_k):
+    """jax_variant's `f(x, r1, r2, gu, d)` for torch: the router is the same math, checkpointing is torch's."""
+    import torch
+    if variant == "plain":
+        return moe
+    if variant == "remat":
+        return lambda *args: torch.utils.checkpoint.checkpoint(moe, *args, use_reentrant=False)
+    if variant == "router":
+        def routed(x, w_router, logit_bias, gu, d):
+            probs = torch.softmax((x @ w_router).float() + logit_bias, dim=-1)
+            weights, experts = torch.topk(probs, top_k, dim=-1)
+            return moe(x, weights / weights.sum(dim=-1, keepdim=True), experts, gu, d)
+        return routed
+    raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
+
+
+def torch_grouped_mm_moe(x, w, ids, gu, d):
+    """torchtitan's MoE experts: stable sort by expert, torch._grouped_mm twice, weighted index_add scatter."""
     import torch
     import torch.nn.functional as F
-    dev = torch.device("cuda")
+    t, k = ids.shape
+    e = gu.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+    token = order // k
+    z = torch._grouped_mm(x[token], gu, offs=offs)
+    g, u = z.chunk(2, dim=-1)
+    out = torch._grouped_mm(F.silu(g) * u, d, offs=offs)
+    out = out * w.reshape(-1)[order].to(out.dtype)[:, None]
+    return torch.zeros_like(x).index_add_(0, token, out)
 
-    def moe(x, w, ids, gu, d):
-        t, k = ids.shape
-        e = gu.shape[0]
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
-        token = order // k
-        z = torch._grouped_mm(x[token], gu, offs=offs)
-        g, u = z.chunk(2, dim=-1)
-        out = torch._grouped_mm(F.silu(g) * u, d, offs=offs)
-        out = out * w.reshape(-1)[order].to(out.dtype)[:, None]
-        return torch.zeros_like(x).index_add_(0, token, out)
+
+def run_torch(cname, routing, variant, samples, inner):
+    import torch
+    import torch.utils.checkpoint  # noqa: F401 - torch_variant's remat
+    dev = torch.device("cuda")
 
     def sync(_):
         torch.cuda.synchronize()
 
-    row = dict(impl="torch_grouped_mm", config=cname, routing=routing)
+    row = dict(impl="torch_grouped_mm", config=cname, routing=routing, variant=variant)
     t, h, i, e, k = CONFIGS[cname]
+    moe = torch_variant(torch_grouped_mm_moe, variant, k)
     try:
         gen = torch.Generator(device=dev).manual_seed(3)
         x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
         gu = torch.randn(e, h, 2 * i, device=dev, dtype=torch.bfloat16, generator=gen) / math.sqrt(h)
         d = torch.randn(e, i, h, device=dev, dtype=torch.bfloat16, generator=gen) / math.sqrt(i)
         dy = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
-        log_p = torch.zeros(e, device=dev) if routing == "uniform" else \
-            -1.2 * torch.log1p(torch.arange(e, device=dev, dtype=torch.float32))
-        gumbel = -torch.log(-torch.log(torch.rand(t, e, device=dev, generator=gen)))
-        ids = torch.topk(log_p + gumbel, k, dim=-1).indices
-        w = torch.softmax(torch.randn(t, k, device=dev, generator=gen), dim=-1)
-        params = [p.requires_grad_() for p in (x, w, gu, d)]
+        log_p = log_prior(e, routing, torch).to(dev)
+        if variant == "router":
+            r1 = torch.randn(h, e, device=dev, dtype=torch.bfloat16, generator=gen) / math.sqrt(h)
+            r2 = log_p
+        else:
+            gumbel = -torch.log(-torch.log(torch.rand(t, e, device=dev, generator=gen)))
+            r2 = torch.topk(log_p + gumbel, k, dim=-1).indices
+            r1 = torch.softmax(torch.randn(t, k, device=dev, generator=gen), dim=-1)
+        params = [p.requires_grad_() for p in (x, r1, gu, d)]
 
-        def fwd(x, w, gu, d):
+        def fwd(x, r1, gu, d):
             with torch.no_grad():
-                return moe(x, w, ids, gu, d)
+                return moe(x, r1, r2, gu, d)
 
-        def fwd_bwd(x, w, gu, d):
-            y = moe(x, w, ids, gu, d)
-            return torch.autograd.grad(y, (x, w, gu, d), dy)
+        def fwd_bwd(x, r1, gu, d):
+            y = moe(x, r1, r2, gu, d)
+            return torch.autograd.grad(y, (x, r1, gu, d), dy)
 
         torch.cuda.reset_peak_memory_stats()  # the inputs stay counted: they are allocated
         sync(fwd_bwd(*params))
@@ -265,9 +327,9 @@ def child(args):
     if args.child == "bf16_matmul_8192":
         row = run_matmul()
     elif args.child == "torch_grouped_mm":
-        row = run_torch(args.configs, args.routings, args.samples, args.inner)
+        row = run_torch(args.configs, args.routings, args.variants, args.samples, args.inner)
     else:
-        row = run_jax(args.child, args.configs, args.routings, args.samples, args.inner)
+        row = run_jax(args.child, args.configs, args.routings, args.variants, args.samples, args.inner)
     print("JMM_BENCH_ROW " + json.dumps(row))
 
 
@@ -280,31 +342,32 @@ def child_env(impl):
     return env
 
 
-def run_child(impl, cname="all", routing="all", samples=0, inner=0):
+def run_child(impl, cname="all", routing="all", variant="all", samples=0, inner=0):
     """`child` in a subprocess of its own: its row, or a row saying how it crashed."""
     cmd = [sys.executable, __file__, "--child", impl, "--configs", cname, "--routings", routing,
-           "--samples", str(samples), "--inner", str(inner)]
+           "--variants", variant, "--samples", str(samples), "--inner", str(inner)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(impl))
     found = [line for line in proc.stdout.splitlines() if line.startswith("JMM_BENCH_ROW ")]
     if found:
         return json.loads(found[-1][len("JMM_BENCH_ROW "):])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return dict(impl=impl, config=cname, routing=routing,
+    return dict(impl=impl, config=cname, routing=routing, variant=variant,
                 status=f"crashed rc={proc.returncode}: " + " | ".join(tail)[:300])
 
 
 def table(rows, matmul_tfs):
     w = max([18] + [len(r["impl"]) + 2 for r in rows if "config" in r])
     lines = [f"bf16 matmul (8192^3, torch) in this run: {matmul_tfs:.0f} TF/s",
-             f"{'impl':<{w}}{'config':<7}{'routing':<9}{'fwd ms':>9}{'TF/s':>7}{'%mm':>6}"
+             f"{'impl':<{w}}{'config':<7}{'routing':<9}{'variant':<8}{'fwd ms':>9}{'TF/s':>7}{'%mm':>6}"
              f"{'f+b ms':>9}{'TF/s':>7}{'%mm':>6}{'peak GiB':>10}  status"]
     for r in rows:
         if "config" not in r:
             continue
+        head = f"{r['impl']:<{w}}{r['config']:<7}{r['routing']:<9}{r['variant']:<8}"
         if r.get("status") != "ok":
-            lines.append(f"{r['impl']:<{w}}{r['config']:<7}{r['routing']:<9}{'':>54}  {r.get('status')}")
+            lines.append(f"{head}{'':>54}  {r.get('status')}")
             continue
-        lines.append(f"{r['impl']:<{w}}{r['config']:<7}{r['routing']:<9}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>7.0f}"
+        lines.append(f"{head}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>7.0f}"
                      f"{r['fwd_pct_matmul']:>6.0f}{r['fwd_bwd_ms']:>9.3f}{r['fwd_bwd_tflops']:>7.0f}"
                      f"{r['fwd_bwd_pct_matmul']:>6.0f}{r['peak_gib']:>10.2f}{'*' if r['peak_by_call'] is False else '':1} ok")
     if any(r.get("status") == "ok" and r.get("peak_by_call") is False for r in rows):
@@ -321,16 +384,18 @@ def plot(rows, path):
         print("matplotlib missing: no chart")
         return
     ok = [r for r in rows if r.get("status") == "ok" and "config" in r]
-    groups = sorted({(r["config"], r["routing"]) for r in ok}, key=lambda g: (list(CONFIGS).index(g[0]), g[1]))
+    groups = sorted({(r["config"], r["routing"], r["variant"]) for r in ok},
+                    key=lambda g: (list(CONFIGS).index(g[0]), g[1], VARIANTS.index(g[2])))
     impls = list(dict.fromkeys(r["impl"] for r in ok))  # in run order
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     for ax, key, title in ((axes[0], "fwd_tflops", "forward"), (axes[1], "fwd_bwd_tflops", "forward+backward")):
         width = 0.8 / max(len(impls), 1)
         for j, impl in enumerate(impls):
-            vals = [next((r[key] for r in ok if r["impl"] == impl and (r["config"], r["routing"]) == g), 0)
-                    for g in groups]
+            vals = [next((r[key] for r in ok if r["impl"] == impl and (r["config"], r["routing"], r["variant"]) == g),
+                         0) for g in groups]
             ax.bar([x + j * width for x in range(len(groups))], vals, width, label=impl)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))], [f"{c}\n{r}" for c, r in groups])
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))],
+                      [f"{c}\n{r}" + ("" if v == "plain" else f"\n{v}") for c, r, v in groups])
         ax.set_ylabel("effective TF/s (bf16)")
         ax.set_title(title)
         ax.legend()
@@ -343,6 +408,7 @@ def main():
     parser.add_argument("--configs", default="q30s,q30,q235")
     parser.add_argument("--routings", default="uniform,zipf")
     parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--variants", default="plain", help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--inner", type=int, default=5)
     parser.add_argument("--json", default="bench_moe.json")
@@ -352,19 +418,23 @@ def main():
     if args.child:
         return child(args)
 
-    configs, routings = args.configs.split(","), args.routings.split(",")
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        parser.error(f"--configs: unknown {unknown}; known: {sorted(CONFIGS)}")
+    configs, routings, variants = args.configs.split(","), args.routings.split(","), args.variants.split(",")
+    for flag, given, known in (("--configs", configs, CONFIGS), ("--routings", routings, ROUTINGS),
+                               ("--variants", variants, VARIANTS)):
+        unknown = [v for v in given if v not in known]
+        if unknown:
+            parser.error(f"{flag}: unknown {unknown}; known: {sorted(known)}")
     rows = [run_child("bf16_matmul_8192")]
     for impl in args.impls.split(","):
         start = time.perf_counter()
         for cname in configs:
             for routing in routings:
-                if (impl, cname) in SKIP:
-                    rows.append(dict(impl=impl, config=cname, routing=routing, status=SKIP[(impl, cname)]))
-                else:
-                    rows.append(run_child(impl, cname, routing, args.samples, args.inner))
+                for variant in variants:
+                    if (impl, cname) in SKIP:
+                        rows.append(dict(impl=impl, config=cname, routing=routing, variant=variant,
+                                         status=SKIP[(impl, cname)]))
+                    else:
+                        rows.append(run_child(impl, cname, routing, variant, args.samples, args.inner))
         print(f"[{impl}: {time.perf_counter() - start:.0f} s]", flush=True)
 
     matmul = next((r for r in rows if r.get("impl") == "bf16_matmul_8192" and r.get("status") == "ok"), None)

@@ -97,11 +97,13 @@ def test_bench_moe_graphs_impl_adds_the_command_buffer_flags(monkeypatch):
 
 
 def test_bench_moe_table_fits_long_impl_names():
-    row = dict(impl="ours_tiles_fwd_gate_up=pp64x256_c1", config="q30s", routing="uniform", status="ok",
+    row = dict(impl="ours_tiles_fwd_gate_up=pp64x256_c1", config="q30s", routing="uniform", variant="router",
+               status="ok",
                fwd_ms=0.5, fwd_tflops=300.0, fwd_pct_matmul=43.0, fwd_bwd_ms=1.5, fwd_bwd_tflops=310.0,
                fwd_bwd_pct_matmul=44.0, peak_gib=3.7, peak_by_call=True)
     header, line = bench_moe.table([row], 698.0).splitlines()[1:]
     assert line.startswith(row["impl"] + "  q30s") and header.index("config") == line.index("q30s")
+    assert header.index("variant") == line.index("router")
 
 
 def test_bench_ep_emulated_shards_on_one_cpu_device(tmp_path):
@@ -196,3 +198,94 @@ def test_train_record_agreement_compares_eval_losses_and_window_means():
     off = train_record.agreement([{"step": 1, "loss": 2.05}, {"step": 2, "loss": 2.0}], baseline[:2], window=2)
     assert off["train_loss_2_step_means"]["relative_gaps"] == [("1-2", pytest.approx(0.0125))]
     assert not off["train_loss_2_step_means"]["within_1pct"] and not off["eval_loss"]["within_1pct"]
+
+
+def test_bench_moe_runs_every_variant_of_the_jax_peers_on_cpu(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_moe.py"), "--configs", "tiny", "--routings", "zipf",
+         "--impls", "ragged_dot,gshard", "--variants", "plain,router,remat", "--samples", "1", "--inner", "1",
+         "--json", str(out), "--png", str(tmp_path / "bench.png")],
+        env=cpu_env(1), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # The torch matmul row fails on a CPU; the others are this run's rows.
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["impl"] != "bf16_matmul_8192"]
+    assert sorted((r["impl"], r["variant"]) for r in rows) == sorted(
+        (impl, variant) for impl in ("ragged_dot", "gshard") for variant in ("plain", "router", "remat"))
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["config"] == "tiny" and r["routing"] == "zipf" and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
+
+
+def _float32_problem(seed=0):
+    import jax
+    import jax.numpy as jnp
+    t, h, i, e, k = bench_moe.CONFIGS["tiny"]
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    x = jax.random.normal(keys[0], (t, h), jnp.float32)
+    gu = jax.random.normal(keys[1], (e, h, 2 * i), jnp.float32) / h**0.5
+    d = jax.random.normal(keys[2], (e, i, h), jnp.float32) / i**0.5
+    dy = jax.random.normal(keys[3], (t, h), jnp.float32)
+    w_router = jax.random.normal(keys[4], (h, e), jnp.float32) / h**0.5
+    return x, gu, d, dy, w_router, k
+
+
+@pytest.mark.parametrize("variant", ["plain", "router", "remat"])
+def test_bench_moe_variants_of_the_ragged_dot_peer_match_the_reference(variant):
+    # Each variant of a peer must compute what the same variant of reference.moe_ffn does, gradients included
+    # (the router's gradient reaches w_router): a benchmark row is only worth comparing if it is right.
+    import jax
+    import jax.numpy as jnp
+    from jax_megamoe import reference
+    from moe_cases import rel_error
+
+    x, gu, d, dy, w_router, k = _float32_problem()
+    e = gu.shape[0]
+    r1, r2 = ((w_router, bench_moe.log_prior(e, "zipf", jnp)) if variant == "router"
+              else bench_moe.jax_routing(x.shape[0], e, k, "zipf", seed=1))
+
+    def value_and_grads(moe):
+        fn = bench_moe.jax_variant(moe, variant, k)
+        return jax.value_and_grad(lambda a, b, c, f: jnp.sum(fn(a, b, r2, c, f) * dy), argnums=(0, 1, 2, 3))(
+            x, r1, gu, d)
+
+    got, want = value_and_grads(bench_moe.jax_impl("ragged_dot")), value_and_grads(reference.moe_ffn)
+    assert rel_error(got[0], want[0]) <= 1e-5
+    for name, g, w in zip(("x", "r1", "w_gate_up", "w_down"), got[1], want[1]):
+        assert float(jnp.linalg.norm(w)) > 0, name
+        assert rel_error(g, w) <= 1e-5, name
+
+
+def test_bench_moe_torch_variants_compute_the_jax_variants():
+    # torch_variant's router and checkpointing, on CPU with a dense stand-in for grouped_mm (whose backward
+    # torch implements on GPUs only), against jax_variant over reference.moe_ffn.
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from jax_megamoe import reference
+
+    def dense_moe(x, w, ids, gu, d):
+        out = torch.zeros_like(x)
+        for j in range(ids.shape[1]):
+            g, u = torch.einsum("th,thi->ti", x, gu[ids[:, j]]).chunk(2, dim=-1)
+            out = out + w[:, j:j + 1] * torch.einsum("ti,tih->th", F.silu(g) * u, d[ids[:, j]])
+        return out
+
+    x, gu, d, dy, w_router, k = _float32_problem(seed=2)
+    bias = bench_moe.log_prior(gu.shape[0], "zipf", np)
+    want = bench_moe.jax_variant(reference.moe_ffn, "router", k)(x, w_router, jnp.asarray(bias), gu, d)
+    tx, tr, tgu, td, tdy = (torch.tensor(np.asarray(a)) for a in (x, w_router, gu, d, dy))
+    tbias = torch.tensor(bias)
+    got = bench_moe.torch_variant(dense_moe, "router", k)(tx, tr, tbias, tgu, td)
+    np.testing.assert_allclose(got.numpy(), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+    weights, ids = torch.rand(x.shape[0], k), torch.randint(0, gu.shape[0], (x.shape[0], k))
+
+    def grads(variant):
+        params = [a.clone().requires_grad_() for a in (tx, weights, tgu, td)]
+        y = bench_moe.torch_variant(dense_moe, variant, k)(params[0], params[1], ids, params[2], params[3])
+        return torch.autograd.grad(y, params, tdy)
+
+    for plain, remat in zip(grads("plain"), grads("remat")):
+        assert float(plain.norm()) > 0 and torch.allclose(plain, remat, rtol=1e-5, atol=1e-5)
