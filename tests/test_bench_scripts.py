@@ -289,3 +289,19 @@ def test_bench_moe_torch_variants_compute_the_jax_variants():
 
     for plain, remat in zip(grads("plain"), grads("remat")):
         assert float(plain.norm()) > 0 and torch.allclose(plain, remat, rtol=1e-5, atol=1e-5)
+
+
+def test_bench_moe_remat_runs_the_forward_twice():
+    # The timed forward+backward returns y, as a training step uses it: under jax.checkpoint the compiled program
+    # then runs the forward's two products again in the backward. (Without y, XLA dropped the first forward, whose
+    # results nothing used, and `remat` timed the same program as `plain`.)
+    import jax
+
+    x, gu, d, dy, _, k = _float32_problem()
+    w, ids = bench_moe.jax_routing(x.shape[0], gu.shape[0], k, "uniform", seed=3)
+
+    def products(variant):
+        fwd_bwd = bench_moe.forward_and_gradients(bench_moe.jax_variant(bench_moe.jax_impl("ragged_dot"), variant, k))
+        return jax.jit(fwd_bwd).lower(x, w, ids, gu, d, dy).compile().as_text().count(" dot(")
+
+    assert products("remat") == products("plain") + 2
