@@ -434,7 +434,9 @@ def main():
         unknown = [v for v in given if v not in known]
         if unknown:
             parser.error(f"{flag}: unknown {unknown}; known: {sorted(known)}")
-    rows = [run_child("bf16_matmul_8192")]
+    matmul = run_child("bf16_matmul_8192")
+    matmul_tfs = matmul["tflops"] if matmul.get("status") == "ok" else float("nan")
+    rows = [matmul]
     for impl in args.impls.split(","):
         start = time.perf_counter()
         for cname in configs:
@@ -444,22 +446,24 @@ def main():
                         rows.append(dict(impl=impl, config=cname, routing=routing, variant=variant,
                                          status=SKIP[(impl, cname)]))
                     else:
-                        rows.append(run_child(impl, cname, routing, variant, args.samples, args.inner))
+                        rows.append(with_rates(run_child(impl, cname, routing, variant, args.samples, args.inner),
+                                               matmul_tfs))
         print(f"[{impl}: {time.perf_counter() - start:.0f} s]", flush=True)
-
-    matmul = next((r for r in rows if r.get("impl") == "bf16_matmul_8192" and r.get("status") == "ok"), None)
-    matmul_tfs = matmul["tflops"] if matmul else float("nan")
-    for r in rows:
-        if r.get("status") == "ok" and "config" in r:
-            fl = flops_forward(*CONFIGS[r["config"]])
-            r["fwd_tflops"] = fl / r["fwd_ms"] / 1e9
-            r["fwd_bwd_tflops"] = 3 * fl / r["fwd_bwd_ms"] / 1e9
-            r["fwd_pct_matmul"] = 100 * r["fwd_tflops"] / matmul_tfs
-            r["fwd_bwd_pct_matmul"] = 100 * r["fwd_bwd_tflops"] / matmul_tfs
-    with open(args.json, "w") as f:
-        json.dump(dict(rows=rows, matmul_tflops=matmul_tfs, configs=CONFIGS, argv=sys.argv), f, indent=1)
+        with open(args.json, "w") as f:  # after every implementation, so a run cut short keeps its rows
+            json.dump(dict(rows=rows, matmul_tflops=matmul_tfs, configs=CONFIGS, argv=sys.argv), f, indent=1)
     plot(rows, args.png)
     print(table(rows, matmul_tfs))
+
+
+def with_rates(row, matmul_tfs):
+    """`row` with its effective TF/s and their fraction of the matmul rate, when it has times."""
+    if row.get("status") == "ok":
+        fl = flops_forward(*CONFIGS[row["config"]])
+        row["fwd_tflops"] = fl / row["fwd_ms"] / 1e9
+        row["fwd_bwd_tflops"] = 3 * fl / row["fwd_bwd_ms"] / 1e9
+        row["fwd_pct_matmul"] = 100 * row["fwd_tflops"] / matmul_tfs
+        row["fwd_bwd_pct_matmul"] = 100 * row["fwd_bwd_tflops"] / matmul_tfs
+    return row
 
 
 if __name__ == "__main__":
