@@ -131,6 +131,26 @@ def test_jit_and_checkpoint_match_eager():
         np.testing.assert_allclose(r, e, rtol=1e-6, atol=1e-6)
 
 
+def test_checkpointed_backward_recomputes_only_the_gate_up_call():
+    # A training step under jax.checkpoint: y goes on (returned), the backward recomputes the forward. Only
+    # moe_gate_up is recomputed (the backward needs gate_up alone): JAX drops the recomputed moe_down. Counted in
+    # the lowered program: XLA's CPU compiler then merges the recomputation with the forward (it drops the
+    # optimisation barrier), its GPU compiler keeps both (benchmarks/RESULTS.md times them).
+    case = Case(16, 16, 8, 4, 2)
+    x, weights, experts, w_gate_up, w_down = make_problem(np.random.default_rng(7), case, jnp.float32)
+    cotangent = jnp.ones((16, 16), jnp.float32)
+
+    def calls(fn):
+        def step(x, weights, w_gate_up, w_down):
+            y, vjp = jax.vjp(lambda a, b, c, d: fn(a, b, experts, c, d), x, weights, w_gate_up, w_down)
+            return y, vjp(cotangent)
+        text = jax.jit(step).lower(x, weights, w_gate_up, w_down).as_text()
+        return {op: text.count(f"custom_call @jmm_cpu_moe_{op}(") for op in ("gate_up", "down", "backward")}
+
+    assert calls(_cpu) == {"gate_up": 1, "down": 1, "backward": 1}
+    assert calls(jax.checkpoint(_cpu)) == {"gate_up": 2, "down": 1, "backward": 1}
+
+
 def test_inside_shard_map_each_device_runs_local_op():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
     case = Case(8 * 6, 16, 8, 4, 2)

@@ -235,7 +235,7 @@ for dtype, (t, h, i, e, k) in ((jnp.bfloat16, (512, 256, 128, 16, 4)), (jnp.floa
             out[f"{jnp.dtype(dtype).name}_{seed}_{j}"] = np.asarray(value.astype(jnp.float32))
 from jax_megamoe import _ffi
 recorded = _ffi.extension().cuda_graph_recorded_calls()
-np.savez(sys.argv[1], recorded=np.array([recorded[op] for op in ("moe_layout", "moe_forward", "moe_backward")]), **out)
+np.savez(sys.argv[1], recorded=np.array([recorded[op] for op in ("moe_layout", "moe_gate_up", "moe_down", "moe_backward")]), **out)
 """
 
 
@@ -255,7 +255,7 @@ def test_cuda_graph_capture_matches_uncaptured_run(tmp_path):
     captured = _run_graph_script(tmp_path, "captured",
                                  "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
     plain = _run_graph_script(tmp_path, "plain", "--xla_gpu_enable_command_buffer=")
-    assert np.all(captured["recorded"] > 0), f"calls recorded (layout, forward, backward): {captured['recorded']}"
+    assert np.all(captured["recorded"] > 0), f"calls recorded (layout, gate_up, down, backward): {captured['recorded']}"
     assert np.all(plain["recorded"] == 0), f"recorded without command buffers: {plain['recorded']}"
     outputs = sorted(set(plain.files) - {"recorded"})
     assert sorted(set(captured.files) - {"recorded"}) == outputs and len(outputs) == 2 * 2 * 5

@@ -18,7 +18,7 @@ T, H, I, E, K = 24, 16, 8, 4, 2
 class StandInExtension:
     """Answers `cuda_workspace_bytes` with a distinct size per op and records what it was asked."""
     with_cuda = True
-    BYTES = {"moe_layout": 1001, "moe_forward": 2003, "moe_backward": 3005}
+    BYTES = {"moe_layout": 1001, "moe_gate_up": 2003, "moe_down": 2503, "moe_backward": 3005}
 
     def __init__(self):
         self.asked = {}
@@ -38,7 +38,7 @@ def lowered_cuda_step(dtype, monkeypatch):
 
     args = (jnp.zeros((T, H), dtype), jnp.zeros((T, K), jnp.float32), jnp.zeros((T, K), jnp.int32),
             jnp.zeros((E, H, 2 * I), dtype), jnp.zeros((E, I, H), dtype))
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 3, 4)))
+    grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 3, 4)))  # the value keeps y (moe_down) in
     return grads.trace(*args).lower(lowering_platforms=("cuda",)).as_text(), ext
 
 
@@ -47,15 +47,15 @@ def test_every_cuda_moe_call_has_its_workspace_result(dtype, monkeypatch):
     monkeypatch.setenv(moe_ops.GEMM_TILES_ENV, "fwd_down=pp64x256_c1")
     text, ext = lowered_cuda_step(dtype, monkeypatch)
     bf16 = dtype == jnp.bfloat16
-    assert ext.asked == {"moe_layout": (False, T, K, 0, 0, E), "moe_forward": (bf16, T, K, H, I, E),
-                         "moe_backward": (bf16, T, K, H, I, E)}
+    assert ext.asked == {"moe_layout": (False, T, K, 0, 0, E), "moe_gate_up": (bf16, T, K, H, I, E),
+                         "moe_down": (bf16, T, K, H, I, E), "moe_backward": (bf16, T, K, H, I, E)}
     calls = re.findall(r"stablehlo\.custom_call @jmm_cuda_(moe_\w+)\(.*\) -> \((.*)\)", text)
-    assert sorted(op for op, _ in calls) == ["moe_backward", "moe_forward", "moe_layout"]
+    assert sorted(op for op, _ in calls) == ["moe_backward", "moe_down", "moe_gate_up", "moe_layout"]
     for op, results in calls:
         assert results.split(", ")[-1] == f"tensor<{StandInExtension.BYTES[op]}xui8>", (op, results)
     # The GEMM tiles of the trace time are attributes of the forward and backward calls (not of the layout).
     tiles = re.findall(r"@jmm_cuda_(moe_\w+)\(.*gemm_tiles = \"([^\"]*)\"", text)
-    assert sorted(tiles) == [("moe_backward", "fwd_down=pp64x256_c1"), ("moe_forward", "fwd_down=pp64x256_c1")]
+    assert sorted(tiles) == [(op, "fwd_down=pp64x256_c1") for op in ("moe_backward", "moe_down", "moe_gate_up")]
 
 
 def test_cpu_calls_have_no_workspace_result():
@@ -63,8 +63,8 @@ def test_cpu_calls_have_no_workspace_result():
     text = jax.jit(lambda x: jmm.moe_ffn(x, jnp.ones((T, K)), jnp.zeros((T, K), jnp.int32),
                                          jnp.ones((E, H, 2 * I)), jnp.ones((E, I, H)), backend="cpu")
                    ).lower(x).as_text()
-    results = re.findall(r"stablehlo\.custom_call @jmm_cpu_moe_forward\(.*\) -> \((.*)\)", text)
-    assert results and "ui8" not in results[0]
+    results = re.findall(r"stablehlo\.custom_call @jmm_cpu_moe_(?:gate_up|down)\(.*\) -> (.*)$", text, re.M)
+    assert len(results) == 2 and not any("ui8" in r for r in results)
 
 
 def test_cuda_backward_writes_dz_over_gate_up(monkeypatch):

@@ -59,17 +59,13 @@ void CombineRows(const MoeDims& d, const A* rows, const int32_t* row_of_pair, Sc
 }  // namespace
 
 template <typename T>
-void MoeForward(const MoeDims& d, const T* x, const typename Acc<T>::type* weights, const T* w_gate_up,
-                const T* w_down, const int32_t* row_of_pair, const int32_t* pair_of_row, const int32_t* expert_offsets,
-                T* y, T* gate_up) {
+void MoeGateUp(const MoeDims& d, const T* x, const T* w_gate_up, const int32_t* pair_of_row,
+               const int32_t* expert_offsets, T* gate_up) {
   using A = typename Acc<T>::type;
   const int64_t H = d.hidden, I = d.intermediate, K = d.top_k;
-  const int64_t rows = d.tokens * K;
-  std::vector<A> out(rows * H, A(0));  // per-row expert output, combined in pair order below
-  std::vector<A> acc(2 * I), act(I);
+  std::vector<A> acc(2 * I);
   for (int64_t e = 0; e < d.experts; ++e) {
     const T* wgu = w_gate_up + e * H * 2 * I;
-    const T* wdn = w_down + e * I * H;
     for (int64_t r = expert_offsets[e]; r < expert_offsets[e + 1]; ++r) {
       const T* xt = x + (pair_of_row[r] / K) * H;
       std::fill(acc.begin(), acc.end(), A(0));
@@ -80,6 +76,22 @@ void MoeForward(const MoeDims& d, const T* x, const typename Acc<T>::type* weigh
       }
       T* zr = gate_up + r * 2 * I;
       for (int64_t j = 0; j < 2 * I; ++j) zr[j] = Store<T>(acc[j]);
+    }
+  }
+}
+
+template <typename T>
+void MoeDown(const MoeDims& d, const T* gate_up, const typename Acc<T>::type* weights, const T* w_down,
+             const int32_t* row_of_pair, const int32_t* expert_offsets, T* y) {
+  using A = typename Acc<T>::type;
+  const int64_t H = d.hidden, I = d.intermediate, K = d.top_k;
+  const int64_t rows = d.tokens * K;
+  std::vector<A> out(rows * H, A(0));  // per-row expert output, combined in pair order below
+  std::vector<A> act(I);
+  for (int64_t e = 0; e < d.experts; ++e) {
+    const T* wdn = w_down + e * I * H;
+    for (int64_t r = expert_offsets[e]; r < expert_offsets[e + 1]; ++r) {
+      const T* zr = gate_up + r * 2 * I;
       for (int64_t i = 0; i < I; ++i) {
         const A g = Load<A>(zr[i]), u = Load<A>(zr[I + i]);
         act[i] = Round<T>(g * Sigmoid(g) * u);
@@ -155,8 +167,9 @@ void MoeBackward(const MoeDims& d, const T* dy, const T* x, const typename Acc<T
 }
 
 #define JMM_INSTANTIATE(T)                                                                              \
-  template void MoeForward<T>(const MoeDims&, const T*, const Acc<T>::type*, const T*, const T*,      \
-                              const int32_t*, const int32_t*, const int32_t*, T*, T*);                  \
+  template void MoeGateUp<T>(const MoeDims&, const T*, const T*, const int32_t*, const int32_t*, T*);   \
+  template void MoeDown<T>(const MoeDims&, const T*, const Acc<T>::type*, const T*, const int32_t*,     \
+                           const int32_t*, T*);                                                         \
   template void MoeBackward<T>(const MoeDims&, const T*, const T*, const Acc<T>::type*, const T*,       \
                                const T*, const T*, const int32_t*, const int32_t*, const int32_t*, T*,  \
                                Acc<T>::type*, T*, T*);

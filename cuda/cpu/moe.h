@@ -12,10 +12,14 @@ namespace jmm::cpu {
 void MoeLayout(const int32_t* experts, int64_t num_pairs, int64_t num_experts, int32_t* row_of_pair,
                int32_t* pair_of_row, int32_t* expert_offsets);
 
+// The forward in two steps, so that a recomputation that needs only gate_up (jax.checkpoint) runs only the first.
 template <typename T>
-void MoeForward(const MoeDims& d, const T* x, const typename Acc<T>::type* weights, const T* w_gate_up, const T* w_down,
-                const int32_t* row_of_pair, const int32_t* pair_of_row, const int32_t* expert_offsets,
-                T* y, T* gate_up);
+void MoeGateUp(const MoeDims& d, const T* x, const T* w_gate_up, const int32_t* pair_of_row,
+               const int32_t* expert_offsets, T* gate_up);
+
+template <typename T>
+void MoeDown(const MoeDims& d, const T* gate_up, const typename Acc<T>::type* weights, const T* w_down,
+             const int32_t* row_of_pair, const int32_t* expert_offsets, T* y);
 
 template <typename T>
 void MoeBackward(const MoeDims& d, const T* dy, const T* x, const typename Acc<T>::type* weights, const T* w_gate_up,

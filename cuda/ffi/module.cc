@@ -25,11 +25,13 @@ nb::capsule Capsule(Fn* fn) {
 nb::dict Registrations() {
   nb::dict table;
   table["jmm_cpu_moe_layout"] = Capsule(jmm_cpu_moe_layout);
-  table["jmm_cpu_moe_forward"] = Capsule(jmm_cpu_moe_forward);
+  table["jmm_cpu_moe_gate_up"] = Capsule(jmm_cpu_moe_gate_up);
+  table["jmm_cpu_moe_down"] = Capsule(jmm_cpu_moe_down);
   table["jmm_cpu_moe_backward"] = Capsule(jmm_cpu_moe_backward);
 #ifdef JMM_WITH_CUDA
   table["jmm_cuda_moe_layout"] = Capsule(jmm_cuda_moe_layout);
-  table["jmm_cuda_moe_forward"] = Capsule(jmm_cuda_moe_forward);
+  table["jmm_cuda_moe_gate_up"] = Capsule(jmm_cuda_moe_gate_up);
+  table["jmm_cuda_moe_down"] = Capsule(jmm_cuda_moe_down);
   table["jmm_cuda_moe_backward"] = Capsule(jmm_cuda_moe_backward);
   table["jmm_cuda_nvlink_exchange"] = Capsule(jmm_cuda_nvlink_exchange);
   table["jmm_cuda_nvlink_moe_forward"] = Capsule(jmm_cuda_nvlink_moe_forward);
@@ -49,7 +51,8 @@ NB_MODULE(_ext, m) {
       [](const std::string& op, bool bfloat16, int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
          int64_t experts) -> size_t {
         if (op == "moe_layout") return jmm::MoeLayoutWorkspaceBytes(tokens * top_k, experts);
-        if (op == "moe_forward") return jmm::MoeForwardWorkspaceBytes(bfloat16, tokens, top_k, hidden, intermediate, experts);
+        if (op == "moe_gate_up") return jmm::MoeGateUpWorkspaceBytes(bfloat16, tokens, top_k, hidden, intermediate, experts);
+        if (op == "moe_down") return jmm::MoeDownWorkspaceBytes(bfloat16, tokens, top_k, hidden, intermediate, experts);
         if (op == "moe_backward") return jmm::MoeBackwardWorkspaceBytes(bfloat16, tokens, top_k, hidden, intermediate, experts);
         if (op == "nvlink_moe_forward") {  // bfloat16 only; `experts` is the (source, expert) group count
           return jmm::NvlinkForwardWorkspaceBytes(tokens, top_k, hidden, intermediate, experts);
@@ -68,7 +71,8 @@ NB_MODULE(_ext, m) {
         const jmm::MoeRecordedCalls calls = jmm::MoeCallsRecordedIntoGraphs();
         nb::dict counts;
         counts["moe_layout"] = calls.layout;
-        counts["moe_forward"] = calls.forward;
+        counts["moe_gate_up"] = calls.gate_up;
+        counts["moe_down"] = calls.down;
         counts["moe_backward"] = calls.backward;
         return counts;
       },

@@ -37,17 +37,27 @@ T* Data(ffi::AnyBuffer buffer) {
   return static_cast<T*>(buffer.untyped_data());
 }
 
-ffi::Error MoeForwardCpu(ffi::AnyBuffer x, ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up,
-                         ffi::AnyBuffer w_down, ffi::Buffer<ffi::S32> row_of_pair,
-                         ffi::Buffer<ffi::S32> pair_of_row, ffi::Buffer<ffi::S32> expert_offsets,
-                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gate_up) {
+ffi::Error MoeGateUpCpu(ffi::AnyBuffer x, ffi::AnyBuffer w_gate_up, ffi::Buffer<ffi::S32> pair_of_row,
+                        ffi::Buffer<ffi::S32> expert_offsets, ffi::Result<ffi::AnyBuffer> gate_up) {
   MoeDims d;
-  if (auto err = ReadMoeDims(x, weights, w_gate_up, w_down, &d); err.failure()) return err;
+  if (auto err = ReadGateUpDims(x, w_gate_up, pair_of_row.element_count(), &d); err.failure()) return err;
   return DispatchFloat(x.element_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    cpu::MoeForward<T>(d, Data<T>(x), Data<typename cpu::Acc<T>::type>(weights), Data<T>(w_gate_up), Data<T>(w_down),
-                       row_of_pair.typed_data(), pair_of_row.typed_data(), expert_offsets.typed_data(),
-                       Data<T>(*y), Data<T>(*gate_up));
+    cpu::MoeGateUp<T>(d, Data<T>(x), Data<T>(w_gate_up), pair_of_row.typed_data(), expert_offsets.typed_data(),
+                      Data<T>(*gate_up));
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error MoeDownCpu(ffi::AnyBuffer gate_up, ffi::AnyBuffer weights, ffi::AnyBuffer w_down,
+                      ffi::Buffer<ffi::S32> row_of_pair, ffi::Buffer<ffi::S32> expert_offsets,
+                      ffi::Result<ffi::AnyBuffer> y) {
+  MoeDims d;
+  if (auto err = ReadDownDims(gate_up, weights, w_down, &d); err.failure()) return err;
+  return DispatchFloat(gate_up.element_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cpu::MoeDown<T>(d, Data<T>(gate_up), Data<typename cpu::Acc<T>::type>(weights), Data<T>(w_down),
+                    row_of_pair.typed_data(), expert_offsets.typed_data(), Data<T>(*y));
     return ffi::Error::Success();
   });
 }
@@ -76,8 +86,11 @@ ffi::Error MoeBackwardCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer we
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_layout, jmm::MoeLayoutCpu,
                               jmm::BindMoeLayout(jmm::ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_forward, jmm::MoeForwardCpu,
-                              jmm::BindMoeForward(jmm::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_gate_up, jmm::MoeGateUpCpu,
+                              jmm::BindMoeGateUp(jmm::ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_down, jmm::MoeDownCpu,
+                              jmm::BindMoeDown(jmm::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_backward, jmm::MoeBackwardCpu,
                               jmm::BindMoeBackward(jmm::ffi::Ffi::Bind()));

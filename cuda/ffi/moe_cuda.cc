@@ -4,7 +4,8 @@
 // jmm/moe_host.h), never allocated by the handler, so XLA may capture the calls into CUDA graphs
 // (command buffers), which replay the kernels a call enqueued when it was recorded.
 //
-// Forward:  gather x rows -> gate_up = x_perm @ W_gu -> h = swiglu -> out = h @ W_d -> y = weighted combine.
+// Forward, two calls: gate_up: gather x rows -> gate_up = x_perm @ W_gu;
+//                    down:    h = swiglu(gate_up) -> out = h @ W_d -> y = weighted combine.
 // Backward: gather dy rows -> g = dy @ W_d^T -> swiglu backward (w*h, dz, d_weights) -> d_W_d = (w*h)^T dy
 //           -> dx rows = dz @ W_gu^T -> dx = combine; d_W_gu = x_perm^T dz per expert. dz is a result that
 //           the caller aliases to gate_up (handlers.h), so it takes no scratch of its own.
@@ -27,7 +28,7 @@
 namespace jmm {
 namespace {
 
-std::atomic<int64_t> recorded_layout{0}, recorded_forward{0}, recorded_backward{0};
+std::atomic<int64_t> recorded_layout{0}, recorded_gate_up{0}, recorded_down{0}, recorded_backward{0};
 
 // Counts the call if XLA is recording `stream` into a CUDA graph.
 void CountIfRecorded(cudaStream_t stream, std::atomic<int64_t>& counter) {
@@ -58,12 +59,20 @@ size_t MoeLayoutWorkspaceBytes(int64_t num_pairs, int64_t num_experts) {
   return cuda::SortPairsScratchBytes(num_pairs, num_experts);
 }
 
-size_t MoeForwardWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, int64_t hidden,
-                                int64_t intermediate, int64_t experts) {
+size_t MoeGateUpWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, int64_t hidden,
+                               int64_t intermediate, int64_t experts) {
   const cuda::Dtype dtype = bfloat16 ? cuda::Dtype::kBFloat16 : cuda::Dtype::kFloat32;
   const size_t rows = tokens * top_k, bytes = ElementBytes(dtype);
-  return cuda::ScratchFootprint(rows * hidden * bytes) + cuda::ScratchFootprint(rows * intermediate * bytes) +
-         GemmsScratchBytes(2, cuda::UseTensorCores(dtype, hidden, intermediate), experts);
+  return cuda::ScratchFootprint(rows * hidden * bytes) +
+         GemmsScratchBytes(1, cuda::UseTensorCores(dtype, hidden, intermediate), experts);
+}
+
+size_t MoeDownWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
+                             int64_t experts) {
+  const cuda::Dtype dtype = bfloat16 ? cuda::Dtype::kBFloat16 : cuda::Dtype::kFloat32;
+  const size_t rows = tokens * top_k, bytes = ElementBytes(dtype);
+  return cuda::ScratchFootprint(rows * intermediate * bytes) + cuda::ScratchFootprint(rows * hidden * bytes) +
+         GemmsScratchBytes(1, cuda::UseTensorCores(dtype, hidden, intermediate), experts);
 }
 
 size_t MoeBackwardWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, int64_t hidden,
@@ -144,7 +153,7 @@ ffi::Error MoeBackward::GateUpWeightGradient(cudaStream_t stream) {
 }
 
 MoeRecordedCalls MoeCallsRecordedIntoGraphs() {
-  return {recorded_layout.load(), recorded_forward.load(), recorded_backward.load()};
+  return {recorded_layout.load(), recorded_gate_up.load(), recorded_down.load(), recorded_backward.load()};
 }
 
 namespace {
@@ -167,47 +176,66 @@ ffi::Error MoeLayoutCuda(cudaStream_t stream, ffi::Buffer<ffi::S32> experts, ffi
   return ffi::Error::Success();
 }
 
-ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up,
-                          ffi::AnyBuffer w_down, ffi::Buffer<ffi::S32> row_of_pair, ffi::Buffer<ffi::S32> pair_of_row,
-                          ffi::Buffer<ffi::S32> expert_offsets, ffi::Result<ffi::AnyBuffer> y,
-                          ffi::Result<ffi::AnyBuffer> gate_up, std::string_view gemm_tiles, Workspace workspace) {
+ffi::Error MoeGateUpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w_gate_up,
+                         ffi::Buffer<ffi::S32> pair_of_row, ffi::Buffer<ffi::S32> expert_offsets,
+                         ffi::Result<ffi::AnyBuffer> gate_up, std::string_view gemm_tiles, Workspace workspace) {
   MoeDims d;
-  if (auto err = ReadMoeDims(x, weights, w_gate_up, w_down, &d); err.failure()) return err;
+  if (auto err = ReadGateUpDims(x, w_gate_up, pair_of_row.element_count(), &d); err.failure()) return err;
   cuda::Dtype dtype;
   if (auto err = ReadDtype(x.element_type(), &dtype); err.failure()) return err;
   RowsGemmTiles tiles;
   if (auto err = ReadGemmTiles(gemm_tiles, &tiles); err.failure()) return err;
   const int64_t rows = d.tokens * d.top_k, H = d.hidden, I = d.intermediate, E = d.experts;
-  const bool tc = cuda::UseTensorCores(dtype, H, I);
   const int32_t* offsets = expert_offsets.typed_data();
-  if (auto err = CheckWorkspace("forward", workspace,
-                                MoeForwardWorkspaceBytes(dtype == cuda::Dtype::kBFloat16, d.tokens, d.top_k, H, I, E));
+  if (auto err = CheckWorkspace("gate_up", workspace,
+                                MoeGateUpWorkspaceBytes(dtype == cuda::Dtype::kBFloat16, d.tokens, d.top_k, H, I, E));
       err.failure()) {
     return err;
   }
-  CountIfRecorded(stream, recorded_forward);
+  CountIfRecorded(stream, recorded_gate_up);
   WorkspaceCursor cursor(workspace);
   cuda::Scratch alloc = cursor.scratch();
-
-  // x_perm [rows, H] is dead after the first GEMM, so the per-row outputs reuse it.
   void* x_perm = alloc(rows * H * ElementBytes(dtype));
-  void* h = alloc(rows * I * ElementBytes(dtype));
-  if (x_perm == nullptr || h == nullptr) return Internal("forward", "out of scratch memory");
-  void* row_out = x_perm;
-
+  if (x_perm == nullptr) return Internal("gate_up", "out of scratch memory");
   JMM_CUDA_TRY("forward gather", cuda::GatherRows(dtype, x.untyped_data(), H, pair_of_row.typed_data(), offsets,
                                                   E, rows, d.top_k, x_perm, stream));
-  JMM_CUDA_TRY("forward gate_up GEMM", cuda::RowsGemm(dtype, tc, x_perm, w_gate_up.untyped_data(),
-                                                      gate_up->untyped_data(), offsets, E, rows, 2 * I, H,
-                                                      /*b_transposed=*/false, tiles.fwd_gate_up, alloc, stream));
-  JMM_CUDA_TRY("forward swiglu",
-               cuda::SwigluForward(dtype, gate_up->untyped_data(), h, offsets, E, rows, I, stream));
-  JMM_CUDA_TRY("forward down GEMM", cuda::RowsGemm(dtype, tc, h, w_down.untyped_data(), row_out, offsets, E,
-                                                   rows, H, I, /*b_transposed=*/false, tiles.fwd_down, alloc,
-                                                   stream));
+  JMM_CUDA_TRY("forward gate_up GEMM", cuda::RowsGemm(dtype, cuda::UseTensorCores(dtype, H, I), x_perm,
+                                                      w_gate_up.untyped_data(), gate_up->untyped_data(), offsets, E,
+                                                      rows, 2 * I, H, /*b_transposed=*/false, tiles.fwd_gate_up, alloc,
+                                                      stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error MoeDownCuda(cudaStream_t stream, ffi::AnyBuffer gate_up, ffi::AnyBuffer weights, ffi::AnyBuffer w_down,
+                       ffi::Buffer<ffi::S32> row_of_pair, ffi::Buffer<ffi::S32> expert_offsets,
+                       ffi::Result<ffi::AnyBuffer> y, std::string_view gemm_tiles, Workspace workspace) {
+  MoeDims d;
+  if (auto err = ReadDownDims(gate_up, weights, w_down, &d); err.failure()) return err;
+  cuda::Dtype dtype;
+  if (auto err = ReadDtype(gate_up.element_type(), &dtype); err.failure()) return err;
+  RowsGemmTiles tiles;
+  if (auto err = ReadGemmTiles(gemm_tiles, &tiles); err.failure()) return err;
+  const int64_t rows = d.tokens * d.top_k, H = d.hidden, I = d.intermediate, E = d.experts;
+  const int32_t* offsets = expert_offsets.typed_data();
+  if (auto err = CheckWorkspace("down", workspace,
+                                MoeDownWorkspaceBytes(dtype == cuda::Dtype::kBFloat16, d.tokens, d.top_k, H, I, E));
+      err.failure()) {
+    return err;
+  }
+  CountIfRecorded(stream, recorded_down);
+  WorkspaceCursor cursor(workspace);
+  cuda::Scratch alloc = cursor.scratch();
+  void* h = alloc(rows * I * ElementBytes(dtype));
+  void* row_out = alloc(rows * H * ElementBytes(dtype));
+  if (h == nullptr || row_out == nullptr) return Internal("down", "out of scratch memory");
+  JMM_CUDA_TRY("forward swiglu", cuda::SwigluForward(dtype, gate_up.untyped_data(), h, offsets, E, rows, I, stream));
+  JMM_CUDA_TRY("forward down GEMM", cuda::RowsGemm(dtype, cuda::UseTensorCores(dtype, H, I), h,
+                                                   w_down.untyped_data(), row_out, offsets, E, rows, H, I,
+                                                   /*b_transposed=*/false, tiles.fwd_down, alloc, stream));
   JMM_CUDA_TRY("forward combine",
-               cuda::CombineRows(dtype, row_out, row_of_pair.typed_data(), static_cast<const float*>(weights.untyped_data()), d.tokens,
-                                 d.top_k, H, y->untyped_data(), stream));
+               cuda::CombineRows(dtype, row_out, row_of_pair.typed_data(),
+                                 static_cast<const float*>(weights.untyped_data()), d.tokens, d.top_k, H,
+                                 y->untyped_data(), stream));
   return ffi::Error::Success();
 }
 
@@ -267,8 +295,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_moe_layout, jmm::MoeLayoutCuda,
                               jmm::WithWorkspace(jmm::BindMoeLayout(jmm::CudaBinding())),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_moe_forward, jmm::MoeForwardCuda,
-                              jmm::WithTilesAndWorkspace(jmm::BindMoeForward(jmm::CudaBinding())),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_moe_gate_up, jmm::MoeGateUpCuda,
+                              jmm::WithTilesAndWorkspace(jmm::BindMoeGateUp(jmm::CudaBinding())),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_moe_down, jmm::MoeDownCuda,
+                              jmm::WithTilesAndWorkspace(jmm::BindMoeDown(jmm::CudaBinding())),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_moe_backward, jmm::MoeBackwardCuda,

@@ -1,9 +1,12 @@
 """The MoE expert FFN: dispatch, SwiGLU experts and weighted combine, as FFI kernels with a custom VJP.
 
-Three FFI ops per platform (contract in cuda/include/jmm/handlers.h):
+Four FFI ops per platform (contract in cuda/include/jmm/handlers.h):
   moe_layout   expert ids -> stable expert-sorted row order (ids outside [0, E) are dropped)
-  moe_forward  y, and the gate/up projections saved for the backward
+  moe_gate_up  the gate/up projections of the sorted rows, saved for the backward
+  moe_down     y from them: SwiGLU, the down projection and the weighted combine
   moe_backward dx, d weights, d w_gate_up, d w_down
+The forward is two calls so that under jax.checkpoint the backward's recomputation runs moe_gate_up alone:
+it needs only the saved projections, and XLA drops the moe_down whose y nothing reads there.
 """
 
 from __future__ import annotations
@@ -110,12 +113,14 @@ def moe_layout(experts: jax.Array, num_experts: int, platform: str) -> Layout:
 
 
 def _forward(platform, x, weights, w_gate_up, w_down, layout):
-    tokens, _ = x.shape
-    top_k = weights.shape[1]
-    shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype),
-              jax.ShapeDtypeStruct((tokens * top_k, w_gate_up.shape[2]), x.dtype))
-    return _call(platform, "moe_forward", shapes, _dims(x, weights, w_gate_up), x, weights, w_gate_up, w_down,
-                 *layout)
+    """`(y, gate_up)`: the two forward calls (see the module docstring)."""
+    dims = _dims(x, weights, w_gate_up)
+    gate_up_shape = jax.ShapeDtypeStruct((layout.pair_of_row.shape[0], w_gate_up.shape[2]), x.dtype)
+    [gate_up] = _call(platform, "moe_gate_up", (gate_up_shape,), dims, x, w_gate_up, layout.pair_of_row,
+                      layout.expert_offsets)
+    [y] = _call(platform, "moe_down", (jax.ShapeDtypeStruct(x.shape, x.dtype),), dims, gate_up, weights, w_down,
+                layout.row_of_pair, layout.expert_offsets)
+    return y, gate_up
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

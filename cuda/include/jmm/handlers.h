@@ -5,13 +5,16 @@
 //       row_of_pair [T*K] s32    sorted row of pair p = t*K + k, or -1 when its id is outside [0, E)
 //       pair_of_row [T*K] s32    pair held by sorted row r, or -1 for r >= expert_offsets[E]
 //       expert_offsets [E+1] s32 rows of expert e are [offsets[e], offsets[e+1]); stable in pair order
-//   moe_forward(x [T,H], weights [T,K] f32 (f64 for f64 x), w_gate_up [E,H,2I], w_down [E,I,H], row_of_pair,
-//               pair_of_row, expert_offsets) -> y [T,H], gate_up [T*K, 2I] (x's dtype, saved for backward)
+//   moe_gate_up(x [T,H], w_gate_up [E,H,2I], pair_of_row, expert_offsets) -> gate_up [T*K, 2I] (x's dtype, in
+//               sorted row order, saved for the backward)
+//   moe_down(gate_up, weights [T,K] f32 (f64 for f64 x), w_down [E,I,H], row_of_pair, expert_offsets) -> y [T,H]
+//   (the forward is two calls so that a recomputation needing only gate_up, under jax.checkpoint, runs only the
+//   first: XLA drops the second, whose y nothing reads there)
 //   moe_backward(dy [T,H], x, weights, w_gate_up, w_down, gate_up, row_of_pair, pair_of_row,
 //                expert_offsets) -> dx [T,H], d_weights [T,K] (weights' dtype), d_w_gate_up, d_w_down
 // The CUDA handlers return one more result, last: workspace [bytes] u8, their temporaries (sized by
-// jmm/moe_host.h; its contents are garbage), which lets XLA capture them into CUDA graphs. The CUDA forward
-// and backward also take the string attribute gemm_tiles (grammar in jmm/gemm_tiles.h). The CUDA backward
+// jmm/moe_host.h; its contents are garbage), which lets XLA capture them into CUDA graphs. The CUDA gate_up,
+// down and backward calls also take the string attribute gemm_tiles (grammar in jmm/gemm_tiles.h). The CUDA backward
 // returns dz [T*K, 2I] before the workspace, the gradient of gate_up (garbage to the caller), which the
 // caller aliases to the gate_up operand: dz is written over gate_up, its last reader being the backward.
 #pragma once
@@ -19,12 +22,14 @@
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cpu_moe_layout);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cpu_moe_forward);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cpu_moe_gate_up);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cpu_moe_down);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cpu_moe_backward);
 
 #ifdef JMM_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_layout);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_forward);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_gate_up);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_down);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_backward);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_exchange);  // contract: jmm/nvlink_cuda.h
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_forward);  // contract: cuda/ffi/nvlink_forward_cuda.cc

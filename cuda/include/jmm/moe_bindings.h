@@ -20,16 +20,22 @@ auto BindMoeLayout(Binding binding) {
 }
 
 template <typename Binding>
-auto BindMoeForward(Binding binding) {
+auto BindMoeGateUp(Binding binding) {
   return std::move(binding).template Arg<ffi::AnyBuffer>()  // x
-      .template Arg<ffi::AnyBuffer>()            // weights
       .template Arg<ffi::AnyBuffer>()            // w_gate_up
-      .template Arg<ffi::AnyBuffer>()            // w_down
-      .template Arg<ffi::Buffer<ffi::S32>>()     // row_of_pair
       .template Arg<ffi::Buffer<ffi::S32>>()     // pair_of_row
       .template Arg<ffi::Buffer<ffi::S32>>()     // expert_offsets
-      .template Ret<ffi::AnyBuffer>()            // y
       .template Ret<ffi::AnyBuffer>();           // gate_up
+}
+
+template <typename Binding>
+auto BindMoeDown(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // gate_up
+      .template Arg<ffi::AnyBuffer>()            // weights
+      .template Arg<ffi::AnyBuffer>()            // w_down
+      .template Arg<ffi::Buffer<ffi::S32>>()     // row_of_pair
+      .template Arg<ffi::Buffer<ffi::S32>>()     // expert_offsets
+      .template Ret<ffi::AnyBuffer>();           // y
 }
 
 template <typename Binding>

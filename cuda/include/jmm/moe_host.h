@@ -12,8 +12,10 @@
 namespace jmm {
 
 size_t MoeLayoutWorkspaceBytes(int64_t num_pairs, int64_t num_experts);
-size_t MoeForwardWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
-                                int64_t experts);
+size_t MoeGateUpWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
+                               int64_t experts);
+size_t MoeDownWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
+                             int64_t experts);
 size_t MoeBackwardWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
                                  int64_t experts);
 
@@ -25,10 +27,10 @@ size_t NvlinkForwardWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden
 size_t NvlinkBackwardWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
                                     int64_t experts);
 
-// How many calls of each handler (layout, forward, backward) this process has recorded into a CUDA graph
+// How many calls of each handler (layout, gate_up, down, backward) this process has recorded into a CUDA graph
 // rather than run directly: how a test sees that XLA captured them.
 struct MoeRecordedCalls {
-  int64_t layout, forward, backward;
+  int64_t layout, gate_up, down, backward;
 };
 MoeRecordedCalls MoeCallsRecordedIntoGraphs();
 
