@@ -138,6 +138,28 @@ def test_remat_matches():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
+def test_remat_recomputes_only_the_experts_gate_up_projections():
+    # Under nnx.remat each decoder layer's backward recomputes its forward, but of the MoE only moe_gate_up: the
+    # expert backward needs gate_up alone, and the recomputed moe_down (the layer's MoE output) is dropped.
+    config = qwen3_moe.tiny()
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 16)))
+
+    def calls(remat):
+        model = qwen3_moe.Qwen3MoeForCausalLM(config, remat=remat, backend="cpu", rngs=nnx.Rngs(0))
+        graph, state = nnx.split(model)
+
+        def loss(state):
+            logits, aux = nnx.merge(graph, state)(ids)
+            return jnp.mean(jax.nn.logsumexp(logits, axis=-1)) + aux.load_balancing_loss
+
+        text = jax.jit(jax.value_and_grad(loss)).lower(state).as_text()
+        return {op: text.count(f"custom_call @jmm_cpu_moe_{op}(") for op in ("gate_up", "down", "backward")}
+
+    layers = config.num_hidden_layers
+    assert calls(remat=False) == {"gate_up": layers, "down": layers, "backward": layers}
+    assert calls(remat=True) == {"gate_up": 2 * layers, "down": layers, "backward": layers}
+
+
 def test_config_from_dict_and_presets():
     config = qwen3_moe.Qwen3MoeConfig.from_dict({"num_local_experts": 16, "rope_parameters": {"rope_theta": 7.0},
                                                  "torch_dtype": "bfloat16", "num_attention_heads": 8,
