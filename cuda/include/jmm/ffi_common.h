@@ -23,6 +23,14 @@ struct MoeDims {
   int64_t top_k;         // K
 };
 
+// Routing weights travel in the accumulation type: float64 with float64 x, float32 otherwise.
+inline ffi::Error CheckWeightsType(const ffi::AnyBuffer& weights, ffi::DataType x_type) {
+  if (weights.element_type() != (x_type == ffi::F64 ? ffi::F64 : ffi::F32)) {
+    return InvalidArgument("routing weights must be float32 (float64 for float64 x) at the FFI boundary");
+  }
+  return ffi::Error::Success();
+}
+
 // Reads and cross-checks the sizes of x [T,H], weights [T,K], w_gate_up [E,H,2I], w_down [E,I,H].
 inline ffi::Error ReadMoeDims(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weights,
                               const ffi::AnyBuffer& w_gate_up, const ffi::AnyBuffer& w_down,
@@ -43,11 +51,7 @@ inline ffi::Error ReadMoeDims(const ffi::AnyBuffer& x, const ffi::AnyBuffer& wei
       dd[1] != dims->intermediate || dd[2] != dims->hidden) {
     return InvalidArgument("moe buffers have inconsistent shapes");
   }
-  // Routing weights travel in the accumulation type: float64 with float64 x, float32 otherwise.
-  const ffi::DataType weights_type = x.element_type() == ffi::F64 ? ffi::F64 : ffi::F32;
-  if (weights.element_type() != weights_type) {
-    return InvalidArgument("routing weights must be float32 (float64 for float64 x) at the FFI boundary");
-  }
+  if (auto err = CheckWeightsType(weights, x.element_type()); err.failure()) return err;
   if (x.element_type() != w_gate_up.element_type() || x.element_type() != w_down.element_type()) {
     return InvalidArgument("x, w_gate_up and w_down must share one dtype");
   }
@@ -87,10 +91,7 @@ inline ffi::Error ReadDownDims(const ffi::AnyBuffer& gate_up, const ffi::AnyBuff
   if (zd[0] != dims->tokens * dims->top_k || zd[1] != 2 * dims->intermediate) {
     return InvalidArgument("moe_down buffers have inconsistent shapes");
   }
-  const ffi::DataType weights_type = gate_up.element_type() == ffi::F64 ? ffi::F64 : ffi::F32;
-  if (weights.element_type() != weights_type) {
-    return InvalidArgument("routing weights must be float32 (float64 for float64 x) at the FFI boundary");
-  }
+  if (auto err = CheckWeightsType(weights, gate_up.element_type()); err.failure()) return err;
   if (gate_up.element_type() != w_down.element_type()) return InvalidArgument("gate_up and w_down must share one dtype");
   return ffi::Error::Success();
 }
