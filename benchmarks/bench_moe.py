@@ -16,10 +16,11 @@ Configs (bf16): q30 (T=16384, H=2048, I=768, E=128, K=8), q235 (H=4096, I=1536),
 fused-MoE numbers are taken), `router` (the router inside the timed call: logits GEMM, float32 softmax, top-k and
 renormalisation, differentiated into its weight; the same routing code for every implementation) and `remat`
 (the MoE under jax.checkpoint, torch.utils.checkpoint for torch: the backward recomputes the forward, as
-activation-checkpointed training runs it). Effective TF/s counts the experts' FLOPs only, in every variant. Reports forward and forward+backward time (median over samples
-of back-to-back calls, after warm-up; each sample is synchronised once, so the time is device time whenever
-the device is the bottleneck), peak device memory, effective TF/s (6*T*K*H*I per forward, 3x that for
-forward+backward) and the fraction of a bf16 matmul (torch, 8192^3) measured in the same run.
+activation-checkpointed training runs it).
+Reports forward and forward+backward time (median over samples of back-to-back calls, after warm-up; each
+sample is synchronised once, so the time is device time whenever the device is the bottleneck), peak device
+memory, effective TF/s (6*T*K*H*I per forward, 3x that for forward+backward: the experts' FLOPs only, in every
+variant) and the fraction of a bf16 matmul (torch, 8192^3) measured in the same run.
 
 Peak memory (`peak_gib`) is that of the inputs plus ONE synchronised forward+backward call, measured before
 any timing: the timing loops keep several calls in flight, and JAX frees a call's outputs only when it

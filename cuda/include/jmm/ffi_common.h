@@ -82,7 +82,9 @@ inline ffi::Error ReadDownDims(const ffi::AnyBuffer& gate_up, const ffi::AnyBuff
   auto zd = gate_up.dimensions();
   auto wd = weights.dimensions();
   auto dd = w_down.dimensions();
-  if (zd.size() != 2 || wd.size() != 2 || dd.size() != 3) return InvalidArgument("moe_down buffers have the wrong rank");
+  if (zd.size() != 2 || wd.size() != 2 || dd.size() != 3) {
+    return InvalidArgument("moe_down buffers have the wrong rank");
+  }
   dims->tokens = wd[0];
   dims->top_k = wd[1];
   dims->experts = dd[0];
@@ -92,7 +94,9 @@ inline ffi::Error ReadDownDims(const ffi::AnyBuffer& gate_up, const ffi::AnyBuff
     return InvalidArgument("moe_down buffers have inconsistent shapes");
   }
   if (auto err = CheckWeightsType(weights, gate_up.element_type()); err.failure()) return err;
-  if (gate_up.element_type() != w_down.element_type()) return InvalidArgument("gate_up and w_down must share one dtype");
+  if (gate_up.element_type() != w_down.element_type()) {
+    return InvalidArgument("gate_up and w_down must share one dtype");
+  }
   return ffi::Error::Success();
 }
 
