@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_megamoe as jmm
 from jax_megamoe import reference
+from jax_megamoe.ops import moe as moe_ops
 from jax_megamoe.ops.moe import moe_layout
 from moe_cases import TOLERANCE, Case, make_problem, rel_error, seeded_rng
 
@@ -149,6 +150,29 @@ def test_checkpointed_backward_recomputes_only_the_gate_up_call():
 
     assert calls(_cpu) == {"gate_up": 1, "down": 1, "backward": 1}
     assert calls(jax.checkpoint(_cpu)) == {"gate_up": 2, "down": 1, "backward": 1}
+
+
+def test_checkpoint_policy_saving_the_named_residuals_recomputes_nothing():
+    # save_only_these_names("moe_layout", "moe_gate_up"): the backward takes the saved layout and projections, so
+    # the program runs each MoE call once, and the gradients are those of the plain call.
+    case = Case(16, 16, 8, 4, 2, "zipf")
+    x, weights, experts, w_gate_up, w_down = make_problem(np.random.default_rng(8), case, jnp.float32)
+    cotangent = jnp.asarray(np.random.default_rng(9).standard_normal((16, 16)), jnp.float32)
+    policy = jax.checkpoint_policies.save_only_these_names(moe_ops.LAYOUT_NAME, moe_ops.GATE_UP_NAME)
+
+    def step(fn):
+        def run(x, weights, w_gate_up, w_down):
+            y, vjp = jax.vjp(lambda a, b, c, d: fn(a, b, experts, c, d), x, weights, w_gate_up, w_down)
+            return y, vjp(cotangent)
+        return jax.jit(run)
+
+    saved = step(jax.checkpoint(_cpu, policy=policy))
+    text = saved.lower(x, weights, w_gate_up, w_down).as_text()
+    assert {op: text.count(f"custom_call @jmm_cpu_moe_{op}(") for op in ("layout", "gate_up", "down", "backward")} \
+        == {"layout": 1, "gate_up": 1, "down": 1, "backward": 1}
+    for got, want in zip(jax.tree.leaves(saved(x, weights, w_gate_up, w_down)),
+                         jax.tree.leaves(step(_cpu)(x, weights, w_gate_up, w_down)), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_inside_shard_map_each_device_runs_local_op():

@@ -123,10 +123,12 @@ def test_loads_onto_a_mesh_with_experts_sharded(hf_checkpoint):
         assert_logits_close(nnx.jit(lambda m, x: m(x)[0])(ours, sharded_ids), want)
 
 
-def test_remat_matches():
+@pytest.mark.parametrize("save_moe", [False, True], ids=["recompute_all", "save_moe_residuals"])
+def test_remat_matches(save_moe):
     config = qwen3_moe.tiny()
+    policy = jax.checkpoint_policies.save_only_these_names("moe_layout", "moe_gate_up") if save_moe else None
     plain = qwen3_moe.Qwen3MoeForCausalLM(config, rngs=nnx.Rngs(0))
-    remat = qwen3_moe.Qwen3MoeForCausalLM(config, remat=True, rngs=nnx.Rngs(0))
+    remat = qwen3_moe.Qwen3MoeForCausalLM(config, remat=True, remat_policy=policy, rngs=nnx.Rngs(0))
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)))
 
     def loss(model):
@@ -144,8 +146,9 @@ def test_remat_recomputes_only_the_experts_gate_up_projections():
     config = qwen3_moe.tiny()
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 16)))
 
-    def calls(remat):
-        model = qwen3_moe.Qwen3MoeForCausalLM(config, remat=remat, backend="cpu", rngs=nnx.Rngs(0))
+    def calls(remat, remat_policy=None):
+        model = qwen3_moe.Qwen3MoeForCausalLM(config, remat=remat, remat_policy=remat_policy, backend="cpu",
+                                              rngs=nnx.Rngs(0))
         graph, state = nnx.split(model)
 
         def loss(state):
@@ -158,6 +161,11 @@ def test_remat_recomputes_only_the_experts_gate_up_projections():
     layers = config.num_hidden_layers
     assert calls(remat=False) == {"gate_up": layers, "down": layers, "backward": layers}
     assert calls(remat=True) == {"gate_up": 2 * layers, "down": layers, "backward": layers}
+    # Saving the named residuals: nothing of the MoE is recomputed.
+    policy = jax.checkpoint_policies.save_only_these_names("moe_layout", "moe_gate_up")
+    assert calls(remat=True, remat_policy=policy) == {"gate_up": layers, "down": layers, "backward": layers}
+    with pytest.raises(ValueError, match="remat_policy needs remat=True"):
+        qwen3_moe.Qwen3MoeForCausalLM(config, remat_policy=policy, rngs=nnx.Rngs(0))
 
 
 def test_config_from_dict_and_presets():

@@ -128,6 +128,9 @@ class Qwen3MoeForCausalLM(nnx.Module):
       backend, expert_axis, ep_backend, ep_workspace, capacity_factor: passed to every `jax_megamoe.nn.MoE`
         layer (one `NvlinkWorkspace` serves them all).
       remat: recompute each decoder layer in the backward pass (`nnx.remat`) to save activation memory.
+      remat_policy: with `remat`, a `jax.checkpoint_policies` policy of what to save instead; e.g.
+        `save_only_these_names("moe_layout", "moe_gate_up")` keeps the experts' gate/up projections, so the MoE
+        recomputes nothing (`jax_megamoe.moe_ffn`).
       attention_impl: `jax.nn.dot_product_attention`'s `implementation` (None: XLA; "cudnn" on GPUs).
       rngs: parameter initialisation keys (HF's: normal(initializer_range), norms at one).
 
@@ -138,10 +141,13 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
     def __init__(self, config: Qwen3MoeConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, backend="auto",
                  expert_axis: str | None = None, ep_backend: str = "auto", ep_workspace=None,
-                 capacity_factor: float | None = None, remat: bool = False, attention_impl: str | None = None,
-                 rngs: nnx.Rngs):
+                 capacity_factor: float | None = None, remat: bool = False, remat_policy=None,
+                 attention_impl: str | None = None, rngs: nnx.Rngs):
+        if remat_policy is not None and not remat:
+            raise ValueError("remat_policy needs remat=True")
         self.config = config
         self.remat = remat
+        self.remat_policy = remat_policy
         init = nnx.initializers.normal(config.initializer_range)
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                       embedding_init=init, rngs=rngs)
@@ -166,7 +172,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
         x = self.embed_tokens(input_ids)
         layer_aux = []
-        run_layer = nnx.remat(DecoderLayer.__call__) if self.remat else DecoderLayer.__call__
+        run_layer = nnx.remat(DecoderLayer.__call__, policy=self.remat_policy) if self.remat else DecoderLayer.__call__
         for layer in self.layers:
             x, aux = run_layer(layer, x, cos, sin)
             if aux is not None:

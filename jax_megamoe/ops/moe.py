@@ -18,6 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_megamoe import _ffi, reference
 from jax_megamoe.ops.validation import check_moe_args
@@ -57,6 +58,12 @@ def resolve_backend(backend: str) -> str:
         raise ValueError("backend='cpu' needs jax_megamoe's compiled extension; reinstall with `pip install .`")
     return backend
 
+
+# `jax.ad_checkpoint.checkpoint_name`s of the residuals the backward needs besides the inputs: a checkpoint
+# policy that saves them (`jax.checkpoint_policies.save_only_these_names(LAYOUT_NAME, GATE_UP_NAME)`) recomputes
+# nothing of moe_ffn, at the memory of gate_up ([T*K, 2I] in x's dtype) and the layout ([2*T*K + E + 1] int32).
+LAYOUT_NAME = "moe_layout"
+GATE_UP_NAME = "moe_gate_up"
 
 # Where `_moe_ffn_kernels_bwd` passes gate_up among the backward's operands (dy, x, weights, w_gate_up,
 # w_down, gate_up, layout...).
@@ -130,9 +137,9 @@ def _moe_ffn_kernels(x, weights, experts, w_gate_up, w_down, platform):
 
 
 def _moe_ffn_kernels_fwd(x, weights, experts, w_gate_up, w_down, platform):
-    layout = moe_layout(experts, w_gate_up.shape[0], platform)
+    layout = Layout(*(checkpoint_name(a, LAYOUT_NAME) for a in moe_layout(experts, w_gate_up.shape[0], platform)))
     y, gate_up = _forward(platform, x, weights, w_gate_up, w_down, layout)
-    return y, (x, weights, w_gate_up, w_down, gate_up, layout)
+    return y, (x, weights, w_gate_up, w_down, checkpoint_name(gate_up, GATE_UP_NAME), layout)
 
 
 def _moe_ffn_kernels_bwd(platform, residuals, dy):
@@ -164,6 +171,10 @@ def moe_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax
 
     Returns `[T, H]` in x's dtype, accumulated in float32 (float64 for float64 inputs).
     Differentiable in `x`, `weights`, `w_gate_up` and `w_down`.
+
+    Under `jax.checkpoint` the kernels' backward recomputes the layout and the gate/up projections only. A policy
+    saving the names `"moe_layout"` and `"moe_gate_up"` (`jax.checkpoint_policies.save_only_these_names`)
+    recomputes nothing of it, at the memory of the projections (`[T*K, 2I]` in x's dtype).
     """
     check_moe_args(x, weights, experts, w_gate_up, w_down)
     backend = resolve_backend(backend)
