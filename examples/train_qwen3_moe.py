@@ -38,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                             "xla; nvlink (GPUs of one process) opens one NvlinkWorkspace for the run")
     model.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
     model.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
+    model.add_argument("--remat-save-moe", action="store_true",
+                       help="with --remat, keep the experts' gate/up projections instead of recomputing them")
     model.add_argument("--attention-impl", choices=["xla", "cudnn"], default=None,
                        help="jax.nn.dot_product_attention implementation (default: JAX's choice)")
     run = parser.add_argument_group("training")
@@ -87,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--data: no such file: {args.data}")
     if args.resume and not args.ckpt_dir:
         parser.error("--resume needs --ckpt-dir")
+    if args.remat_save_moe and not args.remat:
+        parser.error("--remat-save-moe needs --remat")
     args.fail = parser.error
     return args
 

@@ -44,11 +44,11 @@ def test_trains_and_resume_reproduces_the_loss(tmp_path):
     assert losses(part) == losses(full)  # bitwise: same data, same state, deterministic kernels
 
 
-def test_token_file_and_expert_only_mesh(tmp_path):
+def test_token_file_expert_only_mesh_and_remat_saving_the_moe(tmp_path):
     tokens = np.random.default_rng(0).integers(0, 200, 20000).astype(np.uint16)
     tokens.tofile(tmp_path / "tokens.bin")
     run("--steps", "1", "--data", str(tmp_path / "tokens.bin"), "--mesh-expert", "8", "--dtype", "float32",
-        "--out-dir", str(tmp_path / "out"))
+        "--remat", "--remat-save-moe", "--out-dir", str(tmp_path / "out"))
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["mesh"] == {"data": 1, "expert": 8}
 
 
@@ -57,6 +57,7 @@ def test_token_file_and_expert_only_mesh(tmp_path):
     (["--mesh-expert", "3"], "must use all 8 devices"),
     (["--batch", "12"], "divisible by the 8 devices"),
     (["--resume"], "--resume needs --ckpt-dir"),
+    (["--remat-save-moe"], "--remat-save-moe needs --remat"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--ep-backend", "nvlink"], "--ep-backend nvlink: the nvlink transport"),  # no GPUs here
 ])

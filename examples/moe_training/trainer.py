@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from jax_megamoe import NvlinkWorkspace
 from jax_megamoe.models.qwen3_moe import Qwen3MoeForCausalLM
-from jax_megamoe.ops.moe import resolve_backend
+from jax_megamoe.ops.moe import GATE_UP_NAME, LAYOUT_NAME, resolve_backend
 from moe_training import data, metrics
 from moe_training.baseline import ragged_dot_ffn
 
@@ -56,6 +56,11 @@ def open_workspace(args, config, mesh) -> NvlinkWorkspace | None:
         args.fail(f"--ep-backend nvlink: {error}")
 
 
+def remat_policy(args):
+    """`--remat-save-moe`: save moe_ffn's named residuals, so the recomputed layers skip the experts' forward."""
+    return jax.checkpoint_policies.save_only_these_names(LAYOUT_NAME, GATE_UP_NAME) if args.remat_save_moe else None
+
+
 def build_model(config, args, mesh, workspace: NvlinkWorkspace | None = None):
     """Creates the model with its parameters born sharded; returns `(graphdef, params)`. `workspace` is
     the MoE layers' `ep_workspace` (for `--ep-backend nvlink`)."""
@@ -65,7 +70,8 @@ def build_model(config, args, mesh, workspace: NvlinkWorkspace | None = None):
     def create():
         return Qwen3MoeForCausalLM(config, dtype=jnp.dtype(args.dtype), param_dtype=jnp.float32, backend=backend,
                                    expert_axis=expert_axis, ep_backend=args.ep_backend, ep_workspace=workspace,
-                                   remat=args.remat, attention_impl=args.attention_impl, rngs=nnx.Rngs(args.seed))
+                                   remat=args.remat, remat_policy=remat_policy(args),
+                                   attention_impl=args.attention_impl, rngs=nnx.Rngs(args.seed))
 
     graphdef, abstract = nnx.split(nnx.eval_shape(create))
     shardings = nnx.get_named_sharding(abstract, mesh)
