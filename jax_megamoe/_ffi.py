@@ -1,12 +1,18 @@
-"""Loads the compiled extension and registers its XLA FFI targets, once, per platform."""
+"""Loads the compiled extension, registers the FFI targets of `_targets.py`, and calls them."""
 
 from __future__ import annotations
 
 import functools
 
 import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
-_PLATFORM_OF_PREFIX = {"jmm_cpu_": "cpu", "jmm_cuda_": "CUDA"}
+from jax_megamoe import _targets
+from jax_megamoe._targets import Target
+
+_BY_NAME = {t.name: t for t in _targets.all_targets()}
 
 
 @functools.cache
@@ -17,8 +23,9 @@ def extension():
     except ModuleNotFoundError:  # a source tree without a build; any other import error is a real bug
         return None
     for name, capsule in _ext.registrations().items():
-        platform = next(p for prefix, p in _PLATFORM_OF_PREFIX.items() if name.startswith(prefix))
-        jax.ffi.register_ffi_target(name, capsule, platform=platform)
+        if name not in _BY_NAME:
+            raise RuntimeError(f"the extension registers {name!r}, which jax_megamoe/_targets.py does not declare")
+        jax.ffi.register_ffi_target(name, capsule, platform=_BY_NAME[name].platform)
     return _ext
 
 
@@ -55,21 +62,56 @@ def vary_alike(*values):
     return tuple(_mark_varying(v, axes) for v in values)
 
 
-def call(platform: str, op: str, result_shapes, *args, vmap_method: str = "sequential",
-         input_output_aliases=None, **attrs):
-    """Calls FFI target `jmm_{platform}_{op}` on operands made alike by `vary_alike`.
+# An identity on one operand of every FFI call whose lowering checks the platform it is lowered for: a
+# target lowered for another platform fails with our message instead of XLA's "No FFI handler registered".
+_platform_guard_p = Primitive("jmm_platform_guard")
+_platform_guard_p.def_impl(lambda x, **_: x)
+_platform_guard_p.def_abstract_eval(lambda aval, **_: aval)
+batching.primitive_batchers[_platform_guard_p] = lambda args, dims, **params: (
+    _platform_guard_p.bind(*args, **params), dims[0])
+ad.primitive_jvps[_platform_guard_p] = lambda primals, tangents, **params: (
+    _platform_guard_p.bind(*primals, **params), tangents[0])
+mlir.register_lowering(_platform_guard_p, lambda ctx, x, **_: [x])
 
-    `input_output_aliases` ({operand index: result index}, see `jax.ffi.ffi_call`) lets a result be written
-    over an operand; XLA copies the operand first if anything else still reads it.
+_IMPLEMENTATION_OF_PLATFORM = {"cpu": "cpu", "CUDA": "cuda"}
 
-    Under `jax.vmap` the op runs once per batch element (`vmap_method`, see `jax.ffi.ffi_call`).
 
-    FFI results come back typed as invariant inside `shard_map`; each device computes its own local
-    result, so they are marked varying like the operands.
+def _guard_lowering(lowered_for: str):
+    def rule(ctx, x, *, target: str, platform: str):
+        if platform.lower() != lowered_for:
+            implementation = _IMPLEMENTATION_OF_PLATFORM[platform]
+            raise ValueError(
+                f"{target} runs on {platform} devices, but the program is being compiled for {lowered_for}: "
+                f"implementation={implementation!r} cannot run there; use implementation='auto' (or the one "
+                f"matching the devices the arrays live on)")
+        return [x]
+    return rule
+
+
+for _platform in ("cpu", "cuda", "rocm"):
+    mlir.register_lowering(_platform_guard_p, _guard_lowering(_platform), platform=_platform)
+
+
+def call(target: Target, result_shapes, *operands, workspace_args: tuple = (), **attrs):
+    """Calls `target` on operands made alike by `vary_alike`; returns its results (minus the workspace).
+
+    `attrs` must be exactly the target's declared attributes. A target with a `workspace_query` gets one
+    more result, last, of `_ext.<workspace_query>(*workspace_args)` bytes, dropped here. FFI results come
+    back typed as invariant inside `shard_map`; each device computes its own local result, so they are
+    marked varying like the operands.
     """
-    if extension() is None:
+    ext = extension()
+    if ext is None:
         raise RuntimeError("jax_megamoe's compiled extension is missing: reinstall with `pip install .`")
-    axes = frozenset().union(*(_varying_axes(a) for a in args))
-    results = jax.ffi.ffi_call(f"jmm_{platform}_{op}", result_shapes, vmap_method=vmap_method,
-                               input_output_aliases=input_output_aliases)(*args, **attrs)
+    if set(attrs) != set(target.attrs):
+        raise TypeError(f"{target.name} takes attributes {sorted(target.attrs)}, got {sorted(attrs)}")
+    shapes = tuple(result_shapes)
+    if target.workspace_query is not None:
+        size = int(getattr(ext, target.workspace_query)(*workspace_args))
+        shapes = (*shapes, jax.ShapeDtypeStruct((size,), jnp.uint8))
+    axes = frozenset().union(*(_varying_axes(a) for a in operands))
+    guarded = (_platform_guard_p.bind(operands[0], target=target.name, platform=target.platform), *operands[1:])
+    results = jax.ffi.ffi_call(target.name, shapes, vmap_method=target.vmap_method,
+                               input_output_aliases=dict(target.aliases) or None)(*guarded, **attrs)
+    results = results[:len(result_shapes)]
     return type(results)(_mark_varying(r, axes) for r in results)
