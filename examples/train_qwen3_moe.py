@@ -25,17 +25,32 @@ PRESETS = {  # name -> training defaults; the model configs are built after JAX 
 }
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """States each flag's default once: argparse's own default for flags that have one, the presets' values
+    for flags the preset fills in (their help says so), nothing for flags without a default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _preset_default(key: str) -> str:
+    return "default from --preset: " + ", ".join(f"{name} {values[key]}" for name, values in PRESETS.items())
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
     model = parser.add_argument_group("model")
     model.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                        help="tiny: byte-level 2-layer model; qwen3-30b-a3b-4layer: Qwen3-30B-A3B widths, 4 layers")
-    model.add_argument("--backend", choices=["auto", "cpu", "cuda", "reference", "ragged_dot"], default="auto",
-                       help="MoE expert compute; ragged_dot is the pure-JAX sort + jax.lax.ragged_dot baseline")
-    model.add_argument("--ep-backend", choices=["auto", "xla", "ragged", "nvlink"], default="auto",
-                       help="expert-parallel transport (moe_ffn_ep) when the expert axis spans devices; auto is "
-                            "xla; nvlink (GPUs of one process) opens one NvlinkWorkspace for the run")
+    model.add_argument("--implementation", choices=["auto", "cpu", "cuda", "reference", "ragged_dot"],
+                       default="auto",
+                       help="MoE expert kernels; ragged_dot is the pure-JAX sort + jax.lax.ragged_dot baseline")
+    model.add_argument("--transport", choices=["xla", "ragged", "nvlink"], default="xla",
+                       help="expert-parallel transport (moe_ffn_ep) when the expert axis spans devices; nvlink "
+                            "(GPUs of one host) opens one NvlinkWorkspace for the run")
     model.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
     model.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
     model.add_argument("--remat-save-moe", action="store_true",
@@ -43,11 +58,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--attention-impl", choices=["xla", "cudnn"], default=None,
                        help="jax.nn.dot_product_attention implementation (default: JAX's choice)")
     run = parser.add_argument_group("training")
-    run.add_argument("--steps", type=int, help="total optimizer steps (preset default)")
-    run.add_argument("--batch", type=int, help="global batch size in sequences (preset default)")
-    run.add_argument("--seq", type=int, help="sequence length in tokens (preset default)")
-    run.add_argument("--lr", type=float, help="peak learning rate (preset default)")
-    run.add_argument("--warmup", type=int, help="linear warm-up steps (preset default)")
+    run.add_argument("--steps", type=int, help="total optimizer steps; " + _preset_default("steps"))
+    run.add_argument("--batch", type=int, help="global batch size in sequences; " + _preset_default("batch"))
+    run.add_argument("--seq", type=int, help="sequence length in tokens; " + _preset_default("seq"))
+    run.add_argument("--lr", type=float, help="peak learning rate; " + _preset_default("lr"))
+    run.add_argument("--warmup", type=int, help="linear warm-up steps; " + _preset_default("warmup"))
     run.add_argument("--lr-decay-steps", type=int, help="cosine decay horizon (default: --steps)")
     run.add_argument("--weight-decay", type=float, default=0.1)
     run.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
@@ -67,8 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     io.add_argument("--data", help="token file (.npy, or raw .bin of --bin-dtype); default: stdlib bytes")
     io.add_argument("--bin-dtype", default="uint16", help="dtype of a raw .bin token file")
     io.add_argument("--corpus-bytes", type=int, default=8 << 20, help="bytes of stdlib source to train on")
-    io.add_argument("--eval-every", type=int, help="steps between eval-loss measurements (preset default)")
-    io.add_argument("--eval-batches", type=int, help="held-out batches per eval (preset default)")
+    io.add_argument("--eval-every", type=int, help="steps between eval-loss measurements; " + _preset_default("eval_every"))
+    io.add_argument("--eval-batches", type=int, help="held-out batches per eval; " + _preset_default("eval_batches"))
     io.add_argument("--out-dir", default="runs/train_qwen3_moe", help="metrics.jsonl, loss_curve.png, summary.json")
     io.add_argument("--ckpt-dir", help="orbax checkpoint directory (no checkpoints without it)")
     io.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints (the last always)")
@@ -133,8 +148,8 @@ def choose_mesh(args, num_devices: int, num_experts: int) -> None:
         args.fail(f"--mesh-expert {args.mesh_expert} must divide the {num_experts} experts")
     if args.batch % num_devices:
         args.fail(f"--batch {args.batch} must be divisible by the {num_devices} devices of the mesh")
-    if args.backend == "ragged_dot" and args.mesh_expert > 1:
-        args.fail("--backend ragged_dot computes the experts of one device: use --mesh-expert 1")
+    if args.implementation == "ragged_dot" and args.mesh_expert > 1:
+        args.fail("--implementation ragged_dot computes the experts of one device: use --mesh-expert 1")
 
 
 def main(argv=None) -> None:

@@ -81,9 +81,10 @@ def _guard_lowering(lowered_for: str):
         if platform.lower() != lowered_for:
             implementation = _IMPLEMENTATION_OF_PLATFORM[platform]
             raise ValueError(
-                f"{target} runs on {platform} devices, but the program is being compiled for {lowered_for}: "
-                f"implementation={implementation!r} cannot run there; use implementation='auto' (or the one "
-                f"matching the devices the arrays live on)")
+                f"{target} is a kernel of implementation={implementation!r}, which runs on {platform} devices, but "
+                f"the program is being compiled for {lowered_for}. jax_megamoe picks its kernels when the function "
+                f"is traced (implementation='auto' follows the arrays' devices, else jax.default_backend()): pass "
+                f"the implementation for {lowered_for} explicitly, or 'reference'")
         return [x]
     return rule
 

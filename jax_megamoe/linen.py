@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax_megamoe.nn import ExpertFn, MoEAux, check_layer_args, default_expert_init, moe_block
 
 if TYPE_CHECKING:
-    from jax_megamoe.parallel import NvlinkWorkspace
+    from jax_megamoe.parallel import Transport
 
 __all__ = ["MoE", "MoEAux"]
 
@@ -21,18 +21,17 @@ class MoE(nn.Module):
 
     Parameters `router/kernel [H, E]`, `w_gate_up [E, H, 2I]`, `w_down [E, I, H]`, the expert dimension
     boxed with `nn.with_partitioning` on `expert_axis`. Arguments as in `jax_megamoe.nn.MoE` (H is taken
-    from the input), including `ep_backend` (`"xla"`, `"ragged"`, `"nvlink"`; `"auto"` = `"xla"`) and
-    `ep_workspace` (the `NvlinkWorkspace` that `"nvlink"` needs; a module attribute, not a variable).
+    from the input), including `implementation` and `transport` (`"xla"`, `"ragged"` or a
+    `jax_megamoe.NvlinkTransport`; a module attribute, not a variable).
     """
     intermediate_size: int
     num_experts: int
     top_k: int
     norm_topk_prob: bool = True
     capacity_factor: float | None = None
-    backend: str | ExpertFn = "auto"
+    implementation: str | ExpertFn = "auto"
     expert_axis: str | None = None
-    ep_backend: str = "auto"
-    ep_workspace: NvlinkWorkspace | None = None
+    transport: str | Transport = "xla"
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Any = None
@@ -54,7 +53,6 @@ class MoE(nn.Module):
         w_down = self.param("w_down", init, (self.num_experts, self.intermediate_size, hidden), self.param_dtype)
         y, aux = moe_block(tokens.astype(dtype), router_logits, w_gate_up.astype(dtype), w_down.astype(dtype),
                            top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
-                           capacity_factor=self.capacity_factor, backend=self.backend,
-                           expert_axis=self.expert_axis, ep_backend=self.ep_backend,
-                           ep_workspace=self.ep_workspace)
+                           capacity_factor=self.capacity_factor, implementation=self.implementation,
+                           expert_axis=self.expert_axis, transport=self.transport)
         return y.reshape(*x.shape[:-1], hidden), aux

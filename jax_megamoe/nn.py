@@ -23,7 +23,7 @@ from jax_megamoe.ops.moe import moe_ffn
 from jax_megamoe.ops.routing import load_balancing_loss, route, router_z_loss
 
 if TYPE_CHECKING:
-    from jax_megamoe.parallel import NvlinkWorkspace
+    from jax_megamoe.parallel import Transport
 
 ExpertFn = Callable[..., jax.Array]
 
@@ -60,20 +60,20 @@ def apply_capacity(experts: jax.Array, num_experts: int, capacity_factor: float)
     return jnp.where(keep, flat, -1).reshape(experts.shape), jnp.sum(~keep, dtype=jnp.int32)
 
 
-def local_ffn(x, weights, experts, w_gate_up, w_down, *, backend, capacity_factor):
+def local_ffn(x, weights, experts, w_gate_up, w_down, *, implementation, capacity_factor):
     """The experts on one device: capacity drop (if any), then `moe_ffn`. Returns `(y, dropped_pairs)`."""
     dropped = jnp.zeros((), jnp.int32)
     if capacity_factor is not None:
         experts, dropped = apply_capacity(experts, w_gate_up.shape[0], capacity_factor)
-    expert_fn = backend if callable(backend) else functools.partial(moe_ffn, backend=backend)
+    expert_fn = (implementation if callable(implementation)
+                 else functools.partial(moe_ffn, implementation=implementation))
     return expert_fn(x, weights, experts, w_gate_up, w_down), dropped
 
 
-def sharded_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, backend, ep_backend,
-                capacity_factor, ep_workspace=None):
+def sharded_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, implementation, transport,
+                capacity_factor):
     """The experts under `shard_map` over `mesh`: tokens split over every mesh axis; the experts split
-    over `expert_axis` (`moe_ffn_ep` with transport `ep_backend` and `workspace=ep_workspace`), or
-    replicated when it is None (`moe_ffn` per shard).
+    over `expert_axis` (`moe_ffn_ep` with `transport`), or replicated when it is None (`moe_ffn` per shard).
 
     Per-shard kernels instead of one jit-partitioned custom call, which XLA could only run replicated.
     """
@@ -83,22 +83,22 @@ def sharded_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, ba
                          f"mesh {dict(mesh.shape)}; the token count must be divisible by {num_shards}")
     if expert_axis is not None and expert_axis not in mesh.axis_names:
         raise ValueError(f"expert_axis={expert_axis!r} is not an axis of the active mesh {mesh.axis_names}")
-    if expert_axis is not None and callable(backend):
-        raise ValueError("a callable backend computes the experts of one device; it cannot take expert_axis")
+    if expert_axis is not None and callable(implementation):
+        raise ValueError("a callable implementation computes the experts of one device; it cannot take expert_axis")
     all_axes = tuple(mesh.axis_names)
     tokens = P(all_axes)
 
     def shard_fn(x, weights, experts, w_gate_up, w_down):
         if expert_axis is None:
-            y, dropped = local_ffn(x, weights, experts, w_gate_up, w_down, backend=backend,
+            y, dropped = local_ffn(x, weights, experts, w_gate_up, w_down, implementation=implementation,
                                    capacity_factor=capacity_factor)
         else:
             from jax_megamoe.parallel import moe_ffn_ep  # only expert-parallel use needs it
 
             y, stats = moe_ffn_ep(x, weights, experts, w_gate_up, w_down, axis_name=expert_axis,
-                                  backend=ep_backend, local_backend=backend, capacity_factor=capacity_factor,
-                                  return_stats=True, num_experts=w_gate_up.shape[0] * mesh.shape[expert_axis],
-                                  workspace=ep_workspace)
+                                  transport=transport, implementation=implementation,
+                                  capacity_factor=capacity_factor, return_stats=True,
+                                  num_experts=w_gate_up.shape[0] * mesh.shape[expert_axis])
             dropped = stats.pairs_dropped
         return y, jax.lax.psum(dropped, all_axes)
 
@@ -109,16 +109,15 @@ def sharded_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, ba
 
 def moe_block(x: jax.Array, router_logits: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, top_k: int,
               norm_topk_prob: bool = True, capacity_factor: float | None = None,
-              backend: str | ExpertFn = "auto", expert_axis: str | None = None,
-              ep_backend: str = "auto", ep_workspace: NvlinkWorkspace | None = None) -> tuple[jax.Array, MoEAux]:
+              implementation: str | ExpertFn = "auto", expert_axis: str | None = None,
+              transport: str | Transport = "xla") -> tuple[jax.Array, MoEAux]:
     """Routes `x [T, H]` by `router_logits [T, E]` and runs the experts; returns `(y [T, H], MoEAux)`.
 
-    `w_gate_up [E, H, 2I]` and `w_down [E, I, H]` must already be in x's dtype. `backend` is a
-    `moe_ffn` backend name, or a function with `moe_ffn`'s positional signature (a baseline to compare
+    `w_gate_up [E, H, 2I]` and `w_down [E, I, H]` must already be in x's dtype. `implementation` is a
+    `moe_ffn` implementation name, or a function with `moe_ffn`'s positional signature (a baseline to compare
     against; it cannot be combined with `expert_axis`). Under an active multi-device mesh
     (`jax.set_mesh`) the experts run per shard in `shard_map` (see `sharded_ffn`); with `expert_axis`
-    that is expert parallelism through `moe_ffn_ep`, whose transport is `ep_backend` (with
-    `ep_workspace` as its `workspace` for `"nvlink"`).
+    that is expert parallelism through `moe_ffn_ep` over `transport`.
     """
     num_experts = router_logits.shape[-1]
     weights, experts = route(router_logits, top_k, norm_topk_prob)
@@ -126,8 +125,9 @@ def moe_block(x: jax.Array, router_logits: jax.Array, w_gate_up: jax.Array, w_do
                   reference.expert_counts(experts, num_experts))
     mesh = active_mesh()
     run = local_ffn if mesh is None else functools.partial(sharded_ffn, mesh, expert_axis=expert_axis,
-                                                          ep_backend=ep_backend, ep_workspace=ep_workspace)
-    y, dropped = run(x, weights, experts, w_gate_up, w_down, backend=backend, capacity_factor=capacity_factor)
+                                                          transport=transport)
+    y, dropped = run(x, weights, experts, w_gate_up, w_down, implementation=implementation,
+                     capacity_factor=capacity_factor)
     return y, MoEAux(*aux_losses, dropped)
 
 
@@ -159,16 +159,15 @@ class MoE(nnx.Module):
       norm_topk_prob: renormalise the K routing weights to sum to one (Qwen3-MoE: True).
       capacity_factor: None for dropless; else each expert takes at most
         `ceil(capacity_factor * T * K / E)` pairs and the rest are dropped and counted in `aux.dropped_pairs`.
-      backend: `moe_ffn` backend (`"auto"`, `"cpu"`, `"cuda"`, `"reference"`), or a function with
+      implementation: `moe_ffn` implementation (`"auto"`, `"cpu"`, `"cuda"`, `"reference"`), or a function with
         `moe_ffn`'s positional signature (not with expert_axis).
       expert_axis: mesh axis that holds the experts. Under an active multi-device mesh (`jax.set_mesh`)
         the layer runs inside `shard_map` with its tokens split over all mesh axes: `moe_ffn_ep` over
         `expert_axis` when set (it must be a mesh axis), else `moe_ffn` per shard with replicated experts.
-      ep_backend: `moe_ffn_ep`'s transport under expert parallelism: `"xla"`, `"ragged"`, `"nvlink"` (needs
-        `ep_workspace`) or `"auto"` (= `"xla"`).
-      ep_workspace: the `jax_megamoe.NvlinkWorkspace` of `ep_backend="nvlink"`, created once outside `jit` for
-        the mesh's `expert_axis` and sized for the tokens per shard; `moe_ffn_ep` rejects it with another
-        `ep_backend`. A static attribute (not a parameter); unused without expert parallelism.
+      transport: `moe_ffn_ep`'s transport under expert parallelism: `"xla"`, `"ragged"`, or
+        `jax_megamoe.NvlinkTransport(workspace)` with its workspace made once outside `jit` for the mesh's
+        `expert_axis` and sized for the tokens per shard. A static attribute (not a parameter); unused without
+        expert parallelism.
       dtype: compute dtype (x and the expert weights are cast to it); None keeps x's dtype.
       param_dtype: parameter storage dtype.
       kernel_init, router_init: initialisers of the expert weights and the router kernel.
@@ -176,18 +175,17 @@ class MoE(nnx.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  norm_topk_prob: bool = True, capacity_factor: float | None = None,
-                 backend: str | ExpertFn = "auto", expert_axis: str | None = None, ep_backend: str = "auto",
-                 ep_workspace: NvlinkWorkspace | None = None, dtype=None,
+                 implementation: str | ExpertFn = "auto", expert_axis: str | None = None,
+                 transport: str | Transport = "xla", dtype=None,
                  param_dtype=jnp.float32, kernel_init: nnx.Initializer | None = None,
                  router_init: nnx.Initializer = nnx.initializers.normal(0.02), rngs: nnx.Rngs):
         check_layer_args(hidden_size, intermediate_size, num_experts, top_k, capacity_factor)
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.capacity_factor = capacity_factor
-        self.backend = backend
+        self.implementation = implementation
         self.expert_axis = expert_axis
-        self.ep_backend = ep_backend
-        self.ep_workspace = ep_workspace  # static: part of the graph definition, shared by every copy
+        self.transport = transport  # static: part of the graph definition, shared by every copy
         self.dtype = dtype
         self.router = nnx.Linear(hidden_size, num_experts, use_bias=False, dtype=jnp.float32,
                                  param_dtype=param_dtype, kernel_init=router_init, rngs=rngs)
@@ -212,6 +210,6 @@ class MoE(nnx.Module):
         router_logits = self.router(tokens.astype(jnp.float32))
         y, aux = moe_block(tokens.astype(dtype), router_logits, self.w_gate_up[...].astype(dtype),
                            self.w_down[...].astype(dtype), top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
-                           capacity_factor=self.capacity_factor, backend=self.backend, expert_axis=self.expert_axis,
-                           ep_backend=self.ep_backend, ep_workspace=self.ep_workspace)
+                           capacity_factor=self.capacity_factor, implementation=self.implementation,
+                           expert_axis=self.expert_axis, transport=self.transport)
         return y.reshape(*x.shape[:-1], y.shape[-1]), aux

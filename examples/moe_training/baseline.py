@@ -1,6 +1,6 @@
-"""The pure-JAX MoE baseline of DESIGN.md §7: sort the (token, k) pairs by expert, two
-`jax.lax.ragged_dot` grouped matmuls, weighted scatter-add back. Same signature as `jax_megamoe.moe_ffn`
-(without `backend`), so it plugs into `jax_megamoe.nn.MoE(backend=ragged_dot_ffn)`."""
+"""The pure-JAX MoE baseline: sort the (token, k) pairs by expert, two `jax.lax.ragged_dot` grouped matmuls,
+weighted scatter-add back. Same positional signature as `jax_megamoe.moe_ffn`, so it plugs into
+`jax_megamoe.nn.MoE(implementation=ragged_dot_ffn)`."""
 
 from __future__ import annotations
 

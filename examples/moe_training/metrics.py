@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-# Dense bf16 matmul FLOP/s used as the MFU denominator, by device kind. H200: the measured bf16 matmul
-# rate of DESIGN.md §7 (the anchors there are quoted against it). Other devices: pass --peak-tflops.
+# Dense bf16 matmul FLOP/s used as the MFU denominator, by device kind. H200: a measured bf16 matmul rate
+# (benchmarks/README.md), not the datasheet's. Other devices: pass --peak-tflops.
 PEAK_FLOPS = {"H200": 785e12}
 
 

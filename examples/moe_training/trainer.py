@@ -20,9 +20,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from jax_megamoe import NvlinkWorkspace
+from jax_megamoe import NvlinkTransport, NvlinkWorkspace
 from jax_megamoe.models.qwen3_moe import Qwen3MoeForCausalLM
-from jax_megamoe.ops.moe import GATE_UP_NAME, LAYOUT_NAME, resolve_backend
+from jax_megamoe.ops.moe import GATE_UP_NAME, LAYOUT_NAME, resolve_implementation
 from moe_training import data, metrics
 from moe_training.baseline import ragged_dot_ffn
 
@@ -44,16 +44,16 @@ def make_mesh(data_size: int, expert_size: int) -> jax.sharding.Mesh:
 
 
 def open_workspace(args, config, mesh) -> NvlinkWorkspace | None:
-    """The `NvlinkWorkspace` of `--ep-backend nvlink` (None for the other transports), sized for one train or
+    """The `NvlinkWorkspace` of `--transport nvlink` (None for the other transports), sized for one train or
     eval step: its `--batch` x `--seq` input tokens split over every device of the mesh. Without GPUs or the
     CUDA kernels this is a command-line error, before anything is compiled."""
-    if args.ep_backend != "nvlink":
+    if args.transport != "nvlink":
         return None
     try:
         return NvlinkWorkspace(mesh, "expert", max_tokens=args.batch * args.seq // mesh.size,
                                hidden=config.hidden_size, top_k=config.num_experts_per_tok, dtype=jnp.dtype(args.dtype))
     except ValueError as error:
-        args.fail(f"--ep-backend nvlink: {error}")
+        args.fail(f"--transport nvlink: {error}")
 
 
 def remat_policy(args):
@@ -63,13 +63,14 @@ def remat_policy(args):
 
 def build_model(config, args, mesh, workspace: NvlinkWorkspace | None = None):
     """Creates the model with its parameters born sharded; returns `(graphdef, params)`. `workspace` is
-    the MoE layers' `ep_workspace` (for `--ep-backend nvlink`)."""
-    backend = ragged_dot_ffn if args.backend == "ragged_dot" else args.backend
-    expert_axis = None if callable(backend) else "expert"  # the baseline runs per data shard
+    the nvlink transport's (for `--transport nvlink`)."""
+    implementation = ragged_dot_ffn if args.implementation == "ragged_dot" else args.implementation
+    expert_axis = None if callable(implementation) else "expert"  # the baseline runs per data shard
+    transport = NvlinkTransport(workspace) if workspace is not None else args.transport
 
     def create():
-        return Qwen3MoeForCausalLM(config, dtype=jnp.dtype(args.dtype), param_dtype=jnp.float32, backend=backend,
-                                   expert_axis=expert_axis, ep_backend=args.ep_backend, ep_workspace=workspace,
+        return Qwen3MoeForCausalLM(config, dtype=jnp.dtype(args.dtype), param_dtype=jnp.float32,
+                                   implementation=implementation, expert_axis=expert_axis, transport=transport,
                                    remat=args.remat, remat_policy=remat_policy(args),
                                    attention_impl=args.attention_impl, rngs=nnx.Rngs(args.seed))
 
@@ -209,7 +210,7 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
         return {}
     log.close()
     summary = summarize(args, config, log.path, step_times, tokens_per_step, flops_per_step, peak)
-    metrics.plot_loss_curves({backend_label(args): metrics.read_metrics(log.path)},
+    metrics.plot_loss_curves({implementation_label(args): metrics.read_metrics(log.path)},
                              os.path.join(args.out_dir, "loss_curve.png"))
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -225,18 +226,20 @@ def progress_fields(record: dict, last_eval: float | None) -> dict:
     return fields
 
 
-def backend_label(args) -> str:
-    """The MoE backend that actually runs (`auto` resolved)."""
-    return "ragged_dot baseline" if args.backend == "ragged_dot" else resolve_backend(args.backend)
+def implementation_label(args) -> str:
+    """The MoE implementation that actually runs (`auto` resolved)."""
+    if args.implementation == "ragged_dot":
+        return "ragged_dot baseline"
+    return resolve_implementation(args.implementation)
 
 
 def describe_run(config, args, mesh, params, flops_per_token: float, start: int) -> str:
     num_params = sum(x.size for x in jax.tree.leaves(params))
-    backend = backend_label(args)
+    implementation = implementation_label(args)
     return (f"Qwen3-MoE {args.preset}: {num_params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers, "
             f"{config.num_experts} experts top-{config.num_experts_per_tok}\n"
             f"mesh data={mesh.shape['data']} x expert={mesh.shape['expert']} on {jax.device_count()} "
-            f"{jax.devices()[0].platform} device(s); MoE backend {backend}; compute {args.dtype}; "
+            f"{jax.devices()[0].platform} device(s); MoE implementation {implementation}; compute {args.dtype}; "
             f"batch {args.batch} x seq {args.seq}; {flops_per_token / 1e6:.1f} MFLOP/token"
             + (f"; resuming after step {start}" if start else ""))
 
@@ -246,7 +249,7 @@ def summarize(args, config, metrics_path, step_times, tokens_per_step, flops_per
     median = float(np.median(step_times)) if step_times else None
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     return {
-        "preset": args.preset, "backend": args.backend, "ep_backend": args.ep_backend, "dtype": args.dtype,
+        "preset": args.preset, "implementation": args.implementation, "transport": args.transport, "dtype": args.dtype,
         "steps": args.steps, "batch": args.batch, "seq": args.seq,
         "mesh": {"data": args.mesh_data, "expert": args.mesh_expert},
         "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),

@@ -125,8 +125,8 @@ class Qwen3MoeForCausalLM(nnx.Module):
       config: the hyper-parameters (`Qwen3MoeConfig`).
       dtype: compute dtype (e.g. `jnp.bfloat16`); norms, softmax and the router run in float32.
       param_dtype: parameter storage dtype.
-      backend, expert_axis, ep_backend, ep_workspace, capacity_factor: passed to every `jax_megamoe.nn.MoE`
-        layer (one `NvlinkWorkspace` serves them all).
+      implementation, expert_axis, transport, capacity_factor: passed to every `jax_megamoe.nn.MoE` layer (one
+        `NvlinkTransport` serves them all).
       remat: recompute each decoder layer in the backward pass (`nnx.remat`) to save activation memory.
       remat_policy: with `remat`, a `jax.checkpoint_policies` policy of what to save instead; e.g.
         `save_only_these_names("moe_layout", "moe_gate_up")` keeps the experts' gate/up projections, so the MoE
@@ -139,8 +139,8 @@ class Qwen3MoeForCausalLM(nnx.Module):
     `dropped_pairs` summed.
     """
 
-    def __init__(self, config: Qwen3MoeConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, backend="auto",
-                 expert_axis: str | None = None, ep_backend: str = "auto", ep_workspace=None,
+    def __init__(self, config: Qwen3MoeConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, implementation="auto",
+                 expert_axis: str | None = None, transport="xla",
                  capacity_factor: float | None = None, remat: bool = False, remat_policy=None,
                  attention_impl: str | None = None, rngs: nnx.Rngs):
         if remat_policy is not None and not remat:
@@ -151,7 +151,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
         init = nnx.initializers.normal(config.initializer_range)
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                       embedding_init=init, rngs=rngs)
-        moe_kwargs = dict(backend=backend, expert_axis=expert_axis, ep_backend=ep_backend, ep_workspace=ep_workspace,
+        moe_kwargs = dict(implementation=implementation, expert_axis=expert_axis, transport=transport,
                           capacity_factor=capacity_factor)
         self.layers = nnx.List([
             DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, attention_impl=attention_impl,
@@ -196,7 +196,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
       path: checkpoint directory.
       dtype: compute dtype. param_dtype: storage dtype (default: `dtype`).
       mesh: optional `jax.sharding.Mesh`. expert_axis: mesh axis of the experts.
-      **model_kwargs: other `Qwen3MoeForCausalLM` arguments (backend, remat, attention_impl, ...).
+      **model_kwargs: other `Qwen3MoeForCausalLM` arguments (implementation, remat, attention_impl, ...).
     """
     config = Qwen3MoeConfig.from_json(path)
     if mesh is not None and expert_axis is None and "expert" in mesh.axis_names:

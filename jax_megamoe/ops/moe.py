@@ -1,6 +1,6 @@
 """The MoE expert FFN: dispatch, SwiGLU experts and weighted combine, as FFI kernels with a custom VJP.
 
-Four FFI ops per platform (contract in cuda/include/jmm/handlers.h):
+Four FFI ops per platform (targets in jax_megamoe/_targets.py, handlers in cuda/ffi/moe_{cpu,cuda}.cc):
   moe_layout   expert ids -> stable expert-sorted row order (ids outside [0, E) are dropped)
   moe_gate_up  the gate/up projections of the sorted rows, saved for the backward
   moe_down     y from them: SwiGLU, the down projection and the weighted combine
@@ -12,7 +12,6 @@ it needs only the saved projections, and XLA drops the moe_down whose y nothing 
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import jax
@@ -20,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_megamoe import _ffi, reference
+from jax_megamoe import _ffi, _targets, reference
+from jax_megamoe.ops.gemm_config import GemmConfig
 from jax_megamoe.ops.validation import check_moe_args
 
-BACKENDS = ("auto", "cpu", "cuda", "reference")
+IMPLEMENTATIONS = ("auto", "cpu", "cuda", "reference")
 
 # dtypes each kernel platform implements; "reference" takes any float dtype. On "cuda", bf16 with H and I
 # multiples of 8 runs on tensor cores (CUTLASS sm90 grouped GEMMs); float32 and other bf16 shapes run an
@@ -33,31 +33,7 @@ KERNEL_DTYPES = {
     "cuda": (jnp.bfloat16, jnp.float32),
 }
 
-
-def resolve_backend(backend: str) -> str:
-    """Maps `backend` to `"cpu"`, `"cuda"` or `"reference"`, raising if the kernels are missing.
-
-    `"auto"` follows `jax.default_backend()`: the CUDA kernels on a GPU, the CPU kernels on a CPU, the
-    reference where no kernel for the platform was built.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        platform = jax.default_backend()
-        if platform == "gpu" and _ffi.has_cuda_kernels():
-            return "cuda"
-        if platform == "cpu" and _ffi.has_cpu_kernels():
-            return "cpu"
-        return "reference"
-    if backend == "cuda" and not _ffi.has_cuda_kernels():
-        raise ValueError("backend='cuda' needs jax_megamoe built with its CUDA kernels (nvcc present at "
-                         "install time, JMM_CUDA not OFF); this build has none")
-    if backend == "cuda" and jax.default_backend() != "gpu":
-        raise ValueError(f"backend='cuda' needs a GPU, but jax.default_backend() is {jax.default_backend()!r}")
-    if backend == "cpu" and not _ffi.has_cpu_kernels():
-        raise ValueError("backend='cpu' needs jax_megamoe's compiled extension; reinstall with `pip install .`")
-    return backend
-
+_JAX_PLATFORM = {"cpu": "cpu", "cuda": "gpu"}
 
 # `jax.ad_checkpoint.checkpoint_name`s of the residuals the backward needs besides the inputs: a checkpoint
 # policy that saves them (`jax.checkpoint_policies.save_only_these_names(LAYOUT_NAME, GATE_UP_NAME)`) recomputes
@@ -65,41 +41,52 @@ def resolve_backend(backend: str) -> str:
 LAYOUT_NAME = "moe_layout"
 GATE_UP_NAME = "moe_gate_up"
 
-# Where `_moe_ffn_kernels_bwd` passes gate_up among the backward's operands (dy, x, weights, w_gate_up,
-# w_down, gate_up, layout...).
-_BACKWARD_GATE_UP_OPERAND = 5
 
-# Read when a function is traced: the CUDA forward and backward get it as an attribute (grammar in
-# cuda/include/jmm/gemm_tiles.h), so it is part of the compiled program; trace again to change it.
-GEMM_TILES_ENV = "JMM_GEMM_TILES"
-
-
-def _call(platform, op, result_shapes, dims, *args, **attrs):
-    """`_ffi.call` of an MoE op. The CUDA handlers take one more result, last: their temporaries (a uint8
-    workspace XLA allocates, so that it may capture them into CUDA graphs; handlers.h), dropped here.
-    `dims` = (bfloat16, tokens, top_k, hidden, intermediate, experts) sizes it. The CUDA forward and
-    backward also take the GEMM tiles (`GEMM_TILES_ENV`). The CUDA backward also returns dz, the gradient
-    of gate_up, written over its gate_up operand (handlers.h; one rows x 2I buffer less), dropped here."""
-    if platform != "cuda":
-        return _ffi.call(platform, op, result_shapes, *args, **attrs)
-    if op != "moe_layout":
-        attrs["gemm_tiles"] = os.environ.get(GEMM_TILES_ENV, "")
-    extra, aliases = (), None
-    if op == "moe_backward":
-        gate_up = args[_BACKWARD_GATE_UP_OPERAND]
-        extra = (jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype),)
-        aliases = {_BACKWARD_GATE_UP_OPERAND: len(result_shapes)}
-    workspace = jax.ShapeDtypeStruct((_ffi.extension().cuda_workspace_bytes(op, *dims),), jnp.uint8)
-    results = _ffi.call(platform, op, (*result_shapes, *extra, workspace), *args, input_output_aliases=aliases,
-                        **attrs)
-    return results[:len(result_shapes)]
+def _array_platforms(arrays) -> set[str]:
+    """The platforms of the devices that concrete arrays live on (tracers have none)."""
+    platforms = set()
+    for a in arrays:
+        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+            platforms.update(d.platform for d in a.devices())
+    return platforms
 
 
-def _dims(x, weights, w_gate_up):
-    """The sizes `_call` passes for a forward or backward call."""
-    (tokens, hidden), top_k = x.shape, weights.shape[1]
-    experts, _, two_inter = w_gate_up.shape
-    return (bool(x.dtype == jnp.bfloat16), tokens, top_k, hidden, two_inter // 2, experts)
+def resolve_implementation(implementation: str, arrays=()) -> str:
+    """Maps `implementation` to `"cpu"`, `"cuda"` or `"reference"`, raising where it cannot run.
+
+    `"auto"` follows the platform the concrete `arrays` live on, else `jax.default_backend()`: the CUDA
+    kernels on a GPU, the CPU kernels on a CPU, the reference where no kernel for the platform was built.
+    A program compiled for another platform than the chosen kernels' fails at lowering (`_ffi.call`).
+    """
+    if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    platforms = _array_platforms(arrays) or {jax.default_backend()}
+    if implementation == "auto":
+        if platforms == {"gpu"} and _ffi.has_cuda_kernels():
+            return "cuda"
+        if platforms == {"cpu"} and _ffi.has_cpu_kernels():
+            return "cpu"
+        return "reference"
+    if implementation == "reference":
+        return implementation
+    if implementation == "cuda" and not _ffi.has_cuda_kernels():
+        raise ValueError("implementation='cuda' needs jax_megamoe built with its CUDA kernels (nvcc present at "
+                         "install time, JMM_CUDA not OFF); this build has none: use implementation='auto'")
+    if implementation == "cpu" and not _ffi.has_cpu_kernels():
+        raise ValueError("implementation='cpu' needs jax_megamoe's compiled extension; reinstall with `pip install .`")
+    wanted = _JAX_PLATFORM[implementation]
+    if platforms != {wanted}:
+        where = "the arrays live on" if _array_platforms(arrays) else "jax.default_backend() is"
+        raise ValueError(f"implementation={implementation!r} runs on {wanted} devices, but {where} "
+                         f"{sorted(platforms)}: use implementation='auto' or the one for that platform")
+    return implementation
+
+
+def drop_invalid_ids(experts: jax.Array, num_experts: int) -> jax.Array:
+    """`experts` as int32 with every id outside `[0, num_experts)` replaced by -1, before the cast can wrap a
+    wide id (an int64 2**32 + 1 would become 1) into range."""
+    valid = (experts >= 0) & (experts < num_experts)
+    return jnp.where(valid, experts, -1).astype(jnp.int32)
 
 
 class Layout(NamedTuple):
@@ -109,65 +96,96 @@ class Layout(NamedTuple):
     expert_offsets: jax.Array  # [E+1] int32
 
 
-def moe_layout(experts: jax.Array, num_experts: int, platform: str) -> Layout:
-    """Sorts the (token, k) pairs by expert id, stable in pair order, on `platform` ("cpu"/"cuda")."""
+def moe_layout(experts: jax.Array, num_experts: int, implementation: str) -> Layout:
+    """Sorts the (token, k) pairs by expert id, stable in pair order, on `implementation` ("cpu"/"cuda").
+    `experts` are int32; ids outside `[0, num_experts)` are dropped."""
     num_pairs = experts.size
     shapes = (jax.ShapeDtypeStruct((num_pairs,), jnp.int32), jax.ShapeDtypeStruct((num_pairs,), jnp.int32),
               jax.ShapeDtypeStruct((num_experts + 1,), jnp.int32))
-    dims = (False, *experts.shape, 0, 0, num_experts)
-    return Layout(*_call(platform, "moe_layout", shapes, dims, experts.astype(jnp.int32),
-                         num_experts=np.int64(num_experts)))
+    return Layout(*_ffi.call(_targets.MOE_LAYOUT[implementation], shapes, experts,
+                             workspace_args=(num_pairs, num_experts), num_experts=np.int64(num_experts)))
 
 
-def _forward(platform, x, weights, w_gate_up, w_down, layout):
+def _sizes(x, weights, w_gate_up) -> tuple:
+    """The problem sizes the CUDA handlers' workspace queries take."""
+    (tokens, hidden), top_k = x.shape, weights.shape[1]
+    experts, _, two_inter = w_gate_up.shape
+    return (bool(x.dtype == jnp.bfloat16), tokens, top_k, hidden, two_inter // 2, experts)
+
+
+def _tiles(implementation: str, **tiles) -> dict:
+    """The GEMM tile attributes: the CUDA handlers take them, the CPU ones none."""
+    return {name: np.int64(value) for name, value in tiles.items()} if implementation == "cuda" else {}
+
+
+def _forward(implementation, config, x, weights, w_gate_up, w_down, layout):
     """`(y, gate_up)`: the two forward calls (see the module docstring)."""
-    dims = _dims(x, weights, w_gate_up)
+    sizes = _sizes(x, weights, w_gate_up)
     gate_up_shape = jax.ShapeDtypeStruct((layout.pair_of_row.shape[0], w_gate_up.shape[2]), x.dtype)
-    [gate_up] = _call(platform, "moe_gate_up", (gate_up_shape,), dims, x, w_gate_up, layout.pair_of_row,
-                      layout.expert_offsets)
-    [y] = _call(platform, "moe_down", (jax.ShapeDtypeStruct(x.shape, x.dtype),), dims, gate_up, weights, w_down,
-                layout.row_of_pair, layout.expert_offsets)
+    [gate_up] = _ffi.call(_targets.MOE_GATE_UP[implementation], (gate_up_shape,), x, w_gate_up, layout.pair_of_row,
+                          layout.expert_offsets, workspace_args=sizes,
+                          **_tiles(implementation, fwd_gate_up_tiles=config.fwd_gate_up))
+    [y] = _ffi.call(_targets.MOE_DOWN[implementation], (jax.ShapeDtypeStruct(x.shape, x.dtype),), gate_up, weights,
+                    w_down, layout.row_of_pair, layout.expert_offsets, workspace_args=sizes,
+                    **_tiles(implementation, fwd_down_tiles=config.fwd_down))
     return y, gate_up
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _moe_ffn_kernels(x, weights, experts, w_gate_up, w_down, platform):
-    """`moe_ffn` on the kernels of `platform`; weights float32 (float64 for float64 x), experts int32."""
-    return _moe_ffn_kernels_fwd(x, weights, experts, w_gate_up, w_down, platform)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _moe_ffn_kernels(x, weights, experts, w_gate_up, w_down, implementation, config):
+    """`moe_ffn` on the kernels of `implementation`; weights float32 (float64 for float64 x), experts int32."""
+    return _moe_ffn_kernels_fwd(x, weights, experts, w_gate_up, w_down, implementation, config)[0]
 
 
-def _moe_ffn_kernels_fwd(x, weights, experts, w_gate_up, w_down, platform):
-    layout = Layout(*(checkpoint_name(a, LAYOUT_NAME) for a in moe_layout(experts, w_gate_up.shape[0], platform)))
-    y, gate_up = _forward(platform, x, weights, w_gate_up, w_down, layout)
+def _moe_ffn_kernels_fwd(x, weights, experts, w_gate_up, w_down, implementation, config):
+    layout = moe_layout(experts, w_gate_up.shape[0], implementation)
+    layout = Layout(*(checkpoint_name(a, LAYOUT_NAME) for a in layout))
+    y, gate_up = _forward(implementation, config, x, weights, w_gate_up, w_down, layout)
     return y, (x, weights, w_gate_up, w_down, checkpoint_name(gate_up, GATE_UP_NAME), layout)
 
 
-def _moe_ffn_kernels_bwd(platform, residuals, dy):
+def _moe_ffn_kernels_bwd(implementation, config, residuals, dy):
     x, weights, w_gate_up, w_down, gate_up, layout = residuals
-    shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(weights.shape, weights.dtype),
-              jax.ShapeDtypeStruct(w_gate_up.shape, w_gate_up.dtype),
-              jax.ShapeDtypeStruct(w_down.shape, w_down.dtype))
-    dx, d_weights, d_w_gate_up, d_w_down = _call(
-        platform, "moe_backward", shapes, _dims(x, weights, w_gate_up), dy.astype(x.dtype), x, weights, w_gate_up,
-        w_down, gate_up, *layout)
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, weights, w_gate_up, w_down)]
+    if implementation == "cuda":  # dz, the gradient of gate_up, written over gate_up (garbage to us)
+        shapes.append(jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype))
+    dx, d_weights, d_w_gate_up, d_w_down = _ffi.call(
+        _targets.MOE_BACKWARD[implementation], shapes, dy.astype(x.dtype), x, weights, w_gate_up, w_down, gate_up,
+        *layout, workspace_args=_sizes(x, weights, w_gate_up),
+        **_tiles(implementation, bwd_down_tiles=config.bwd_down, bwd_gate_up_tiles=config.bwd_gate_up))[:4]
     return dx, d_weights, None, d_w_gate_up, d_w_down
 
 
 _moe_ffn_kernels.defvjp(_moe_ffn_kernels_fwd, _moe_ffn_kernels_bwd)
 
 
+def kernel_operands(x, weights, experts, w_gate_up, w_down, implementation: str):
+    """Checks x's dtype against the kernels of `implementation` and returns the operands as the kernels take
+    them: routing weights in the accumulation dtype, expert ids int32 with the invalid ones at -1, all marked
+    alike for `shard_map`."""
+    supported = [jnp.dtype(d) for d in KERNEL_DTYPES[implementation]]
+    if jnp.dtype(x.dtype) not in supported:
+        raise TypeError(f"implementation={implementation!r} supports x dtypes {[str(d) for d in supported]}, "
+                        f"got {x.dtype}")
+    weights_dtype = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    return _ffi.vary_alike(x, weights.astype(weights_dtype), drop_invalid_ids(experts, w_gate_up.shape[0]),
+                           w_gate_up, w_down)
+
+
 def moe_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-            *, backend: str = "auto") -> jax.Array:
+            *, implementation: str = "auto", gemm_config: GemmConfig | None = None) -> jax.Array:
     """Mixture-of-experts SwiGLU FFN: `y[t] = sum_k weights[t, k] * f_{experts[t, k]}(x[t])`.
 
     Args:
       x: `[T, H]` tokens.
       weights: `[T, K]` routing weights (any float dtype; float32 inside the kernels, float64 for float64 x).
-      experts: `[T, K]` integer expert ids. Pairs whose id lies outside `[0, E)` are dropped: they
-        contribute zero to `y` and get zero gradient. No kernel reads or writes out of bounds for them.
+      experts: `[T, K]` integer expert ids of any integer dtype. Pairs whose id lies outside `[0, E)` are
+        dropped: they contribute zero to `y` and get zero gradient. No kernel reads or writes out of bounds.
       w_gate_up: `[E, H, 2I]`, gate in `[..., :I]`, up in `[..., I:]`; same dtype as `x`.
       w_down: `[E, I, H]`; same dtype as `x`.
-      backend: `"auto"`, `"cpu"`, `"cuda"` or `"reference"` (pure JAX).
+      implementation: `"auto"` (the kernels of the platform the arrays live on, else of
+        `jax.default_backend()`), `"cpu"`, `"cuda"` or `"reference"` (pure JAX).
+      gemm_config: the CUDA GEMMs' tiles; None picks them by shape (`GemmConfig.for_problem`).
 
     Returns `[T, H]` in x's dtype, accumulated in float32 (float64 for float64 inputs).
     Differentiable in `x`, `weights`, `w_gate_up` and `w_down`.
@@ -176,13 +194,12 @@ def moe_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax
     saving the names `"moe_layout"` and `"moe_gate_up"` (`jax.checkpoint_policies.save_only_these_names`)
     recomputes nothing of it, at the memory of the projections (`[T*K, 2I]` in x's dtype).
     """
-    check_moe_args(x, weights, experts, w_gate_up, w_down)
-    backend = resolve_backend(backend)
-    if backend == "reference":
+    tokens, hidden, inter, experts_count, top_k = check_moe_args(x, weights, experts, w_gate_up, w_down)
+    if gemm_config is not None and not isinstance(gemm_config, GemmConfig):
+        raise TypeError(f"gemm_config must be None or a jax_megamoe.GemmConfig, got {gemm_config!r}")
+    implementation = resolve_implementation(implementation, (x, weights, experts, w_gate_up, w_down))
+    if implementation == "reference":
         return reference.moe_ffn(x, weights, experts, w_gate_up, w_down)
-    supported = [jnp.dtype(d) for d in KERNEL_DTYPES[backend]]
-    if jnp.dtype(x.dtype) not in supported:
-        raise TypeError(f"backend={backend!r} supports x dtypes {[str(d) for d in supported]}, got {x.dtype}")
-    weights_dtype = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
-    args = _ffi.vary_alike(x, weights.astype(weights_dtype), experts.astype(jnp.int32), w_gate_up, w_down)
-    return _moe_ffn_kernels(*args, backend)
+    config = gemm_config or GemmConfig.for_problem(tokens, top_k, hidden, inter, experts_count)
+    args = kernel_operands(x, weights, experts, w_gate_up, w_down, implementation)
+    return _moe_ffn_kernels(*args, implementation, config)

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
+def check_array(name: str, value, layout: str) -> None:
+    """Arrays only: a list, None or a Python scalar gets a TypeError naming the argument, not a failure deeper."""
+    if not isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray) of shape {layout}, got "
+                        f"{type(value).__name__}; convert it with jnp.asarray")
+
+
 def check_rank(name: str, value, rank: int, layout: str) -> None:
+    check_array(name, value, layout)
     if np.ndim(value) != rank:
         raise ValueError(f"{name} must have rank {rank} ({layout}), got shape {tuple(np.shape(value))}")
 

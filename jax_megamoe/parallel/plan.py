@@ -9,7 +9,7 @@ accepts at most `pair_capacity` pairs from each source, in (token, k) order; lat
 (contribute zero) and counted. Dropless means `pair_capacity = T * K`.
 
 Rows are compacted by default: the rows sent to shard d fill the first slots of its buffer, so a transport can
-move only those. A transport that moves whole buffers anyway (stage 2 of nvlink) asks for uncompacted rows when
+move only those. A transport that moves whole buffers anyway (the nvlink transport's fused calls) asks for uncompacted rows when
 every token fits (`C = T`): token t keeps slot t in every buffer, so each buffer is x itself.
 """
 
@@ -56,8 +56,8 @@ def make_plan(experts: jax.Array, ep: int, local_experts: int, pair_capacity: in
     if not compact and row_capacity != tokens:
         raise ValueError(f"uncompacted rows need a slot per token: row_capacity {row_capacity} != tokens {tokens}")
     num_experts = ep * local_experts
-    experts = experts.astype(jnp.int32)
-    valid = (experts >= 0) & (experts < num_experts)
+    valid = (experts >= 0) & (experts < num_experts)  # before the cast, which could wrap a wide id into range
+    experts = jnp.where(valid, experts, 0).astype(jnp.int32)
     dest = jnp.where(valid, experts // local_experts, ep)
     to_dest = dest[..., None] == jnp.arange(ep, dtype=jnp.int32)                  # [T, K, ep]
     if pair_capacity >= tokens * top_k:
