@@ -167,6 +167,19 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
         `positions` (`[S]` or `[B, S]`) defaults to `0..S-1`.
         """
+        x, aux = self.hidden_states(input_ids, positions)
+        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        return logits, aux
+
+    def lm_head_kernel(self) -> jax.Array:
+        """The LM head as an `[H, vocab]` matrix in the compute dtype (the embedding table's transpose when
+        tied), for `jax_megamoe.losses.linear_cross_entropy(model.hidden_states(ids)[0], ...)`."""
+        if self.lm_head is None:
+            return self.embed_tokens.embedding[...].T.astype(self.embed_tokens.dtype)
+        return self.lm_head.kernel[...].astype(self.lm_head.dtype)
+
+    def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, MoEAux]:
+        """`(final normed hidden states [B, S, H], MoEAux)`: the model without its LM head."""
         if positions is None:
             positions = jnp.arange(input_ids.shape[-1])
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
@@ -177,9 +190,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
             x, aux = run_layer(layer, x, cos, sin)
             if aux is not None:
                 layer_aux.append(aux)
-        x = self.norm(x)
-        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        return logits, combine_aux(layer_aux, self.config.num_experts)
+        return self.norm(x), combine_aux(layer_aux, self.config.num_experts)
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, mesh=None,

@@ -1,0 +1,147 @@
+"""The LM head fused with its cross-entropy, without the `[N, V]` logits.
+
+`linear_cross_entropy(hidden, kernel, labels)` equals optax's softmax cross-entropy of `hidden @ kernel`, but
+runs over chunks of tokens: each chunk's logits live only inside one step of a scan. Under differentiation the
+forward computes the gradients too, chunk by chunk (the logits GEMM, softmax and the logits' gradient in one
+pass over the chunk, then the two gradient GEMMs): three GEMMs instead of the four that recomputing the logits
+in the backward would take, and the reason the loss is a scalar. The float32 kernel gradient `[H, V]`
+accumulates across chunks; the hidden gradient is written chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_megamoe.ops.validation import check_array, check_float, check_rank
+
+REDUCTIONS = ("mean", "sum")
+# Each chunk's float32 logits take at most about this many bytes (with as many again for their gradient).
+_CHUNK_LOGITS_BYTES = 256 << 20
+
+
+def _chunk_tokens(tokens: int, vocab: int) -> int:
+    return max(1, min(tokens, _CHUNK_LOGITS_BYTES // (4 * vocab)))
+
+
+def _matmul_precision(dtype):
+    # float32 inputs get float32 products (GPUs otherwise take tf32); narrower inputs run at their own rate.
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _chunk_loss_and_logit_grad(h, kernel, labels, mask, scale, with_grad: bool):
+    """Summed loss of one chunk and, with `with_grad`, `d loss / d logits` times `scale` (float32)."""
+    logits = jnp.dot(h, kernel, preferred_element_type=jnp.float32, precision=_matmul_precision(h.dtype))
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    safe = jnp.where(mask, labels, 0)
+    label_logit = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
+    loss = jnp.sum(jnp.where(mask, lse - label_logit, 0.0))
+    if not with_grad:
+        return loss, None
+    probs = jnp.exp(logits - lse[:, None])
+    grad = probs - jax.nn.one_hot(safe, logits.shape[-1], dtype=jnp.float32)
+    return loss, jnp.where(mask[:, None], grad, 0.0) * scale
+
+
+def _scan_chunks(hidden, kernel, labels, mask, scale, with_grad: bool):
+    """`(loss sum, d hidden, d kernel)` over token chunks (the gradients None without `with_grad`)."""
+    tokens, width = hidden.shape
+    chunk = _chunk_tokens(tokens, kernel.shape[1])
+    chunks = -(-tokens // chunk)
+    pad = chunks * chunk - tokens
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(chunks, chunk, width)
+    lab = jnp.pad(labels, (0, pad)).reshape(chunks, chunk)
+    msk = jnp.pad(mask, (0, pad)).reshape(chunks, chunk)
+
+    def step(carry, xs):
+        loss, d_kernel = carry
+        h_c, lab_c, msk_c = xs
+        loss_c, g = _chunk_loss_and_logit_grad(h_c, kernel, lab_c, msk_c, scale, with_grad)
+        if not with_grad:
+            return (loss + loss_c, d_kernel), None
+        precision = _matmul_precision(hidden.dtype)
+        d_h = jnp.dot(g.astype(hidden.dtype), kernel.T, preferred_element_type=jnp.float32,
+                      precision=precision).astype(hidden.dtype)
+        d_kernel = d_kernel + jnp.dot(h_c.T, g.astype(hidden.dtype), preferred_element_type=jnp.float32,
+                                      precision=precision)
+        return (loss + loss_c, d_kernel), d_h
+
+    d_kernel = jnp.zeros(kernel.shape, jnp.float32) if with_grad else None
+    (loss, d_kernel), d_h = jax.lax.scan(step, (jnp.zeros((), jnp.float32), d_kernel), (h, lab, msk))
+    if not with_grad:
+        return loss, None, None
+    return loss, d_h.reshape(chunks * chunk, width)[:tokens], d_kernel
+
+
+def _scale(mask, reduction: str):
+    if reduction == "sum":
+        return jnp.ones((), jnp.float32)
+    return 1.0 / jnp.maximum(jnp.sum(mask, dtype=jnp.float32), 1.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _linear_cross_entropy(hidden, kernel, labels, mask, reduction):
+    loss, _, _ = _scan_chunks(hidden, kernel, labels, mask, 1.0, with_grad=False)
+    return loss * _scale(mask, reduction)
+
+
+def _lce_fwd(hidden, kernel, labels, mask, reduction):
+    scale = _scale(mask, reduction)
+    loss, d_hidden, d_kernel = _scan_chunks(hidden, kernel, labels, mask, scale, with_grad=True)
+    return loss * scale, (d_hidden, d_kernel.astype(kernel.dtype), labels, mask)
+
+
+def _lce_bwd(reduction, residuals, d_loss):
+    d_hidden, d_kernel, labels, mask = residuals
+    zero_int = np.zeros((), jax.dtypes.float0)
+    return ((d_hidden * d_loss).astype(d_hidden.dtype), (d_kernel * d_loss).astype(d_kernel.dtype),
+            np.broadcast_to(zero_int, labels.shape), np.broadcast_to(zero_int, mask.shape))
+
+
+_linear_cross_entropy.defvjp(_lce_fwd, _lce_bwd)
+
+
+def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, *, where: jax.Array | None = None,
+                         reduction: str = "mean") -> jax.Array:
+    """Softmax cross-entropy of `hidden @ kernel` against `labels`, as a float32 scalar.
+
+    Args:
+      hidden: `[N, H]` final hidden states (any float dtype; bf16 runs the GEMMs in bf16 with float32
+        accumulation).
+      kernel: `[H, V]` the LM head (for tied embeddings, the embedding table transposed).
+      labels: `[N]` integer target ids; labels < 0 (e.g. -100) are ignored, as `where=False`.
+      where: optional `[N]` bool, the tokens that count.
+      reduction: `"mean"` over the counted tokens (0 when none counts), or `"sum"` (for callers that shard the
+        tokens, e.g. inside `shard_map`, and reduce themselves).
+
+    Equals `optax.softmax_cross_entropy_with_integer_labels(hidden @ kernel, labels)` reduced over the counted
+    tokens, value and gradients (in `hidden` and `kernel`), without materialising the `[N, V]` logits. Under
+    differentiation the gradients are computed in the forward pass, chunk by chunk.
+    """
+    check_rank("hidden", hidden, 2, "[N, H]")
+    check_rank("kernel", kernel, 2, "[H, V]")
+    check_rank("labels", labels, 1, "[N]")
+    check_float("hidden", hidden)
+    check_float("kernel", kernel)
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"labels must hold integer ids, got dtype {labels.dtype}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    tokens, width = hidden.shape
+    vocab = kernel.shape[1]
+    if kernel.shape[0] != width:
+        raise ValueError(f"kernel must have shape [H, V] with H = hidden's {width}, got {tuple(kernel.shape)}")
+    if labels.shape[0] != tokens:
+        raise ValueError(f"labels must have shape [N] = ({tokens},), got {tuple(labels.shape)}")
+    if not isinstance(labels, jax.core.Tracer) and np.size(labels) and int(np.max(np.asarray(labels))) >= vocab:
+        raise ValueError(f"labels hold id {int(np.max(np.asarray(labels)))}, outside the vocabulary of {vocab} ids")
+    mask = labels >= 0
+    if where is not None:
+        check_array("where", where, "[N]")
+        if tuple(where.shape) != (tokens,) or where.dtype != jnp.bool_:
+            raise ValueError(f"where must be a bool array of shape ({tokens},), got {where.dtype} {tuple(where.shape)}")
+        mask = mask & where
+    return _linear_cross_entropy(hidden, kernel, labels.astype(jnp.int32), mask, reduction)
