@@ -12,7 +12,7 @@
 namespace jmm::cuda {
 
 // Registers the kernel module (the fatbinary of one .cu file) that holds `anchor`, a kernel of that file. Made by
-// jmm/kernel_module.cuh, which every .cu file of the library includes.
+// kernel_module.cuh, which every .cu file of the library includes.
 struct KernelModule {
   explicit KernelModule(const void* anchor);
 };

@@ -99,8 +99,8 @@ __global__ void CombineRowsKernel(const T* row_values, const int32_t* row_of_pai
 
 // d_weights[pair] = <g, h> is summed in one fixed order (deterministic): "summation thread" t of 256 adds the
 // products of vectors t, t + 256, ... of the row in sequence, each group of 32 summation threads is reduced by a
-// butterfly, and the 8 group sums are added in group order. This is the order of the one-block-per-row kernel
-// this one replaced, so d_weights is bitwise unchanged by the warp-per-row mapping below.
+// butterfly, and the 8 group sums are added in group order: the order of a 256-thread block per row, kept by the
+// warp-per-row mapping below so that d_weights does not depend on how rows are mapped to threads.
 constexpr int kSumThreads = 256;
 constexpr int kSumGroups = kSumThreads / 32;
 
