@@ -1,10 +1,12 @@
-#include "moe.h"
+// The CPU kernels (moe.h): plain loops accumulating in float32 (float64 for float64 inputs) that round to the
+// storage type where the CUDA kernels store (moe_elementwise.cu follows these rounding points).
+#include "cpu/moe.h"
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#include "scalar.h"
+#include "cpu/scalar.h"
 
 namespace jmm::cpu {
 

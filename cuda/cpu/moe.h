@@ -1,12 +1,21 @@
-// Plain C++ MoE kernels behind the CPU FFI handlers: exact, single-threaded, deterministic.
+// Plain C++ MoE kernels behind the CPU FFI handlers (cuda/ffi/moe_cpu.cc): exact, single-threaded, deterministic.
+// No XLA here. Rows are (token, k) pairs in expert-sorted order, as MoeLayout writes them.
 #pragma once
 
 #include <cstdint>
 
-#include "jmm/ffi_common.h"
-#include "scalar.h"
+#include "cpu/scalar.h"
 
 namespace jmm::cpu {
+
+// The problem sizes of one call.
+struct MoeDims {
+  int64_t tokens;        // T
+  int64_t hidden;        // H
+  int64_t intermediate;  // I
+  int64_t experts;       // E (local experts held in the weights)
+  int64_t top_k;         // K
+};
 
 // Sorts (token, k) pairs by expert, stable in pair order; ids outside [0, E) are dropped.
 void MoeLayout(const int32_t* experts, int64_t num_pairs, int64_t num_experts, int32_t* row_of_pair,

@@ -3,8 +3,8 @@
 // plain FMAs (no tf32), so float32 results match the CPU kernels to float32 rounding.
 #include <cuda_bf16.h>
 
-#include "jmm/kernel_module.cuh"
-#include "jmm/moe_cuda.h"
+#include "kernels/kernel_module.cuh"
+#include "kernels/moe_kernels.h"
 
 namespace jmm::cuda {
 namespace {
@@ -160,17 +160,11 @@ using CutlassRowsGemm = Status (*)(const void* a, const void* b, void* d, const 
                                    int64_t num_experts, int64_t n, int64_t k, const Scratch& scratch,
                                    cudaStream_t stream);
 
-// The instantiation for (tiles, layout of B_e); null only for a value outside the enum.
+// The instantiation for (tiles, layout of B_e); null for a value that is not built.
 CutlassRowsGemm FindRowsGemm(GemmTiles tiles, bool b_transposed) {
   switch (tiles) {
-    case GemmTiles::kCooperative128x256Cluster2:
+    case GemmTiles::kCooperative128x256:
       return b_transposed ? cutlass_gemm::RowsGemmNT : cutlass_gemm::RowsGemmNN;
-    case GemmTiles::kCooperative128x256Cluster1:
-      return b_transposed ? cutlass_gemm::RowsGemmNTCooperative128x256Cluster1
-                          : cutlass_gemm::RowsGemmNNCooperative128x256Cluster1;
-    case GemmTiles::kPingpong64x256Cluster1:
-      return b_transposed ? cutlass_gemm::RowsGemmNTPingpong64x256Cluster1
-                          : cutlass_gemm::RowsGemmNNPingpong64x256Cluster1;
   }
   return nullptr;
 }
@@ -195,7 +189,7 @@ Status RowsGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, vo
   if (rows == 0 || n == 0) return {};
   if (tensor_cores) {
     const CutlassRowsGemm gemm = FindRowsGemm(tiles, b_transposed);
-    if (gemm == nullptr) return "unknown GEMM tiles";
+    if (gemm == nullptr) return "GEMM tiles " + std::to_string(static_cast<int64_t>(tiles)) + " are not built";
     return gemm(a, b, d, expert_offsets, num_experts, n, k, scratch, stream);
   }
   if (dtype == Dtype::kBFloat16) {

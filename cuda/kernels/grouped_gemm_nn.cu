@@ -1,12 +1,13 @@
-// bf16 row-grouped GEMM with both operands row-major, default tiles: x_perm @ W_gate_up and h @ W_down.
-#include "jmm/grouped_gemm_cutlass_cuda.h"
-#include "jmm/kernel_module.cuh"
+// bf16 row-grouped GEMM with both operands row-major (x_perm @ W_gate_up, h @ W_down), tiles
+// GemmTiles::kCooperative128x256.
+#include "kernels/grouped_gemm_cutlass.cuh"
+#include "kernels/kernel_module.cuh"
 
 namespace jmm::cuda::cutlass_gemm {
 
 Status RowsGemmNN(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
                   int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream) {
-  return RowsGemmWith<TilesCooperative128x256Cluster2, cutlass::layout::RowMajor>(a, b, d, offsets, num_experts, n, k,
+  return RowsGemmWith<TilesCooperative128x256Cluster1, cutlass::layout::RowMajor>(a, b, d, offsets, num_experts, n, k,
       scratch, stream);
 }
 

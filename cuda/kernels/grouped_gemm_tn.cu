@@ -1,6 +1,6 @@
 // bf16 expert-grouped weight-gradient GEMM, contraction over each expert's rows: x_perm^T @ dz, h^T @ w*dy.
-#include "jmm/grouped_gemm_cutlass_cuda.h"
-#include "jmm/kernel_module.cuh"
+#include "kernels/grouped_gemm_cutlass.cuh"
+#include "kernels/kernel_module.cuh"
 
 namespace jmm::cuda::cutlass_gemm {
 

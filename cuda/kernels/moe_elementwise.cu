@@ -2,9 +2,9 @@
 // Rounding points follow cuda/cpu/moe.cc: values are rounded to the storage type where it stores them.
 #include <cuda_bf16.h>
 
-#include "jmm/device_math.cuh"
-#include "jmm/kernel_module.cuh"
-#include "jmm/moe_cuda.h"
+#include "kernels/device_math.cuh"
+#include "kernels/kernel_module.cuh"
+#include "kernels/moe_kernels.h"
 
 namespace jmm::cuda {
 namespace {
@@ -74,11 +74,9 @@ __global__ void SwigluForwardKernel(T* gate_up, T* h, const int32_t* kept_rows, 
   }
 }
 
-// With kSum, the combined row (rounded to T) is one part of a sum in float32 over `summed`'s parts in order, the
-// others read from summed.rows[d] (CombineRowsIntoSum).
-template <typename T, int V, bool kSum>
+template <typename T, int V>
 __global__ void CombineRowsKernel(const T* row_values, const int32_t* row_of_pair, const float* weights,
-                                  int top_k, int64_t width, SummedBlocks summed, T* out) {
+                                  int top_k, int64_t width, T* out) {
   const int64_t t = blockIdx.x;
   for (int64_t i = threadIdx.x; i < width / V; i += blockDim.x) {
     float acc[V];
@@ -92,23 +90,6 @@ __global__ void CombineRowsKernel(const T* row_values, const int32_t* row_of_pai
 #pragma unroll
       for (int j = 0; j < V; ++j) acc[j] += w * ToFloat(v.v[j]);
     }
-    if constexpr (kSum) {
-      float sum[V];
-#pragma unroll
-      for (int j = 0; j < V; ++j) sum[j] = 0.0f;
-      for (int d = 0; d < summed.count; ++d) {
-        if (d == summed.own) {
-#pragma unroll
-          for (int j = 0; j < V; ++j) sum[j] += Round<T>(acc[j]);
-        } else {
-          const Vec<T, V> v = reinterpret_cast<const Vec<T, V>*>(static_cast<const T*>(summed.rows[d]) + t * width)[i];
-#pragma unroll
-          for (int j = 0; j < V; ++j) sum[j] += ToFloat(v.v[j]);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < V; ++j) acc[j] = sum[j];
-    }
     Vec<T, V> o;
 #pragma unroll
     for (int j = 0; j < V; ++j) o.v[j] = FromFloat<T>(acc[j]);
@@ -118,8 +99,8 @@ __global__ void CombineRowsKernel(const T* row_values, const int32_t* row_of_pai
 
 // d_weights[pair] = <g, h> is summed in one fixed order (deterministic): "summation thread" t of 256 adds the
 // products of vectors t, t + 256, ... of the row in sequence, each group of 32 summation threads is reduced by a
-// butterfly, and the 8 group sums are added in group order. This is the order of the one-block-per-row kernel
-// this one replaced, so d_weights is bitwise unchanged by the warp-per-row mapping below.
+// butterfly, and the 8 group sums are added in group order: the order of a 256-thread block per row, kept by the
+// warp-per-row mapping below so that d_weights does not depend on how rows are mapped to threads.
 constexpr int kSumThreads = 256;
 constexpr int kSumGroups = kSumThreads / 32;
 
@@ -274,49 +255,18 @@ Status SwigluForward(Dtype dtype, void* gate_up, void* h, const int32_t* expert_
   });
 }
 
-namespace {
-
-template <bool kSum>
-Status LaunchCombineRows(Dtype dtype, const void* row_values, const int32_t* row_of_pair, const float* weights,
-                         int64_t tokens, int64_t top_k, int64_t width, const SummedBlocks& summed, void* out,
-                         cudaStream_t stream) {
+Status CombineRows(Dtype dtype, const void* row_values, const int32_t* row_of_pair, const float* weights,
+                   int64_t tokens, int64_t top_k, int64_t width, void* out, cudaStream_t stream) {
   if (tokens == 0) return {};
   return WithType(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     return WithVectorWidth<T>(width, [&](auto v) {
       constexpr int V = decltype(v)::value;
-      CombineRowsKernel<T, V, kSum><<<tokens, 128, 0, stream>>>(static_cast<const T*>(row_values), row_of_pair,
-                                                                weights, static_cast<int>(top_k), width, summed,
-                                                                static_cast<T*>(out));
+      CombineRowsKernel<T, V><<<tokens, 128, 0, stream>>>(static_cast<const T*>(row_values), row_of_pair, weights,
+                                                          static_cast<int>(top_k), width, static_cast<T*>(out));
       return LaunchStatus("combine rows");
     });
   });
-}
-
-}  // namespace
-
-Status CombineRows(Dtype dtype, const void* row_values, const int32_t* row_of_pair, const float* weights,
-                   int64_t tokens, int64_t top_k, int64_t width, void* out, cudaStream_t stream) {
-  return LaunchCombineRows<false>(dtype, row_values, row_of_pair, weights, tokens, top_k, width, SummedBlocks{}, out,
-                                  stream);
-}
-
-Status CombineRowsIntoSum(Dtype dtype, const void* row_values, const int32_t* row_of_pair, const float* weights,
-                          int64_t tokens, int64_t top_k, int64_t width, const SummedBlocks& summed, void* out,
-                          cudaStream_t stream) {
-  if (summed.count < 1 || summed.count > SummedBlocks::kMaxParts || summed.own < 0 || summed.own >= summed.count) {
-    return "CombineRowsIntoSum needs 1 to 8 parts, one of them the combined rows";
-  }
-  return LaunchCombineRows<true>(dtype, row_values, row_of_pair, weights, tokens, top_k, width, summed, out, stream);
-}
-
-Status SumBlocks(Dtype dtype, const SummedBlocks& summed, int64_t tokens, int64_t width, void* out,
-                 cudaStream_t stream) {
-  if (summed.count < 1 || summed.count > SummedBlocks::kMaxParts || summed.own != SummedBlocks::kNoCombinedPart) {
-    return "SumBlocks needs 1 to 8 parts and no combined one";
-  }
-  // No pairs to combine: top_k 0, and no part is the combined rows.
-  return LaunchCombineRows<true>(dtype, nullptr, nullptr, nullptr, tokens, 0, width, summed, out, stream);
 }
 
 Status SwigluBackward(Dtype dtype, const void* gate_up, const void* g, const float* weights,

@@ -2,8 +2,8 @@
 // offsets read off the sorted keys. No atomics, no host synchronisation; dropped ids sort last.
 #include <cub/device/device_radix_sort.cuh>
 
-#include "jmm/kernel_module.cuh"
-#include "jmm/moe_cuda.h"
+#include "kernels/kernel_module.cuh"
+#include "kernels/moe_kernels.h"
 
 namespace jmm::cuda {
 namespace {

@@ -1,4 +1,5 @@
-// Shared by every FFI handler: the XLA FFI API, dimension helpers and error formatting.
+// Shared by every FFI handler (CPU and CUDA): the XLA FFI API, error formatting and the shape checks of the MoE ops'
+// buffers (contract in targets.h).
 #pragma once
 
 #include <cstdint>

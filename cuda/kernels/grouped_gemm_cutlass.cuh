@@ -17,7 +17,7 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
-#include "jmm/moe_cuda.h"
+#include "kernels/moe_kernels.h"
 
 namespace jmm::cuda::cutlass_gemm {
 
@@ -25,7 +25,7 @@ using Bf16 = cutlass::bfloat16_t;
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 using GroupShape = ProblemShape::UnderlyingProblemShape;
 
-// Which operand of the group comes from where (see moe_cuda.h):
+// Which operand of the group comes from where (see moe_kernels.h):
 //   kRows:   d[rows of e] = a[rows of e] @ B_e          (M = rows of e, contraction over the fixed k)
 //   kWeight: d_e = a[rows of e]^T @ b[rows of e]        (M, N fixed, contraction over the rows of e)
 enum class Grouping { kRows, kWeight };
@@ -40,7 +40,7 @@ using EpilogueFor = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignment, Bf16, LayoutD*,
     kAlignment, EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Bf16, float, void, float>>::CollectiveOp;
 
-// Tile configurations (GemmTiles in moe_cuda.h): CTA tile, cluster, kernel and epilogue schedule, with the
+// Tile configurations (GemmTiles in moe_kernels.h): CTA tile, cluster, kernel and epilogue schedule, with the
 // epilogue's shared memory size as a constant of this class (computed inside the GEMM template below instead,
 // nvcc's host pass emits the expanded builder type, which g++ rejects).
 //
@@ -56,22 +56,17 @@ struct TilesOf {
   static constexpr int kEpilogueSmemBytes = static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage));
 };
 
-// Cooperative: both consumer warp groups on one tile. Pingpong: each consumer warp group on its own tile, one's
-// epilogue overlapping the other's mainloop.
+// Cooperative: both consumer warp groups on one tile.
 template <int kM, int kN, int kClusterM>
 using CooperativeTiles = TilesOf<kM, kN, kClusterM, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
                                  cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-template <int kM, int kN, int kClusterM>
-using PingpongTiles = TilesOf<kM, kN, kClusterM, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                              cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
 
-// 128 x 256 x 64 with a 2 x 1 cluster: the weight GEMMs' tiles.
+// 128 x 256 x 64 with a 2 x 1 cluster: the weight GEMMs' tiles (their groups are whole experts, so the cluster
+// pads nothing there).
 using TilesCooperative128x256Cluster2 = CooperativeTiles<128, 256, 2>;
-// The same without the cluster: no weight multicast, no cluster padding of the row tiles; the row GEMMs'
-// default (measured 4-12% faster at q30 and q30s on an H200, RESULTS.md 2026-11-29).
+// The same without the cluster: the row GEMMs' tiles (GemmTiles::kCooperative128x256). Without the cluster no row
+// tile is padding; on an H200 that saves more than the weight multicast gains, at every MoE size measured.
 using TilesCooperative128x256Cluster1 = CooperativeTiles<128, 256, 1>;
-// 64-row tiles and no cluster: the finest row granularity, for few rows per expert.
-using TilesPingpong64x256Cluster1 = PingpongTiles<64, 256, 1>;
 
 template <class Tiles, class LayoutA, class LayoutB>
 struct Bf16GroupedGemm {

@@ -1,4 +1,5 @@
-// Host entry points of the CUDA MoE kernels (cuda/kernels/*.cu), called by cuda/ffi/moe_cuda.cc.
+// Host entry points of the CUDA MoE kernels (cuda/kernels/*.cu), called by the FFI handlers (cuda/ffi/moe_cuda.cc)
+// and by plain CUDA programs alike: nothing here depends on XLA.
 //
 // Every function only enqueues work on `stream`: no host synchronisation, no device allocation (temporary
 // memory comes from `Scratch`, which the FFI handler carves out of the workspace XLA allocated for the call,
@@ -45,7 +46,13 @@ inline Status LaunchStatus(const char* what) {
   return {};
 }
 
-// Stable sort of the pairs by expert id (dropped ids last); see handlers.h for the three outputs.
+// Bytes of one element of `dtype`.
+inline size_t ElementBytes(Dtype dtype) { return dtype == Dtype::kBFloat16 ? 2 : 4; }
+
+// Stable sort of the pairs by expert id (dropped ids last), written as three arrays:
+//   row_of_pair [num_pairs]       sorted row of pair p, or -1 when its id is outside [0, num_experts)
+//   pair_of_row [num_pairs]       pair held by sorted row r, or -1 for r >= expert_offsets[num_experts]
+//   expert_offsets [num_experts+1] rows of expert e are [offsets[e], offsets[e+1]); stable in pair order
 Status SortPairsByExpert(const int32_t* experts, int64_t num_pairs, int64_t num_experts,
                          int32_t* row_of_pair, int32_t* pair_of_row, int32_t* expert_offsets,
                          const Scratch& scratch, cudaStream_t stream);
@@ -63,26 +70,6 @@ Status SwigluForward(Dtype dtype, void* gate_up, void* h, const int32_t* expert_
 Status CombineRows(Dtype dtype, const void* row_values, const int32_t* row_of_pair, const float* weights,
                    int64_t tokens, int64_t top_k, int64_t width, void* out, cudaStream_t stream);
 
-// The parts that CombineRowsIntoSum and SumBlocks add up, in order: rows[d] ([tokens, width] of the dtype) for every
-// d but `own`, whose part is the combined rows (CombineRowsIntoSum; SumBlocks has none).
-struct SummedBlocks {
-  static constexpr int kMaxParts = 8;
-  static constexpr int kNoCombinedPart = -1;
-  const void* rows[kMaxParts] = {};
-  int count = 0, own = kNoCombinedPart;
-};
-
-// out[t] = round(sum_d part_d[t]) accumulated in float32 from zero in order d, where part_own[t] is CombineRows'
-// row t (rounded to the dtype) and part_d[t] = summed.rows[d][t]: the combine of one source's tokens and the sum of
-// every source's results per token (the nvlink transport's rows.sum_blocks, bit for bit) in one pass.
-Status CombineRowsIntoSum(Dtype dtype, const void* row_values, const int32_t* row_of_pair, const float* weights,
-                          int64_t tokens, int64_t top_k, int64_t width, const SummedBlocks& summed, void* out,
-                          cudaStream_t stream);
-
-// out[t] = round(sum_d summed.rows[d][t]) accumulated in float32 from zero in order d (rows.sum_blocks, bit for bit).
-Status SumBlocks(Dtype dtype, const SummedBlocks& summed, int64_t tokens, int64_t width, void* out,
-                 cudaStream_t stream);
-
 // The SwiGLU backward of kept rows, given g = dy @ W_down^T (row r in row order), with h = round(silu(zg) * zu):
 //   weighted_h = round(w * h); d_weights[pair] = <g, h>; dz = round(w * g * d(silu(zg) * zu)).
 // weighted_h feeds d_W_down = weighted_h^T dy, so no copy of w * dy is needed; it may be written over g (the
@@ -99,18 +86,23 @@ Status ZeroEmptyExperts(Dtype dtype, const int32_t* expert_offsets, int64_t num_
 // Tensor-core (CUTLASS sm90) grouped GEMMs need bf16 and 16-byte aligned rows; otherwise the SIMT path.
 bool UseTensorCores(Dtype dtype, int64_t hidden, int64_t intermediate);
 
-// Tile configurations of the tensor-core row-grouped GEMMs (see grouped_gemm_cutlass_cuda.h), each built for
-// both B layouts and chosen per GEMM at run time (JMM_GEMM_TILES; the defaults are in jmm/gemm_tiles.h). The
-// SIMT path ignores the choice.
-enum class GemmTiles {
-  kCooperative128x256Cluster2,  // cooperative 128 x 256 x 64, 2 x 1 cluster (the weight GEMMs' tiles too)
-  kCooperative128x256Cluster1,  // the same without the cluster (no cluster padding of row tiles)
-  kPingpong64x256Cluster1,      // pingpong, 64-row tiles, no cluster
+// Tile configurations of the tensor-core row-grouped GEMMs (grouped_gemm_cutlass.cuh), each built for both B
+// layouts. The values travel as int64 FFI attributes (jax_megamoe/ops/gemm_config.py's GemmTiles mirrors them), so
+// they are explicit and never renumbered. The SIMT path ignores the choice. The weight-gradient GEMMs always use
+// cooperative 128 x 256 tiles with a 2 x 1 cluster.
+enum class GemmTiles : int64_t {
+  kCooperative128x256 = 0,  // cooperative 128 x 256 x 64, no cluster
 };
+
+// Whether `value` names a GemmTiles configuration built into this library.
+inline bool GemmTilesBuilt(int64_t value) { return value == static_cast<int64_t>(GemmTiles::kCooperative128x256); }
+
+// The built values and what they are, for error messages.
+inline std::string AcceptedGemmTiles() { return "0 (cooperative 128x256, no cluster)"; }
 
 // Row-grouped GEMM: d[rows of e] = a[rows of e] @ B_e, a [rows, k], d [rows, n].
 // B_e = b + e*k*n holds [k, n] row-major, or [n, k] row-major when `b_transposed`. `tiles` picks the CUTLASS
-// instantiation (an error if it is not built for this layout).
+// instantiation (an error if it is not built).
 Status RowsGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, void* d,
                 const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t n, int64_t k,
                 bool b_transposed, GemmTiles tiles, const Scratch& scratch, cudaStream_t stream);
@@ -121,9 +113,8 @@ Status WeightGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, 
                   const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t m, int64_t n,
                   const Scratch& scratch, cudaStream_t stream);
 
-// The CUTLASS instantiations behind RowsGemm / WeightGemm for bf16, one per .cu (grouped_gemm_*.cu): NN has
-// row-major B_e, NT transposed B_e; the unsuffixed ones use GemmTiles::kCooperative128x256Cluster2, the others
-// the tiles named.
+// The CUTLASS instantiations behind RowsGemm / WeightGemm for bf16, one per .cu (grouped_gemm_{nn,nt,tn}.cu): NN
+// has row-major B_e, NT transposed B_e, both with GemmTiles::kCooperative128x256; TN is the weight GEMM.
 namespace cutlass_gemm {
 // Bounds of the two Scratch requests of one instantiation, checked by it at run time: its group arrays (7
 // arrays of one element per expert, an element at most kMaxGroupArrayElement bytes, each array rounded up
@@ -136,20 +127,8 @@ inline size_t CutlassWorkspaceBound(int sm_count) { return 1024 * static_cast<si
 
 Status RowsGemmNN(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
                   int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream);
-Status RowsGemmNNCooperative128x256Cluster1(const void* a, const void* b, void* d, const int32_t* offsets,
-                                            int64_t num_experts, int64_t n, int64_t k, const Scratch& scratch,
-                                            cudaStream_t stream);
-Status RowsGemmNNPingpong64x256Cluster1(const void* a, const void* b, void* d, const int32_t* offsets,
-                                        int64_t num_experts, int64_t n, int64_t k, const Scratch& scratch,
-                                        cudaStream_t stream);
 Status RowsGemmNT(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
                   int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream);
-Status RowsGemmNTCooperative128x256Cluster1(const void* a, const void* b, void* d, const int32_t* offsets,
-                                            int64_t num_experts, int64_t n, int64_t k, const Scratch& scratch,
-                                            cudaStream_t stream);
-Status RowsGemmNTPingpong64x256Cluster1(const void* a, const void* b, void* d, const int32_t* offsets,
-                                        int64_t num_experts, int64_t n, int64_t k, const Scratch& scratch,
-                                        cudaStream_t stream);
 Status WeightGemmTN(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
                     int64_t m, int64_t n, const Scratch& scratch, cudaStream_t stream);
 }  // namespace cutlass_gemm

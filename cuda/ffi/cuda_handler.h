@@ -1,16 +1,14 @@
-// What the CUDA FFI handlers share (cuda/ffi/moe_cuda.cc, cuda/ffi/nvlink_forward_cuda.cc): errors, reading the
-// dtype and the GEMM tiles, and handing out the trailing workspace result XLA allocates for a call's temporaries
-// (so that a handler allocates nothing itself; jmm/moe_host.h sizes it).
+// What the CUDA FFI handlers share (cuda/ffi/moe_cuda.cc, the nvlink transport's handlers): errors, reading the
+// dtype and the GEMM tiles attributes, and handing out the trailing workspace result XLA allocates for a call's
+// temporaries (so that a handler allocates nothing itself and XLA may capture it into a CUDA graph).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include <string_view>
 
-#include "jmm/ffi_common.h"
-#include "jmm/gemm_tiles.h"
-#include "jmm/moe_cuda.h"
+#include "ffi/ffi_common.h"
+#include "kernels/moe_kernels.h"
 
 namespace jmm {
 
@@ -19,11 +17,11 @@ inline ffi::Error Internal(const std::string& stage, const std::string& message)
 }
 
 // Returns Internal(stage, status) from the calling handler when a kernel entry point reports an error.
-#define JMM_CUDA_TRY(stage, expr)                          \
-  do {                                                     \
+#define JMM_CUDA_TRY(stage, expr)                                 \
+  do {                                                            \
     if (::jmm::cuda::Status status_ = (expr); !status_.empty()) { \
-      return ::jmm::Internal(stage, status_);              \
-    }                                                      \
+      return ::jmm::Internal(stage, status_);                     \
+    }                                                             \
   } while (0)
 
 using Workspace = ffi::Result<ffi::Buffer<ffi::U8>>;
@@ -65,14 +63,15 @@ inline ffi::Error ReadDtype(ffi::DataType type, cuda::Dtype* dtype) {
   }
 }
 
-inline ffi::Error ReadGemmTiles(std::string_view spec, RowsGemmTiles* tiles) {
-  const std::string value(spec);  // empty: JMM_GEMM_TILES was unset, the defaults
-  if (std::string err = ParseGemmTiles(value.empty() ? nullptr : value.c_str(), tiles); !err.empty()) {
-    return InvalidArgument(err);
+// Reads the int64 attribute `attribute` (e.g. "fwd_gate_up_tiles") as a built GemmTiles value.
+inline ffi::Error ReadGemmTiles(const char* attribute, int64_t value, cuda::GemmTiles* tiles) {
+  if (!cuda::GemmTilesBuilt(value)) {
+    return InvalidArgument(std::string(attribute) + " = " + std::to_string(value) +
+                           " is not a GEMM tile configuration built into this extension; accepted: " +
+                           cuda::AcceptedGemmTiles());
   }
+  *tiles = static_cast<cuda::GemmTiles>(value);
   return ffi::Error::Success();
 }
-
-inline size_t ElementBytes(cuda::Dtype dtype) { return dtype == cuda::Dtype::kBFloat16 ? 2 : 4; }
 
 }  // namespace jmm

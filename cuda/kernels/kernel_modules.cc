@@ -1,7 +1,7 @@
-// LoadAllKernels (jmm/kernel_modules.h): each registered module is a CUDA library (the runtime registers every
+// LoadAllKernels (kernel_modules.h): each registered module is a CUDA library (the runtime registers every
 // .cu file's fatbinary as one); the functions of its module in the current device's context are enumerated, which
 // does not load them, and loaded through driver entry points, which the runtime API lacks.
-#include "jmm/kernel_modules.h"
+#include "kernels/kernel_modules.h"
 
 #include <cuda.h>
 #include <cuda_runtime.h>

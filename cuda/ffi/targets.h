@@ -1,6 +1,6 @@
-// Every FFI handler symbol the extension exports; module.cc turns them into the registration table.
+// Every FFI handler symbol of the extension; registrations.cc maps each target name to the symbol of the same name.
 //
-// The op contract (identical on every platform, see jax_megamoe/ops/moe.py):
+// The MoE op contract (identical on every platform; the Python side: jax_megamoe/ops/moe.py, jax_megamoe/_targets.py):
 //   moe_layout(experts [T,K] s32; attr num_experts) ->
 //       row_of_pair [T*K] s32    sorted row of pair p = t*K + k, or -1 when its id is outside [0, E)
 //       pair_of_row [T*K] s32    pair held by sorted row r, or -1 for r >= expert_offsets[E]
@@ -12,26 +12,32 @@
 //   first: XLA drops the second, whose y nothing reads there)
 //   moe_backward(dy [T,H], x, weights, w_gate_up, w_down, gate_up, row_of_pair, pair_of_row,
 //                expert_offsets) -> dx [T,H], d_weights [T,K] (weights' dtype), d_w_gate_up, d_w_down
-// The CUDA handlers return one more result, last: workspace [bytes] u8, their temporaries (sized by
-// jmm/moe_host.h; its contents are garbage), which lets XLA capture them into CUDA graphs. The CUDA gate_up,
-// down and backward calls also take the string attribute gemm_tiles (grammar in jmm/gemm_tiles.h). The CUDA backward
-// returns dz [T*K, 2I] before the workspace, the gradient of gate_up (garbage to the caller), which the
-// caller aliases to the gate_up operand: dz is written over gate_up, its last reader being the backward.
+// The CUDA handlers return one more result, last: workspace [bytes] u8, their temporaries (sized by the
+// `<target>_workspace_bytes` queries of extension.h; its contents are garbage), which lets XLA capture them into
+// CUDA graphs. The CUDA gate_up, down and backward take the GEMM tiles of their row-grouped GEMMs as int64
+// attributes holding cuda::GemmTiles values (kernels/moe_kernels.h): gate_up fwd_gate_up_tiles, down
+// fwd_down_tiles, backward bwd_down_tiles and bwd_gate_up_tiles. The CUDA backward returns dz [T*K, 2I] before the
+// workspace, the gradient of gate_up (garbage to the caller), which the caller aliases to the gate_up operand: dz
+// is written over gate_up, its last reader being the backward.
 #pragma once
 
 #include "xla/ffi/api/ffi.h"
 
+// cuda/ffi/moe_cpu.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cpu_moe_layout);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cpu_moe_gate_up);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cpu_moe_down);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cpu_moe_backward);
 
 #ifdef JMM_WITH_CUDA
+// cuda/ffi/moe_cuda.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_layout);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_gate_up);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_down);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_backward);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_exchange);  // contract: jmm/nvlink_cuda.h
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_forward);  // contract: cuda/ffi/nvlink_forward_cuda.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_backward);  // contract: cuda/ffi/nvlink_backward_cuda.cc
+// The nvlink transport, cuda/nvlink/
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_exchange);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_gate_up);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_down);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_backward);
 #endif
