@@ -1,285 +1,352 @@
-// The FFI handler `jmm_cuda_nvlink_moe_forward`: stage 2's overlapped forward of the nvlink transport
-// (docs/nvlink_design.md, "Stage 2, first step"). One call per shard does what stage 1 does with an exchange of the
-// token rows, `moe_forward` on the received rows and the reverse exchange of their results, with the same results bit
-// for bit, but moves the rows and the results by the copy engines and gathers the peers' rows beside the expert GEMM:
-//
-//   XLA's stream S ─ fork ───────────────────────────────────────────────────────────────────── wait(join) ─▶
-//     S:  gather own rows ─ gate_up GEMM: own groups at once, each peer group waits for its rows ─ SwiGLU ─ down
-//         GEMM of the peers' rows ─ combine the peers' tokens ─ fork ─ down GEMM of the own rows ─ combine the own
-//         tokens into `returned`'s own block
-//     S2: wait: peers released my push slots ─ DMA my block d into peer d's push slot, stream-write `pushed` there ─
-//         wait: every peer's rows pushed here ─ gather them group by group in the GEMM's order (one block on each of
-//         the 16 SMs the GEMM leaves), counting each group's finished warps ─ DMA them into recv_x (the backward's
-//         operand) ─ stream-write `released` into each peer ─ (after the second fork) the same protocol on the peers'
-//         results: push result block d back to peer d, wait for the peers', DMA them into `returned` ─ join
-//
-// Both transfers are stage 2's push protocol (jmm/nvlink_push.h), one push call each: the copy engines move the
-// blocks, stream writes of the call count f signal them, and the waits are bounded. The results' push overlaps the
-// own rows' down GEMM. Both down GEMMs use one fixed tile configuration (the gated kernel's, 128 x 256 cooperative),
-// not JMM_GEMM_TILES. The results of received rows past the live ones are zero (they have no pairs), as the reverse
-// exchange's fill. A push moves a whole block (C rows; its size is fixed on the host): the rows past the live ones
-// are dispatch_rows' zero fill, so recv_x equals the exchange's, fill included.
-// `send` may also be one block, x itself, for every destination (an uncompacted plan, C = T): the rows of tokens not
-// sent to a destination then carry data there, but no pair reads them, so their results are zero all the same.
-// `returned` is then one block too, the results summed per token over the sources (rows.sum_blocks): S waits for the
-// peers' result blocks after the own rows' down GEMM (join), combines the own tokens and adds the peers' blocks
-// straight from the push slots in one pass (CombineRowsIntoSum), and only then does S2 release the slots (resume).
-// The per-group counters live in the call's own workspace result, zeroed on S before the fork: nothing outside
-// this call reads or writes them, so they need no epochs. The gate_up GEMM runs on all SMs but kSideSMs; its waits
-// only lag when the side stream's do, and trap after the same bound.
-// Emulated workspaces run every shard of the call: S2 holds all pushes, then each shard's wait, gather and release;
-// S the shards' expert work one after another. S2 waits for S only to release push slots that S has read, after S
-// has waited for every push of the call, so this cannot deadlock, and the GEMMs wait.
-#include <cuda_runtime.h>
+// The fused calls of the nvlink transport (contract, streams and block layouts in nvlink/fused.h).
+#include "nvlink/fused.h"
 
 #include <string>
 #include <vector>
 
-#include "jmm/cuda_handler.h"
-#include "jmm/handlers.h"
-#include "jmm/moe_host.h"
-#include "jmm/nvlink_forward.h"
-#include "jmm/nvlink_push.h"
-#include "jmm/nvlink_workspace.h"
+#include "ffi/extension.h"
+#include "kernels/moe_backward.h"
+#include "nvlink/kernels.h"
+#include "nvlink/push.h"
 
-namespace jmm {
-
+namespace jmm::nvlink {
 namespace {
 
-// SMs left free of the GEMM for the side gather: at EP = 2, q30, 16 was the fastest of 4-32 (stage2_forward_bench,
-// 2026-11-30, docs/nvlink_design.md). The gather's blocks each fill an SM, so it takes exactly these.
-constexpr int kSideSMs = 16;
+using cuda::ScratchFootprint;
 
-// The sum of the results takes one part per source (CombineRowsIntoSum).
-static_assert(cuda::SummedBlocks::kMaxParts >= nvlink::kMaxRanks);
+// The sum of the results takes one part per source.
+static_assert(SummedBlocks::kMaxParts >= kMaxRanks);
 
-size_t ShardWorkspaceBytes(int64_t tokens, int64_t rows, int64_t hidden, int64_t intermediate, int64_t groups) {
-  return cuda::ScratchFootprint(groups * sizeof(uint64_t)) + cuda::ScratchFootprint(tokens * hidden * 2) +
-         cuda::ScratchFootprint(rows * hidden * 2) +
-         cuda::ScratchFootprint(rows * intermediate * 2) +
-         3 * cuda::SourceGroupsGemmScratchBytes(groups);  // gated gate_up, then the peers' and the own down GEMM
-}
+// Hands out one shard's workspace bytes front to back (XLA's buffers are 256-byte aligned, and so is every piece).
+class ScratchCursor {
+ public:
+  ScratchCursor(uint8_t* begin, size_t bytes) : next_(begin), end_(begin + bytes) {}
+  cuda::Scratch scratch() {
+    return [this](size_t bytes) -> void* {
+      const size_t take = ScratchFootprint(bytes);
+      if (take > static_cast<size_t>(end_ - next_)) return nullptr;
+      void* piece = next_;
+      next_ += take;
+      return piece;
+    };
+  }
+
+ private:
+  uint8_t* next_;
+  uint8_t* end_;
+};
+
+// Prefixes a failed step's message with what the step was.
+Status Step(const char* what, Status status) { return status.empty() ? status : std::string(what) + ": " + status; }
 
 }  // namespace
 
-size_t NvlinkForwardWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
-                                   int64_t groups) {
-  return ShardWorkspaceBytes(tokens, tokens * top_k, hidden, intermediate, groups);
+size_t GateUpWorkspaceBytes(const FusedDims& d) {
+  // The group counters, the gathered rows, the gated GEMM's arguments.
+  return ScratchFootprint(d.groups() * sizeof(uint64_t)) + ScratchFootprint(d.rows() * d.hidden * 2) +
+         SourceGroupsGemmScratchBytes(d.groups());
 }
 
-namespace nvlink {
-namespace {
+size_t DownWorkspaceBytes(const FusedDims& d) {
+  // h, the rows' results, each received token's result summed over its pairs (the blocks that go back), and the
+  // peers' and the own down GEMM's arguments.
+  return ScratchFootprint(d.rows() * d.intermediate * 2) + ScratchFootprint(d.rows() * d.hidden * 2) +
+         ScratchFootprint(d.tokens() * d.hidden * 2) + 2 * SourceGroupsGemmScratchBytes(d.groups());
+}
 
-ffi::Error Invalid(const std::string& message) { return InvalidArgument("nvlink overlapped forward: " + message); }
+size_t BackwardWorkspaceBytes(const FusedDims& d) {
+  // dx [tokens, H] first, then the moe_ffn backward's own temporaries.
+  return ScratchFootprint(d.tokens() * d.hidden * 2) +
+         cuda::MoeBackward::ScratchBytes(Dtype::kBFloat16, d.tokens(), d.top_k, d.hidden, d.intermediate, d.experts);
+}
 
-// One shard's operands and results.
-struct ShardCall {
-  const char* send;      // block d at send + d * send_stride
-  int64_t send_stride;   // 0 when one block goes to every destination
-  const float* weights;
-  const char *w_gate_up, *w_down;
-  const int32_t *row_of_pair, *pair_of_row, *source_offsets, *expert_offsets;
-  char *recv_x, *returned, *gate_up;
-  uint8_t* scratch;
-};
-
-ffi::Error NvlinkMoeForward(cudaStream_t stream, int32_t device, ffi::AnyBuffer send,
-                            ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
-                            ffi::Buffer<ffi::S32> row_of_pair, ffi::Buffer<ffi::S32> pair_of_row,
-                            ffi::Buffer<ffi::S32> source_offsets, ffi::Buffer<ffi::S32> expert_offsets,
-                            ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> returned,
-                            ffi::Result<ffi::AnyBuffer> gate_up, ffi::Result<ffi::Buffer<ffi::U8>> scratch,
-                            int64_t workspace_id) {
-  OverlappedShape shape;
-  if (auto err = ReadOverlappedShape(workspace_id, device, send, weights, w_gate_up, w_down,
-                                     "nvlink overlapped forward", "send", /*one_block_allowed=*/true, &shape);
-      err.failure()) {
-    return err;
-  }
-  const int ep = shape.ep, shards = shape.shards;
-  const int64_t capacity = shape.capacity, H = shape.hidden, K = shape.top_k, E = shape.experts;
-  const int64_t I = shape.intermediate, tokens = shape.tokens(), rows = shape.rows(), groups = ep * E;
-  if (row_of_pair.element_count() != static_cast<size_t>(shards * rows) ||
-      pair_of_row.element_count() != static_cast<size_t>(shards * rows) ||
-      source_offsets.element_count() != static_cast<size_t>(shards * (groups + 1)) ||
-      expert_offsets.element_count() != static_cast<size_t>(shards * (E + 1)) ||
-      returned->size_bytes() != send.size_bytes() ||
-      send.size_bytes() * (shape.one_block ? ep : 1) != recv_x->size_bytes() ||
-      gate_up->element_count() != static_cast<size_t>(shards * rows * 2 * I)) {
-    return Invalid("the layout or result shapes disagree with send [ep or 1, C, H] (returned: the same) and "
-                   "weights [ep*C, K]");
-  }
-  const size_t shard_bytes = ShardWorkspaceBytes(tokens, rows, H, I, groups);
-  if (scratch->element_count() < shards * shard_bytes) {
-    return Invalid("the workspace result holds " + std::to_string(scratch->element_count()) + " bytes, the call needs " +
-                   std::to_string(shards * shard_bytes));
-  }
-  if (send.size_bytes() == 0) return ffi::Error::Success();
-
-  const int64_t block = capacity * H * 2, send_stride = shape.one_block ? 0 : block;
-  std::vector<ShardCall> calls(shards);
-  for (int i = 0; i < shards; ++i) {
-    calls[i] = ShardCall{static_cast<const char*>(send.untyped_data()) + i * (shape.one_block ? 1 : ep) * block,
-                         send_stride,
-                         static_cast<const float*>(weights.untyped_data()) + i * tokens * K,
-                         static_cast<const char*>(w_gate_up.untyped_data()) + i * E * H * 2 * I * 2,
-                         static_cast<const char*>(w_down.untyped_data()) + i * E * I * H * 2,
-                         row_of_pair.typed_data() + i * rows,
-                         pair_of_row.typed_data() + i * rows,
-                         source_offsets.typed_data() + i * (groups + 1),
-                         expert_offsets.typed_data() + i * (E + 1),
-                         static_cast<char*>(recv_x->untyped_data()) + i * ep * block,
-                         static_cast<char*>(returned->untyped_data()) + i * (shape.one_block ? 1 : ep) * block,
-                         static_cast<char*>(gate_up->untyped_data()) + i * rows * 2 * I * 2,
-                         scratch->typed_data() + i * shard_bytes};
-  }
-
-  DeviceGuard guard;
-  if (cudaSetDevice(device) != cudaSuccess) return Invalid("cannot select GPU " + std::to_string(device));
+Status FusedGateUp(const ShardSet& shards, const FusedDims& d, const std::vector<GateUpShard>& calls,
+                   cudaStream_t stream) {
+  const int ep = d.ep;
+  const int64_t H = d.hidden, K = d.top_k, E = d.experts, block = d.block_bytes();
+  const int64_t stride = d.one_block ? 0 : block;
+  std::vector<ScratchCursor> cursors;
+  cursors.reserve(shards.count);
+  std::vector<uint64_t*> group_counters(shards.count);
+  std::vector<void*> x_perms(shards.count);
   // Each shard's temporaries, and its per-group counters zeroed before the side stream forks off.
-  std::vector<WorkspaceCursor> cursors;
-  std::vector<uint64_t*> group_counters(shards);
-  std::vector<void*> x_perms(shards), hs(shards);
-  std::vector<char*> ys(shards);  // each received token's result, summed over its pairs: the blocks that go back
-  cursors.reserve(shards);
-  for (int i = 0; i < shards; ++i) {
-    cursors.emplace_back(calls[i].scratch, shard_bytes);
-    cuda::Scratch alloc = cursors[i].scratch();
-    group_counters[i] = static_cast<uint64_t*>(alloc(groups * sizeof(uint64_t)));
-    x_perms[i] = alloc(rows * H * 2);
-    hs[i] = alloc(rows * I * 2);
-    ys[i] = static_cast<char*>(alloc(tokens * H * 2));
-    if (group_counters[i] == nullptr || x_perms[i] == nullptr || hs[i] == nullptr || ys[i] == nullptr) {
-      return Internal("nvlink forward", "out of scratch memory");
-    }
-    if (cudaMemsetAsync(group_counters[i], 0, groups * sizeof(uint64_t), stream) != cudaSuccess) {
-      return Internal("nvlink forward", "cannot zero the group counters");
-    }
+  if (Status status = shards.ForEach([&](int i) -> Status {
+        cursors.emplace_back(calls[i].workspace, GateUpWorkspaceBytes(d));
+        cuda::Scratch alloc = cursors[i].scratch();
+        group_counters[i] = static_cast<uint64_t*>(alloc(d.groups() * sizeof(uint64_t)));
+        x_perms[i] = alloc(d.rows() * H * 2);
+        if (group_counters[i] == nullptr || x_perms[i] == nullptr) return "out of workspace memory";
+        if (cudaMemsetAsync(group_counters[i], 0, d.groups() * sizeof(uint64_t), stream) != cudaSuccess) {
+          return "cannot zero the group counters";
+        }
+        return {};
+      });
+      !status.empty()) {
+    return status;
   }
-  PushCall push(*shape.workspace, *shape.group, shape.first_rank, shards, block, "nvlink forward rows");
-  if (auto err = push.Fork(stream); err.failure()) return err;
   // Side stream: every shard's push, then each shard's wait for its peers' rows, their gather for the GEMM, their
   // copy into recv_x (the backward's operand) and their release.
-  for (int i = 0; i < shards; ++i) {
-    if (auto err = push.Push(i, calls[i].send, calls[i].send_stride); err.failure()) return err;
+  PushCall push(shards, block, "the rows' push");
+  if (Status status = push.Start(stream, [&](int i) { return calls[i].blocks; }, stride); !status.empty()) {
+    return status;
   }
-  for (int i = 0; i < shards; ++i) {
-    if (auto err = push.AwaitPushes(i); err.failure()) return err;
-    if (auto err = push.GatherPeerRows(i, H, K, calls[i].pair_of_row, calls[i].source_offsets, E, x_perms[i],
-                                       kSideSMs, group_counters[i]);
-        err.failure()) {
-      return err;
-    }
-    if (auto err = push.CopyOutAndRelease(i, calls[i].send + push.rank(i) * calls[i].send_stride, calls[i].recv_x);
-        err.failure()) {
-      return err;
-    }
+  if (Status status = push.Receive(
+          [&](int i) -> Status {
+            const int me = push.rank(i);
+            SourceBlocks slots{};
+            for (int s = 0; s < ep; ++s) slots.rows[s] = s == me ? nullptr : push.Received(i, s);
+            if (Status gather = GatherSourceRows(slots, ((1u << ep) - 1) & ~(1u << me), ep, me, d.capacity, H, K,
+                                                 calls[i].pair_of_row, calls[i].source_offsets, E, x_perms[i],
+                                                 kSideSMs, group_counters[i], push.side());
+                !gather.empty()) {
+              return "gathering the peers' rows: " + gather;
+            }
+            return push.CopyOut(i, calls[i].blocks + me * stride, calls[i].recv_x);
+          },
+          /*release=*/true);
+      !status.empty()) {
+    return status;
   }
+  // XLA's stream: each shard's gate_up GEMM, its own rows first, on the SMs the side gather leaves.
+  if (Status status = shards.ForEach([&](int i) -> Status {
+        const GateUpShard& c = calls[i];
+        const int me = shards.rank(i);
+        cuda::Scratch alloc = cursors[i].scratch();
+        SourceBlocks own{};
+        own.rows[me] = c.blocks + me * stride;
+        if (Status s = Step("own rows' gather", GatherSourceRows(own, 1u << me, ep, me, d.capacity, H, K,
+                                                                 c.pair_of_row, c.source_offsets, E, x_perms[i],
+                                                                 d.sms - kPushSMs, nullptr, stream));
+            !s.empty()) {
+          return s;
+        }
+        return Step("gate_up GEMM", GatedGateUpGemm(x_perms[i], c.w_gate_up, c.gate_up, c.source_offsets, ep, me, E,
+                                                    2 * d.intermediate, H, group_counters[i],
+                                                    GatherArrivalsPerGroup(kSideSMs), shards.workspace->timeout_ns,
+                                                    d.sms - kSideSMs, alloc, stream));
+      });
+      !status.empty()) {
+    return status;
+  }
+  return push.Join(stream);
+}
 
-  // XLA's stream: each shard's expert forward, its own rows first, on the SMs the side stream leaves.
-  const int sm_count = shape.sms - kSideSMs;
-  for (int i = 0; i < shards; ++i) {
-    const ShardCall& c = calls[i];
-    const int me = shape.first_rank + i;
-    cuda::Scratch alloc = cursors[i].scratch();
-    cuda::SourceBlocks own{};
-    own.rows[me] = c.send + me * c.send_stride;
-    JMM_CUDA_TRY("nvlink forward own gather",
-                 cuda::GatherSourceRows(own, 1u << me, ep, me, capacity, H, K, c.pair_of_row, c.source_offsets, E,
-                                        x_perms[i], shape.sms - kPushSMs, nullptr, stream));
-    JMM_CUDA_TRY("nvlink forward gate_up GEMM",
-                 cuda::GatedGateUpGemm(x_perms[i], c.w_gate_up, c.gate_up, c.source_offsets, ep, me, E, 2 * I, H,
-                                       group_counters[i], cuda::GatherArrivalsPerGroup(kSideSMs),
-                                       shape.workspace->timeout_ns, sm_count, alloc, stream));
-    JMM_CUDA_TRY("nvlink forward swiglu", cuda::SwigluForward(cuda::Dtype::kBFloat16, c.gate_up, hs[i],
-                                                              c.expert_offsets, E, rows, I, stream));
-    void* row_out = x_perms[i];  // x_perm is dead after the gate_up GEMM
-    JMM_CUDA_TRY("nvlink forward peers' down GEMM",
-                 cuda::SourceRowsGemm(hs[i], c.w_down, row_out, c.source_offsets, ep, me, E, /*own=*/false, H, I,
-                                      shape.sms, alloc, stream));
-    for (int s = 0; s < ep; ++s) {
-      if (s == me) continue;
-      JMM_CUDA_TRY("nvlink forward combine",
-                   cuda::CombineRows(cuda::Dtype::kBFloat16, row_out, c.row_of_pair + s * capacity * K,
-                                     c.weights + s * capacity * K, capacity, K, H, ys[i] + s * block, stream));
-    }
+Status FusedDown(const ShardSet& shards, const FusedDims& d, const std::vector<DownShard>& calls,
+                 cudaStream_t stream) {
+  const int ep = d.ep;
+  const int64_t C = d.capacity, H = d.hidden, K = d.top_k, E = d.experts, I = d.intermediate, block = d.block_bytes();
+  std::vector<ScratchCursor> cursors;
+  cursors.reserve(shards.count);
+  std::vector<void*> hs(shards.count), row_outs(shards.count);
+  std::vector<char*> ys(shards.count);  // each received token's result, summed over its pairs: the blocks that go back
+  const auto own_pairs = [&](int i) { return calls[i].row_of_pair + shards.rank(i) * C * K; };
+  const auto own_weights = [&](int i) { return calls[i].weights + shards.rank(i) * C * K; };
+  // XLA's stream: each shard's SwiGLU, its peers' rows' down GEMM and their tokens' combine.
+  if (Status status = shards.ForEach([&](int i) -> Status {
+        const DownShard& c = calls[i];
+        const int me = shards.rank(i);
+        cursors.emplace_back(c.workspace, DownWorkspaceBytes(d));
+        cuda::Scratch alloc = cursors[i].scratch();
+        hs[i] = alloc(d.rows() * I * 2);
+        row_outs[i] = alloc(d.rows() * H * 2);
+        ys[i] = static_cast<char*>(alloc(d.tokens() * H * 2));
+        if (hs[i] == nullptr || row_outs[i] == nullptr || ys[i] == nullptr) return "out of workspace memory";
+        if (Status s = Step("swiglu", cuda::SwigluForward(Dtype::kBFloat16, c.gate_up, hs[i], c.expert_offsets, E,
+                                                          d.rows(), I, stream));
+            !s.empty()) {
+          return s;
+        }
+        if (Status s = Step("peers' down GEMM", SourceRowsGemm(hs[i], c.w_down, row_outs[i], c.source_offsets, ep, me,
+                                                               E, /*own=*/false, H, I, d.sms, alloc, stream));
+            !s.empty()) {
+          return s;
+        }
+        for (int s = 0; s < ep; ++s) {
+          if (s == me) continue;
+          if (Status st = Step("peers' combine", cuda::CombineRows(Dtype::kBFloat16, row_outs[i],
+                                                                   c.row_of_pair + s * C * K, c.weights + s * C * K,
+                                                                   C, K, H, ys[i] + s * block, stream));
+              !st.empty()) {
+            return st;
+          }
+        }
+        return {};
+      });
+      !status.empty()) {
+    return status;
   }
   // The peers' results travel back while the own rows' down GEMM runs, on all SMs but the one that the side stream's
   // waits need (kPushSMs).
-  PushCall back(*shape.workspace, *shape.group, shape.first_rank, shards, block, "nvlink forward results");
-  const auto own_down_gemm = [&](int i) -> ffi::Error {
-    const ShardCall& c = calls[i];
+  PushCall push(shards, block, "the results' push");
+  const auto own_down_gemm = [&](int i) -> Status {
     cuda::Scratch alloc = cursors[i].scratch();
-    JMM_CUDA_TRY("nvlink forward own down GEMM",
-                 cuda::SourceRowsGemm(hs[i], c.w_down, x_perms[i], c.source_offsets, ep, back.rank(i), E,
-                                      /*own=*/true, H, I, shape.sms - kPushSMs, alloc, stream));
-    return ffi::Error::Success();
+    return Step("own down GEMM", SourceRowsGemm(hs[i], calls[i].w_down, row_outs[i], calls[i].source_offsets, ep,
+                                                shards.rank(i), E, /*own=*/true, H, I, d.sms - kPushSMs, alloc,
+                                                stream));
   };
-  const auto own_pairs = [&](int i) { return calls[i].row_of_pair + back.rank(i) * capacity * K; };
-  const auto own_weights = [&](int i) { return calls[i].weights + back.rank(i) * capacity * K; };
-  if (!shape.one_block) {
+  if (Status status = push.Start(stream, [&](int i) { return ys[i]; }, block); !status.empty()) return status;
+  if (!d.one_block) {
     // `returned` gets every source's block: the peers' by the side stream, the own combined here.
-    std::vector<const char*> y_blocks(ys.begin(), ys.end()), no_own(shards, nullptr);
-    std::vector<char*> returned_blocks(shards);
-    for (int i = 0; i < shards; ++i) returned_blocks[i] = calls[i].returned;
-    if (auto err = back.PushAndCopyOut(stream, y_blocks, no_own, returned_blocks); err.failure()) return err;
-    for (int i = 0; i < shards; ++i) {
-      if (auto err = own_down_gemm(i); err.failure()) return err;
-      JMM_CUDA_TRY("nvlink forward own combine",
-                   cuda::CombineRows(cuda::Dtype::kBFloat16, x_perms[i], own_pairs(i), own_weights(i), capacity, K, H,
-                                     calls[i].returned + back.rank(i) * block, stream));
+    if (Status status = push.Receive([&](int i) { return push.CopyOut(i, nullptr, calls[i].returned); },
+                                     /*release=*/true);
+        !status.empty()) {
+      return status;
     }
-  } else {
-    // x was every destination's block: `returned` is the results summed per token, which the own combine adds up
-    // straight from the push slots once they are in; then the side stream releases them.
-    if (auto err = back.Fork(stream); err.failure()) return err;
-    for (int i = 0; i < shards; ++i) {
-      if (auto err = back.Push(i, ys[i], block); err.failure()) return err;
+    if (Status status = shards.ForEach([&](int i) -> Status {
+          if (Status s = own_down_gemm(i); !s.empty()) return s;
+          return Step("own combine", cuda::CombineRows(Dtype::kBFloat16, row_outs[i], own_pairs(i), own_weights(i), C,
+                                                       K, H, calls[i].returned + shards.rank(i) * block, stream));
+        });
+        !status.empty()) {
+      return status;
     }
-    for (int i = 0; i < shards; ++i) {
-      if (auto err = back.AwaitPushes(i); err.failure()) return err;
-    }
-    for (int i = 0; i < shards; ++i) {
-      if (auto err = own_down_gemm(i); err.failure()) return err;
-    }
-    if (auto err = back.Join(stream); err.failure()) return err;
-    for (int i = 0; i < shards; ++i) {
-      cuda::SummedBlocks parts;
-      parts.count = ep;
-      parts.own = back.rank(i);
-      for (int s = 0; s < ep; ++s) parts.rows[s] = s == parts.own ? nullptr : back.Received(i, s);
-      JMM_CUDA_TRY("nvlink forward own combine and sum",
-                   cuda::CombineRowsIntoSum(cuda::Dtype::kBFloat16, x_perms[i], own_pairs(i), own_weights(i),
-                                            capacity, K, H, parts, calls[i].returned, stream));
-    }
-    if (auto err = back.Resume(stream); err.failure()) return err;
-    for (int i = 0; i < shards; ++i) {
-      if (auto err = back.Release(i); err.failure()) return err;
-    }
+    return push.Join(stream);
   }
-  if (auto err = push.Join(stream); err.failure()) return err;
+  // x was every destination's block: `returned` is the results summed per token, which the own combine adds up
+  // straight from the push slots once they are in; then the side stream releases them.
+  if (Status status = push.Receive(nullptr, /*release=*/false); !status.empty()) return status;
+  if (Status status = shards.ForEach(own_down_gemm); !status.empty()) return status;
+  if (Status status = push.Join(stream); !status.empty()) return status;
+  if (Status status = shards.ForEach([&](int i) {
+        SummedBlocks parts;
+        parts.count = ep;
+        parts.own = shards.rank(i);
+        for (int s = 0; s < ep; ++s) parts.rows[s] = s == parts.own ? nullptr : push.Received(i, s);
+        return Step("own combine and sum", CombineRowsIntoSum(Dtype::kBFloat16, row_outs[i], own_pairs(i),
+                                                              own_weights(i), C, K, H, parts, calls[i].returned,
+                                                              stream));
+      });
+      !status.empty()) {
+    return status;
+  }
+  if (Status status = push.Resume(stream); !status.empty()) return status;
+  if (Status status = push.ReleaseAll(); !status.empty()) return status;
+  return push.Join(stream);
+}
+
+Status FusedBackward(const ShardSet& shards, const FusedDims& d, cuda::GemmTiles bwd_down_tiles,
+                     cuda::GemmTiles bwd_gate_up_tiles, const std::vector<BackwardShard>& calls,
+                     cudaStream_t stream) {
+  const int ep = d.ep;
+  const int64_t C = d.capacity, H = d.hidden, K = d.top_k, E = d.experts, block = d.block_bytes();
+  const int64_t dy_stride = d.one_block ? 0 : block;
+  std::vector<ScratchCursor> cursors;
+  std::vector<cuda::MoeBackward> backwards;
+  cursors.reserve(shards.count);
+  backwards.reserve(shards.count);
+  std::vector<char*> dxs(shards.count);
+  std::vector<void*> dy_rows(shards.count);
+  if (Status status = shards.ForEach([&](int i) -> Status {
+        const BackwardShard& c = calls[i];
+        cursors.emplace_back(c.workspace, BackwardWorkspaceBytes(d));
+        cuda::Scratch alloc = cursors[i].scratch();
+        dxs[i] = static_cast<char*>(alloc(d.tokens() * H * 2));
+        if (dxs[i] == nullptr) return "out of workspace memory";
+        const cuda::MoeBackwardCall call{Dtype::kBFloat16, d.tokens(), K, H, d.intermediate, E,
+                                         bwd_down_tiles, bwd_gate_up_tiles,
+                                         /*dy=*/nullptr, c.recv_x, c.weights, c.w_gate_up, c.w_down, c.gate_up,
+                                         c.row_of_pair, c.pair_of_row, c.expert_offsets,
+                                         dxs[i], c.d_w_gate_up, c.d_w_down, c.dz, c.d_weights};
+        backwards.emplace_back(call, alloc);
+        dy_rows[i] = backwards[i].GatheredDy();
+        return dy_rows[i] == nullptr ? "out of workspace memory" : "";
+      });
+      !status.empty()) {
+    return status;
+  }
+
+  // The results' cotangent to the experts. Side stream: the pushes, then each shard's wait for its peers' blocks,
+  // the gather of their dy rows on every SM, and the release. XLA's stream meanwhile gathers the own rows' dy.
+  PushCall there(shards, block, "the results' cotangent push");
+  if (Status status = there.Start(stream, [&](int i) { return calls[i].d_returned; }, dy_stride); !status.empty()) {
+    return status;
+  }
+  if (Status status = there.Receive(
+          [&](int i) -> Status {
+            const int me = there.rank(i);
+            SourceBlocks slots{};
+            for (int s = 0; s < ep; ++s) slots.rows[s] = s == me ? nullptr : there.Received(i, s);
+            return Step("gathering the peers' dy rows",
+                        GatherSourceRows(slots, ((1u << ep) - 1) & ~(1u << me), ep, me, C, H, K, calls[i].pair_of_row,
+                                         calls[i].source_offsets, E, dy_rows[i], d.sms, nullptr, there.side()));
+          },
+          /*release=*/true);
+      !status.empty()) {
+    return status;
+  }
+  if (Status status = shards.ForEach([&](int i) {
+        const int me = shards.rank(i);
+        SourceBlocks own{};
+        own.rows[me] = calls[i].d_returned + me * dy_stride;
+        return Step("own dy gather", GatherSourceRows(own, 1u << me, ep, me, C, H, K, calls[i].pair_of_row,
+                                                      calls[i].source_offsets, E, dy_rows[i], d.sms - kPushSMs,
+                                                      nullptr, stream));
+      });
+      !status.empty()) {
+    return status;
+  }
+  if (Status status = there.Join(stream); !status.empty()) return status;
+  // XLA's stream: each shard's backward up to its dx. Then the side stream sends the dx blocks back.
+  if (Status status = shards.ForEach([&](int i) { return Step("backward", backwards[i].FromGatheredDy(stream)); });
+      !status.empty()) {
+    return status;
+  }
+  PushCall back(shards, block, "the rows' cotangent push");
+  const auto last_gemms = [&]() {  // XLA's stream, beside the dx push: each shard's d_w_gate_up GEMM
+    return shards.ForEach([&](int i) { return Step("backward", backwards[i].GateUpWeightGradient(stream)); });
+  };
+  if (Status status = back.Start(stream, [&](int i) { return dxs[i]; }, block); !status.empty()) return status;
+  if (!d.one_block) {
+    if (Status status = back.Receive(
+            [&](int i) { return back.CopyOut(i, dxs[i] + back.rank(i) * block, calls[i].d_send); },
+            /*release=*/true);
+        !status.empty()) {
+      return status;
+    }
+    if (Status status = last_gemms(); !status.empty()) return status;
+    return back.Join(stream);
+  }
+  // One block of x went to every destination: d_send is its cotangent, dx summed over the sources, which XLA's
+  // stream adds up straight from the push slots once the last GEMM is done and the peers' blocks are in; then the
+  // side stream releases the slots. The side stream waits for the peers' blocks only after the last GEMM: that GEMM
+  // takes every SM, and a wait kernel spinning beside it (while a late peer's block is on its way) would hold one
+  // of them and delay the GEMM's last tiles by as long (180 us on one GPU in a timeline of one step).
+  if (Status status = last_gemms(); !status.empty()) return status;
+  if (Status status = back.Resume(stream); !status.empty()) return status;
+  if (Status status = back.Receive(nullptr, /*release=*/false); !status.empty()) return status;
+  if (Status status = back.Join(stream); !status.empty()) return status;
+  if (Status status = shards.ForEach([&](int i) {
+        SummedBlocks parts;
+        parts.count = ep;
+        for (int s = 0; s < ep; ++s) parts.rows[s] = s == back.rank(i) ? dxs[i] + s * block : back.Received(i, s);
+        return Step("dx sum", SumBlocks(Dtype::kBFloat16, parts, C, H, calls[i].d_send, stream));
+      });
+      !status.empty()) {
+    return status;
+  }
+  if (Status status = back.Resume(stream); !status.empty()) return status;
+  if (Status status = back.ReleaseAll(); !status.empty()) return status;
   return back.Join(stream);
 }
 
-}  // namespace
-}  // namespace nvlink
-}  // namespace jmm
+}  // namespace jmm::nvlink
 
-// Not CUDA-graph compatible, like the exchange: the values its signals carry advance with every call.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_forward, jmm::nvlink::NvlinkMoeForward,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()                // send [ep or 1, C, H]
-                                  .Arg<xla::ffi::AnyBuffer>()                // weights [ep*C, K] f32
-                                  .Arg<xla::ffi::AnyBuffer>()                // w_gate_up [E, H, 2I]
-                                  .Arg<xla::ffi::AnyBuffer>()                // w_down [E, I, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // row_of_pair
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // pair_of_row
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // source_offsets [E*ep + 1]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // expert_offsets [E + 1]
-                                  .Ret<xla::ffi::AnyBuffer>()                // recv_x [ep, C, H]
-                                  .Ret<xla::ffi::AnyBuffer>()                // returned [ep, C, H]
-                                  .Ret<xla::ffi::AnyBuffer>()                // gate_up [ep*C*K, 2I]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()     // workspace (temporaries)
-                                  .Attr<int64_t>("workspace"));
+namespace jmm {
+
+// Per shard; an emulated call's workspace result holds one of these per shard (jax.vmap batches it).
+size_t NvlinkMoeGateUpWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
+                                     int64_t groups) {
+  return nvlink::GateUpWorkspaceBytes(nvlink::FusedDims{1, tokens, hidden, top_k, groups, intermediate});
+}
+
+size_t NvlinkMoeDownWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
+                                   int64_t groups) {
+  return nvlink::DownWorkspaceBytes(nvlink::FusedDims{1, tokens, hidden, top_k, groups, intermediate});
+}
+
+size_t NvlinkMoeBackwardWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
+                                       int64_t experts) {
+  return nvlink::BackwardWorkspaceBytes(nvlink::FusedDims{1, tokens, hidden, top_k, experts, intermediate});
+}
+
+}  // namespace jmm
