@@ -1,4 +1,4 @@
-// How much of a row transfer hides behind the expert GEMM when the two run together (nvlink stage 2).
+// How much of a row transfer hides behind the expert GEMM when the two run together (the nvlink transport's fused gate_up call).
 //
 // The q30 gate_up GEMM of one GPU at EP = 2: 64 local experts, 1024 rows per (expert, source), K = 2048,
 // N = 1536. Source 0's rows are local; source 1's (268 MB) arrive during the GEMM, from GPU 1 over NVLink when

@@ -22,8 +22,8 @@ constexpr int kK = 320, kN = 512;  // K: 5 k tiles of 64; N: 2 column tiles of 2
 // Sleeps `delay_ns`, copies the rows flagged in `is_peer_row` into place, publishes them, releases `counter`.
 __global__ void DelayedSender(const Bf16* rows_src, Bf16* rows_dst, const int8_t* is_peer_row, int64_t rows,
                               int64_t width, uint64_t delay_ns, uint64_t* counter) {
-  const uint64_t start = jmm::cuda::GlobalTimerNs();
-  while (jmm::cuda::GlobalTimerNs() - start < delay_ns) __nanosleep(1000);
+  const uint64_t start = jmm::nvlink::GlobalTimerNs();
+  while (jmm::nvlink::GlobalTimerNs() - start < delay_ns) __nanosleep(1000);
   for (int64_t i = threadIdx.x; i < rows * width; i += blockDim.x) {
     if (is_peer_row[i / width]) rows_dst[i] = rows_src[i];
   }

@@ -11,8 +11,9 @@
 #include <cstdlib>
 #include <vector>
 
-#include "jmm/arrival_mainloop_sm90.hpp"
-#include "jmm/grouped_gemm_cutlass_cuda.h"
+#include "kernels/grouped_gemm_cutlass.cuh"
+#include "nvlink/arrival_mainloop_sm90.hpp"
+#include "nvlink/bounded_wait.cuh"
 #include "test_util.cuh"
 
 namespace arrival_test {
@@ -89,6 +90,6 @@ __device__ __forceinline__ void CopyChunks(const uint4* src, uint4* dst, int64_t
   }
 }
 
-__global__ void RecordTime(uint64_t* out) { *out = jmm::cuda::GlobalTimerNs(); }
+__global__ void RecordTime(uint64_t* out) { *out = jmm::nvlink::GlobalTimerNs(); }
 
 }  // namespace arrival_test

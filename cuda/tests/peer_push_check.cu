@@ -1,5 +1,5 @@
-// The push of nvlink stage 2 between two GPUs, with its whole handshake (docs/nvlink_design.md, "Two points the
-// benches did not exercise"). Per round e (epochs only grow):
+// The push protocol of the nvlink transport between two GPUs, with its whole handshake (docs/nvlink_design.md).
+// Per round e (epochs only grow):
 //   receiver (GPU 0) stream: poison the landing rows -> stream write ready = e into GPU 1's memory ->
 //                            one-block bounded wait for arrived >= e -> compare every byte with the expected rows;
 //   sender (GPU 1) stream:   one-block bounded wait for ready >= e (a DMA cannot wait itself) -> DMA of the rows
@@ -14,12 +14,12 @@
 #include <cstring>
 #include <vector>
 
-#include "jmm/device_math.cuh"
+#include "nvlink/bounded_wait.cuh"
 #include "test_util.cuh"
 
 using namespace test_util;
-using jmm::cuda::GlobalTimerNs;
-using jmm::cuda::LoadAcquireSystem;
+using jmm::nvlink::GlobalTimerNs;
+using jmm::nvlink::LoadAcquireSystem;
 
 constexpr int64_t kBytes = 64ll << 20;  // q30's tokens of one shard at EP = 2: 16384 x 2048 bf16
 constexpr int kRounds = 7;

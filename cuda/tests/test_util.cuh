@@ -16,7 +16,7 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/kernel_hardware_info.h>
 
-#include "jmm/stream_write.h"
+#include "nvlink/stream_write.h"
 
 namespace test_util {
 
@@ -32,7 +32,7 @@ using Bf16 = cutlass::bfloat16_t;
   } while (0)
 
 // Call first in main. With CUDA's default lazy module loading, the first launch of a kernel loads it, and that load
-// waited for the kernels already running (05:49 UTC on an H200: the gated GEMM's launch waited out the 20 ms
+// waited for the kernels already running (on an H200, the gated GEMM's launch waited out the 20 ms
 // sender, so it never had to wait itself). Kernels meant to run side by side must be loaded before either starts.
 inline void LoadModulesEagerly() { setenv("CUDA_MODULE_LOADING", "EAGER", 1); }
 
@@ -124,9 +124,9 @@ float MedianMs(cudaStream_t stream, Prepare prepare, Body body) {
 }
 
 // The library's lookup (jmm/stream_write.h); a test program cannot run without it.
-using jmm::cuda::StreamWriteValue64;
+using jmm::nvlink::StreamWriteValue64;
 inline StreamWriteValue64 LoadStreamWriteValue64() {
-  const StreamWriteValue64 function = jmm::cuda::LoadStreamWriteValue64();
+  const StreamWriteValue64 function = jmm::nvlink::LoadStreamWriteValue64();
   if (function == nullptr) std::printf("no cuStreamWriteValue64\n"), std::exit(2);
   return function;
 }

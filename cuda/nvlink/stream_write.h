@@ -6,7 +6,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-namespace jmm::cuda {
+namespace jmm::nvlink {
 
 using StreamWriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
@@ -25,4 +25,4 @@ inline StreamWriteValue64 LoadStreamWriteValue64() {
   return function;
 }
 
-}  // namespace jmm::cuda
+}  // namespace jmm::nvlink

@@ -1,5 +1,5 @@
-// The NVLink transport's workspaces (memory outside XLA, shared across the GPUs of an expert group) and
-// its FFI handler `jmm_cuda_nvlink_exchange`. Protocol and kernels: jmm/nvlink_cuda.h.
+// The nvlink transport's workspace registry (nvlink/workspace.h): creation, peer access, CUDA IPC across processes,
+// destruction.
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -10,11 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "jmm/ffi_common.h"
-#include "jmm/handlers.h"
-#include "jmm/kernel_modules.h"
-#include "jmm/nvlink_cuda.h"
-#include "jmm/nvlink_workspace.h"
+#include "ffi/extension.h"
+#include "kernels/kernel_modules.h"
+#include "nvlink/workspace.h"
 
 namespace jmm::nvlink {
 namespace {
@@ -38,7 +36,7 @@ void EnablePeerAccess(const std::vector<int>& devices) {
       if (!can) {
         throw std::runtime_error("jax_megamoe nvlink workspace: GPU " + std::to_string(a) + " cannot access GPU " +
                                  std::to_string(b) + " directly (no NVLink/PCIe peer access); use "
-                                 "moe_ffn_ep backend 'ragged' or 'xla' for this expert axis");
+                                 "moe_ffn_ep transport 'ragged' or 'xla' for this expert axis");
       }
       Check(cudaSetDevice(a), "cudaSetDevice");
       const cudaError_t status = cudaDeviceEnablePeerAccess(b, 0);
@@ -80,8 +78,8 @@ void FreeGroup(Group& group, int ranks) {
   }
 }
 
-void Allocate(Group& group, int ranks, int64_t block_bytes, bool overlap) {
-  const int64_t staging_bytes = (overlap ? 2 : 1) * ranks * block_bytes;
+void Allocate(Group& group, int ranks, int64_t block_bytes) {
+  const size_t staging_bytes = StagingBytes(ranks, block_bytes);
   for (int r = 0; r < ranks; ++r) {
     if (group.devices[r] == kRemote) continue;
     Check(cudaSetDevice(group.devices[r]), "cudaSetDevice");
@@ -112,16 +110,7 @@ Workspace& Find(int64_t id) {
   return *it->second;
 }
 
-ffi::Error Invalid(const std::string& message) { return InvalidArgument("nvlink exchange: " + message); }
-
-}  // namespace
-
-Workspace* FindOpen(int64_t id) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  auto it = registry.find(id);
-  return it == registry.end() ? nullptr : it->second.get();
-}
-
+// Whether every rank's memory is mapped (peers in other processes attached).
 bool Ready(const Workspace& workspace) {
   for (const auto& group : workspace.groups) {
     for (int r = 0; r < workspace.ranks; ++r) {
@@ -131,6 +120,7 @@ bool Ready(const Workspace& workspace) {
   return true;
 }
 
+// The group holding `device` and its rank there; null when the device is not part of the workspace.
 Group* GroupOf(Workspace& workspace, int device, int* rank) {
   for (auto& group : workspace.groups) {
     for (int r = 0; r < workspace.ranks; ++r) {
@@ -143,8 +133,30 @@ Group* GroupOf(Workspace& workspace, int device, int* rank) {
   return nullptr;
 }
 
+}  // namespace
+
+// XLA only runs a workspace's calls while Python holds it open, so the pointer outlives the call.
+Status OpenShards(int64_t id, int device, ShardSet* shards) {
+  Workspace* workspace = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto it = registry.find(id);
+    if (it != registry.end()) workspace = it->second.get();
+  }
+  if (workspace == nullptr) return "workspace " + std::to_string(id) + " is closed or unknown";
+  if (!Ready(*workspace)) return "the workspace's peers in other processes are not attached yet";
+  int rank = 0;
+  Group* group = GroupOf(*workspace, device, &rank);
+  if (group == nullptr) return "GPU " + std::to_string(device) + " is not part of this workspace's mesh axis";
+  shards->workspace = workspace;
+  shards->group = group;
+  shards->first_rank = workspace->emulated ? 0 : rank;
+  shards->count = workspace->emulated ? workspace->ranks : 1;
+  return {};
+}
+
 int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulated, int64_t block_bytes,
-                        int64_t timeout_ms, int blocks_per_peer, bool overlap) {
+                        int64_t timeout_ms, int blocks_per_peer) {
   if (groups.empty()) throw std::runtime_error("jax_megamoe nvlink workspace: no device groups given");
   const int ranks = static_cast<int>(groups[0].size());
   if (ranks < 1 || ranks > kMaxRanks) {
@@ -160,7 +172,6 @@ int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulat
   }
   auto workspace = std::make_unique<Workspace>();
   workspace->emulated = emulated;
-  workspace->overlap = overlap;
   workspace->ranks = ranks;
   workspace->block_bytes = (block_bytes + 255) / 256 * 256;  // keeps every staging block 16-byte aligned
   workspace->timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
@@ -186,7 +197,7 @@ int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulat
       group.joins.assign(ranks, nullptr);
       group.push_calls.assign(ranks, 0);
       workspace->groups.push_back(group);
-      Allocate(workspace->groups.back(), ranks, workspace->block_bytes, overlap);
+      Allocate(workspace->groups.back(), ranks, workspace->block_bytes);
     }
   } catch (...) {
     for (auto& group : workspace->groups) FreeGroup(group, ranks);
@@ -275,82 +286,4 @@ void DestroyWorkspace(int64_t id) {
   }
 }
 
-namespace {
-
-ffi::Error NvlinkExchange(cudaStream_t stream, int32_t device, ffi::AnyBuffer send,
-                          ffi::Buffer<ffi::S32> send_counts, ffi::Buffer<ffi::S32> recv_counts,
-                          ffi::Result<ffi::AnyBuffer> out, int64_t workspace_id, int64_t fill_byte) {
-  Workspace* workspace = FindOpen(workspace_id);
-  if (workspace == nullptr) return Invalid("workspace " + std::to_string(workspace_id) + " is closed or unknown");
-  if (!Ready(*workspace)) return Invalid("the workspace's peers in other processes are not attached yet");
-  const int ranks = workspace->ranks;
-  int rank = 0;
-  const Group* group = GroupOf(*workspace, device, &rank);
-  if (group == nullptr) {
-    return Invalid("GPU " + std::to_string(device) + " is not part of this workspace's mesh axis");
-  }
-
-  // Emulated: [ranks (emulated shards), ranks (blocks), C, ...]; otherwise [ranks (blocks), C, ...].
-  const auto dims = send.dimensions();
-  const size_t lead = workspace->emulated ? 2 : 1;
-  const int calls_here = workspace->emulated ? ranks : 1;
-  if (dims.size() < lead + 1 || dims[0] != ranks || (workspace->emulated && dims[1] != ranks)) {
-    return Invalid(workspace->emulated
-                       ? "an emulated workspace of " + std::to_string(ranks) +
-                             " shards must be called under jax.vmap over that many shards, with buffers [shards, "
-                             "shards, C, ...]"
-                       : "the buffer must be [" + std::to_string(ranks) + ", C, ...] (one block per shard)");
-  }
-  if (out->element_type() != send.element_type() || out->size_bytes() != send.size_bytes()) {
-    return Invalid("the output must match the buffer");
-  }
-  if (send_counts.element_count() != static_cast<size_t>(ranks * calls_here) ||
-      recv_counts.element_count() != static_cast<size_t>(ranks * calls_here)) {
-    return Invalid("send_counts and recv_counts must hold one count per shard");
-  }
-  if (fill_byte < 0 || fill_byte > 255) return Invalid("fill_byte must be in [0, 255]");
-  const int64_t capacity = dims[lead];
-  const int64_t blocks = static_cast<int64_t>(ranks) * calls_here;
-  if (send.size_bytes() == 0) return ffi::Error::Success();  // same static shapes on every shard: all skip
-  const int64_t row_bytes = static_cast<int64_t>(send.size_bytes()) / (blocks * capacity);
-  if (capacity * row_bytes > workspace->block_bytes) {
-    return Invalid("a block of " + std::to_string(capacity) + " rows of " + std::to_string(row_bytes) +
-                   " bytes needs " + std::to_string(capacity * row_bytes) + " bytes, the workspace holds " +
-                   std::to_string(workspace->block_bytes) + " per block: create it with a larger max_tokens");
-  }
-  std::vector<Exchange> calls(calls_here);
-  for (int i = 0; i < calls_here; ++i) {
-    const int64_t offset = static_cast<int64_t>(i) * ranks * capacity * row_bytes;
-    calls[i] = Exchange{static_cast<const char*>(send.untyped_data()) + offset,
-                        send_counts.typed_data() + i * ranks,
-                        recv_counts.typed_data() + i * ranks,
-                        static_cast<char*>(out->untyped_data()) + offset,
-                        capacity,
-                        row_bytes,
-                        static_cast<unsigned char>(fill_byte)};
-  }
-  // Launch on the device XLA runs this call on, whatever this thread's runtime API thinks is current.
-  DeviceGuard guard;
-  if (cudaSetDevice(device) != cudaSuccess) return Invalid("cannot select GPU " + std::to_string(device));
-  const std::string status = EnqueueExchange(group->peers, ranks, workspace->emulated ? 0 : rank, calls,
-                                             workspace->block_bytes, workspace->blocks_per_peer,
-                                             workspace->timeout_ns, stream);
-  if (!status.empty()) return ffi::Error(ffi::ErrorCode::kInternal, "jax_megamoe nvlink exchange: " + status);
-  return ffi::Error::Success();
-}
-
-}  // namespace
 }  // namespace jmm::nvlink
-
-// Not CUDA-graph compatible on purpose: the exchange must be enqueued on every call (its epochs advance on
-// the device, but a captured graph replayed out of step with the peers would break the lockstep).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_nvlink_exchange, jmm::nvlink::NvlinkExchange,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()                   // send [ranks, C, ...]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()       // send_counts [ranks]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()       // recv_counts [ranks]
-                                  .Ret<xla::ffi::AnyBuffer>()                   // out [ranks, C, ...]
-                                  .Attr<int64_t>("workspace")
-                                  .Attr<int64_t>("fill_byte"));

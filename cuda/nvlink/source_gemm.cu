@@ -1,18 +1,20 @@
-// Kernels of stage 2's overlapped forward; the contract is in jmm/nvlink_forward.h.
-#include "jmm/arrival_mainloop_sm90.hpp"
-#include "jmm/grouped_gemm_cutlass_cuda.h"
-#include "jmm/kernel_module.cuh"
-#include "jmm/nvlink_forward.h"
+// The fused calls' row gather and (source, expert) group GEMMs; the contract is in nvlink/kernels.h.
+#include "kernels/grouped_gemm_cutlass.cuh"
+#include "kernels/kernel_module.cuh"
+#include "nvlink/arrival_mainloop_sm90.hpp"
+#include "nvlink/kernels.h"
 
-namespace jmm::cuda {
+namespace jmm::nvlink {
 namespace {
 
-namespace cg = cutlass_gemm;
+namespace cg = cuda::cutlass_gemm;
+using cuda::LaunchStatus;
+using cuda::ScratchFootprint;
 
 // One block of 1024 threads fills an SM's registers (at most 64 per thread), so a launch of N blocks takes exactly N
-// SMs: the side gather's blocks cannot spread over more SMs than the gated GEMM leaves it. (Two blocks of 512, as
-// before, spread over up to twice the SMs and could keep GEMM CTAs off them for the whole gather: in the 2026-11-30
-// 12:29 UTC timeline the gated GEMM took 2.0 ms on one GPU and 1.4 ms on the other; 1.4 ms on both since.)
+// SMs: the side gather's blocks cannot spread over more SMs than the gated GEMM leaves it. (Two blocks of 512
+// spread over up to twice the SMs and kept GEMM CTAs off them for the whole gather: in a timeline of one step the
+// gated GEMM took 2.0 ms on one GPU and 1.4 ms on the other; with 1024 threads, 1.4 ms on both.)
 constexpr int kGatherThreads = 1024;
 constexpr int kLoadsInFlight = 8;  // per thread: a copy on few SMs is bound by the bytes in flight per SM
 
@@ -21,8 +23,8 @@ constexpr int kLoadsInFlight = 8;  // per thread: a copy on few SMs is bound by 
 // x_perm row r. Each thread walks (row, chunk) by a fixed step, so no 64-bit division runs per chunk, and keeps
 // kLoadsInFlight loads in flight before it stores. With `group_counters`, each warp adds 1 to group g's counter
 // once its share of g's rows is stored, so g is complete when its counter reaches the grid's warp count (per warp,
-// so that no warp waits at a block barrier for the others; measured alone, 2026-11-30 12:29 UTC, this did not
-// change the gather's time on 16 SMs: 0.74-0.87 ms for the peer's rows at EP = 2, q30).
+// so that no warp waits at a block barrier for the others; measured alone, this did not change the gather's time on
+// 16 SMs: 0.74-0.87 ms for the peer's rows at EP = 2, q30).
 __global__ void __launch_bounds__(kGatherThreads, 1)
     GatherSourceRowsKernel(SourceBlocks blocks, uint32_t sources, int ep, int me, int64_t capacity,
                            int chunks_per_row, int top_k, const int32_t* pair_of_row, const int32_t* source_offsets,
@@ -71,7 +73,8 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
   }
 }
 
-// The row GEMMs' default tiles with the arrival-gated mainloop (jmm/arrival_mainloop_sm90.hpp).
+// The row GEMMs' tiles (GemmTiles::kCooperative128x256) with the arrival-gated mainloop
+// (nvlink/arrival_mainloop_sm90.hpp).
 using Tiles = cg::TilesCooperative128x256Cluster1;
 using Ungated = cg::Bf16GroupedGemm<Tiles, cutlass::layout::RowMajor, cutlass::layout::RowMajor>;
 struct GatedGemm {
@@ -170,4 +173,4 @@ Status SourceRowsGemm(const void* a, const void* b, void* d, const int32_t* sour
                           nullptr, 0, 0, sm_count, scratch, stream);
 }
 
-}  // namespace jmm::cuda
+}  // namespace jmm::nvlink

@@ -1,15 +1,16 @@
-// The front half of the stage-2 forward (docs/nvlink_design.md) on the GPU that receives, against the stage-1 order.
+// The front half of the nvlink transport's fused forward (the gate_up call, docs/nvlink_design.md) on the GPU that
+// receives, against the sequential order (the rows there first, then the gather and the GEMM).
 //
 // q30 at EP = 2 as one GPU sees it: 16384 own tokens and 16384 of the peer's (H = 2048), each token with 4 of
 // this GPU's 64 experts (1024 rows per expert and source), the gate_up GEMM (N = 1536).
-//   stage 1 order: the peer's tokens arrive (copy engine, 64 MB, from GPU 1 over NVLink when there are two GPUs),
+//   sequential order: the peer's tokens arrive (copy engine, 64 MB, from GPU 1 over NVLink when there are two GPUs),
 //     then one gather of all rows into expert order, then the GEMM: one after another, all SMs each.
-//   stage 2 order: a "peer" stream pushes the tokens (copy engine) and signals `arrived` (cuStreamWriteValue64); a
+//   fused order: a "peer" stream pushes the tokens (copy engine) and signals `arrived` (cuStreamWriteValue64); a
 //     side stream's gather of the peer's rows waits for `arrived` on the device (bounded), then releases
 //     `gathered`; the main stream gathers the own rows and runs the gated GEMM over source-major groups, the
 //     peer's groups waiting for `gathered`, on the SMs the side gather leaves.
 // Both produce the same D bit for bit (checked); the program prints both times (median of 20 after 3 warm-ups) and
-// the saving, per side-gather block count. Usage: stage2_forward_bench [side gather blocks...] (default 4 8 16)
+// the saving, per side-gather block count. Usage: fused_forward_bench [side gather blocks...] (default 4 8 16)
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -30,9 +31,9 @@ __global__ void __launch_bounds__(1024) GatherRows(const uint4* src, const int32
   constexpr int kChunks = kK * sizeof(Bf16) / 16;
   if (arrived != nullptr) {
     if (threadIdx.x == 0) {
-      const uint64_t start = jmm::cuda::GlobalTimerNs();
-      while (jmm::cuda::LoadAcquireSystem(arrived) < target) {
-        if (jmm::cuda::GlobalTimerNs() - start > 10'000'000'000ull) __trap();
+      const uint64_t start = jmm::nvlink::GlobalTimerNs();
+      while (jmm::nvlink::LoadAcquireSystem(arrived) < target) {
+        if (jmm::nvlink::GlobalTimerNs() - start > 10'000'000'000ull) __trap();
         __nanosleep(256);
       }
     }
@@ -97,10 +98,10 @@ int main(int argc, char** argv) {
   }
   int32_t* own_rows = Upload(token_of[0]);
   int32_t* peer_rows = Upload(token_of[1]);
-  Bf16 *x_perm = nullptr, *d_stage1 = nullptr, *d_stage2 = nullptr;
+  Bf16 *x_perm = nullptr, *d_sequential = nullptr, *d_fused = nullptr;
   CHECK_CUDA(cudaMalloc(&x_perm, size_t(kSources) * kRowsPerSource * kK * sizeof(Bf16)));
-  CHECK_CUDA(cudaMalloc(&d_stage1, size_t(kSources) * kRowsPerSource * kN * sizeof(Bf16)));
-  CHECK_CUDA(cudaMalloc(&d_stage2, size_t(kSources) * kRowsPerSource * kN * sizeof(Bf16)));
+  CHECK_CUDA(cudaMalloc(&d_sequential, size_t(kSources) * kRowsPerSource * kN * sizeof(Bf16)));
+  CHECK_CUDA(cudaMalloc(&d_fused, size_t(kSources) * kRowsPerSource * kN * sizeof(Bf16)));
   uint4* own_perm = reinterpret_cast<uint4*>(x_perm);
   uint4* peer_perm = reinterpret_cast<uint4*>(x_perm + int64_t(kRowsPerSource) * kK);
 
@@ -129,23 +130,23 @@ int main(int argc, char** argv) {
   cudaEvent_t fork, side_done, peer_done;
   for (cudaEvent_t* e : {&fork, &side_done, &peer_done}) CHECK_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
 
-  Gemm stage1_gemm;
-  Initialise(stage1_gemm, MakeArguments(problem, x_perm, w, d_stage1, cg::GroupArrival{}, sms), main_stream);
+  Gemm sequential_gemm;
+  Initialise(sequential_gemm, MakeArguments(problem, x_perm, w, d_sequential, cg::GroupArrival{}, sms), main_stream);
 
-  const float stage1_ms = MedianMs(main_stream, [] {}, [&] {
+  const float sequential_ms = MedianMs(main_stream, [] {}, [&] {
     CHECK_CUDA(cudaMemcpyAsync(received_x, peer_x, token_bytes, cudaMemcpyDefault, main_stream));
     GatherRows<<<2 * sms, 256, 0, main_stream>>>(reinterpret_cast<const uint4*>(own_x), own_rows, kRowsPerSource,
                                                  own_perm, nullptr, 0, nullptr);
     GatherRows<<<2 * sms, 256, 0, main_stream>>>(reinterpret_cast<const uint4*>(received_x), peer_rows,
                                                  kRowsPerSource, peer_perm, nullptr, 0, nullptr);
-    Run(stage1_gemm, main_stream);
+    Run(sequential_gemm, main_stream);
   });
 
   const size_t d_bytes = size_t(kSources) * kRowsPerSource * kN * sizeof(Bf16);
   std::vector<char> d1(d_bytes), d2(d_bytes);
-  CHECK_CUDA(cudaMemcpy(d1.data(), d_stage1, d_bytes, cudaMemcpyDeviceToHost));
-  std::printf("q30 EP = 2 front half, peer tokens %s: stage 1 order %.3f ms\n",
-              over_nvlink ? "from GPU 1 over NVLink" : "from this GPU's memory", stage1_ms);
+  CHECK_CUDA(cudaMemcpy(d1.data(), d_sequential, d_bytes, cudaMemcpyDeviceToHost));
+  std::printf("q30 EP = 2 front half, peer tokens %s: sequential order %.3f ms\n",
+              over_nvlink ? "from GPU 1 over NVLink" : "from this GPU's memory", sequential_ms);
 
   unsigned long long* nonfinite = nullptr;
   CHECK_CUDA(cudaMalloc(&nonfinite, sizeof(*nonfinite)));
@@ -153,18 +154,18 @@ int main(int argc, char** argv) {
   std::vector<uint64_t> host_targets(groups, 0);
   bool all_same = true;
   for (const int side_blocks : side_block_counts) {
-    Gemm stage2_gemm;
-    Initialise(stage2_gemm, MakeArguments(problem, x_perm, w, d_stage2, gate, sms - side_blocks), main_stream);
+    Gemm fused_gemm;
+    Initialise(fused_gemm, MakeArguments(problem, x_perm, w, d_fused, gate, sms - side_blocks), main_stream);
     // The peer's half of x_perm is NaN before every run, so a peer tile read before `gathered` puts NaN into D;
     // D's non-finite values are counted after every run (before the next one's poison; the last run below).
-    CHECK_CUDA(cudaMemset(d_stage2, 0, d_bytes));
+    CHECK_CUDA(cudaMemset(d_fused, 0, d_bytes));
     CHECK_CUDA(cudaMemset(nonfinite, 0, sizeof(*nonfinite)));
     const auto count_and_poison = [&] {
-      CountNonFinite<<<2 * sms, 256, 0, main_stream>>>(reinterpret_cast<const uint16_t*>(d_stage2),
+      CountNonFinite<<<2 * sms, 256, 0, main_stream>>>(reinterpret_cast<const uint16_t*>(d_fused),
                                                        int64_t(d_bytes / sizeof(Bf16)), nonfinite);
       CHECK_CUDA(cudaMemsetAsync(peer_perm, 0xFF, size_t(kRowsPerSource) * kK * sizeof(Bf16), main_stream));
     };
-    const float stage2_ms = MedianMs(main_stream, count_and_poison, [&] {
+    const float fused_ms = MedianMs(main_stream, count_and_poison, [&] {
       ++arrived_value;
       gathered_value += side_blocks;
       std::fill(host_targets.begin() + kExperts, host_targets.end(), gathered_value);
@@ -182,23 +183,23 @@ int main(int argc, char** argv) {
                                                        kRowsPerSource, peer_perm, arrived, arrived_value, gathered);
       GatherRows<<<2 * sms, 256, 0, main_stream>>>(reinterpret_cast<const uint4*>(own_x), own_rows, kRowsPerSource,
                                                    own_perm, nullptr, 0, nullptr);
-      Run(stage2_gemm, main_stream);
+      Run(fused_gemm, main_stream);
       CHECK_CUDA(cudaEventRecord(side_done, side_stream));
       CHECK_CUDA(cudaEventRecord(peer_done, peer_stream));
       CHECK_CUDA(cudaStreamWaitEvent(main_stream, side_done));
       CHECK_CUDA(cudaStreamWaitEvent(main_stream, peer_done));
     });
 
-    CountNonFinite<<<2 * sms, 256, 0, main_stream>>>(reinterpret_cast<const uint16_t*>(d_stage2),
+    CountNonFinite<<<2 * sms, 256, 0, main_stream>>>(reinterpret_cast<const uint16_t*>(d_fused),
                                                      int64_t(d_bytes / sizeof(Bf16)), nonfinite);
     unsigned long long early_reads = 0;
     CHECK_CUDA(cudaMemcpy(&early_reads, nonfinite, sizeof(early_reads), cudaMemcpyDeviceToHost));
-    CHECK_CUDA(cudaMemcpy(d2.data(), d_stage2, d_bytes, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(d2.data(), d_fused, d_bytes, cudaMemcpyDeviceToHost));
     const bool same = std::memcmp(d1.data(), d2.data(), d_bytes) == 0 && early_reads == 0;
     all_same = all_same && same;
-    std::printf("  stage 2 order, side gather on %d blocks (GEMM on %d SMs): %.3f ms, saving %.3f ms; non-finite "
-                "values over all runs: %llu; D bit for bit equal to stage 1's: %s\n", side_blocks, sms - side_blocks,
-                stage2_ms, stage1_ms - stage2_ms, early_reads, same ? "yes" : "NO");
+    std::printf("  fused order, side gather on %d blocks (GEMM on %d SMs): %.3f ms, saving %.3f ms; non-finite "
+                "values over all runs: %llu; D bit for bit equal to the sequential order's: %s\n", side_blocks, sms - side_blocks,
+                fused_ms, sequential_ms - fused_ms, early_reads, same ? "yes" : "NO");
   }
   return all_same ? 0 : 1;
 }

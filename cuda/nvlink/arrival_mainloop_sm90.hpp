@@ -1,8 +1,8 @@
 // A CUTLASS sm90 ptr-array grouped-GEMM mainloop whose groups may wait for their A rows to arrive.
 //
-// Stage 2 of the nvlink transport (docs/nvlink_design.md) lands token rows from other GPUs straight in the
-// expert GEMM's A operand and wants each group's tiles to start as soon as that group's rows are there, while
-// rows of other groups are still in flight. This collective derives from CUTLASS 4.2's
+// The nvlink transport's fused gate_up call (docs/nvlink_design.md) gathers token rows from other GPUs into the
+// expert GEMM's A operand while the GEMM runs, and wants each group's tiles to start as soon as that group's rows
+// are there, while rows of other groups are still in flight. This collective derives from CUTLASS 4.2's
 // `sm90_mma_array_tma_gmma_ss_warpspecialized` (TMA + wgmma, warp-specialised, persistent; what the MoE GEMMs
 // use) and changes one thing: before the producer warp issues the first TMA load of a work tile, it waits until
 // the tile's group counter reaches the group's target (`GroupArrival`). Groups without a counter start at once.
@@ -25,7 +25,7 @@
 
 #include <cute/tensor.hpp>
 
-#include "jmm/device_math.cuh"
+#include "nvlink/bounded_wait.cuh"
 
 namespace jmm::cuda::cutlass_gemm {
 
@@ -54,10 +54,10 @@ __device__ __forceinline__ void WaitForGroup(GroupArrival const& arrival, int gr
   const uint64_t* counter = arrival.counters[group];
   if (counter == nullptr) return;
   const uint64_t target = arrival.targets[group];
-  const uint64_t start = jmm::cuda::GlobalTimerNs();
+  const uint64_t start = jmm::nvlink::GlobalTimerNs();
   uint64_t seen;
-  while ((seen = jmm::cuda::LoadAcquireSystem(counter)) < target) {
-    if (jmm::cuda::GlobalTimerNs() - start > arrival.timeout_ns) {
+  while ((seen = jmm::nvlink::LoadAcquireSystem(counter)) < target) {
+    if (jmm::nvlink::GlobalTimerNs() - start > arrival.timeout_ns) {
       if (volatile ArrivalFailure* failure = arrival.failure; failure != nullptr) {
         failure->group = group;
         failure->seen = seen;

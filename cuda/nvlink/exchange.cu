@@ -1,11 +1,11 @@
-// Kernels of the NVLink block exchange; the protocol is described in jmm/nvlink_cuda.h.
+// Kernels of the nvlink transport's plain block exchange and of the push protocol's waits (nvlink/exchange.h).
 #include <cuda/atomic>
 
 #include <cstdio>
 
-#include "jmm/device_math.cuh"
-#include "jmm/kernel_module.cuh"
-#include "jmm/nvlink_cuda.h"
+#include "kernels/kernel_module.cuh"
+#include "nvlink/bounded_wait.cuh"
+#include "nvlink/exchange.h"
 
 namespace jmm::nvlink {
 namespace {
@@ -21,9 +21,9 @@ __device__ void WaitAtLeast(uint64_t* counter, uint64_t target, uint64_t timeout
                             int rank, int peer, uint64_t epoch) {
   SystemCounter ref(*reinterpret_cast<unsigned long long*>(counter));
   if (ref.load(::cuda::memory_order_acquire) >= target) return;
-  const uint64_t start = jmm::cuda::GlobalTimerNs();
+  const uint64_t start = GlobalTimerNs();
   while (ref.load(::cuda::memory_order_acquire) < target) {
-    if (jmm::cuda::GlobalTimerNs() - start > timeout_ns) {
+    if (GlobalTimerNs() - start > timeout_ns) {
       printf("jax_megamoe nvlink: shard %d timed out after %llu ms in phase '%s' waiting for shard %d "
              "(epoch %llu, counter %llu < %llu)\n",
              rank, static_cast<unsigned long long>(timeout_ns / 1000000), phase, peer,
@@ -80,7 +80,7 @@ __device__ void FillShare(char* dst, int64_t bytes, unsigned char value, int par
 
 __global__ void AdvanceEpochs(Peers peers, int first_rank, int count) {
   const int rank = first_rank + threadIdx.x;
-  if (threadIdx.x < count) peers.signals[rank][0] += 1;
+  if (threadIdx.x < count) peers.signals[rank][EpochSignal()] += 1;
 }
 
 // grid (blocks_per_peer, ranks): blockIdx.y is the destination.
@@ -88,18 +88,18 @@ __global__ void __launch_bounds__(kThreads) SendBlocks(Peers peers, int ranks, i
                                                        int64_t block_bytes, uint64_t timeout_ns) {
   const int dest = blockIdx.y;
   uint64_t* mine = peers.signals[rank];
-  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(mine);
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(mine + EpochSignal());
   const int count = call.send_counts[dest];
   if (count < 0 || count > call.capacity) BadCount("send count", rank, dest, count, call.capacity);
   if (threadIdx.x == 0) {
-    WaitAtLeast(mine + 1 + ranks + dest, (epoch - 1) * gridDim.x, timeout_ns, "send (peer frees staging)",
+    WaitAtLeast(mine + FreedSignal(ranks, dest), (epoch - 1) * gridDim.x, timeout_ns, "send (peer frees staging)",
                 rank, dest, epoch);
   }
   __syncthreads();
-  CopyShare<false>(peers.staging[dest] + rank * block_bytes, call.send + dest * call.capacity * call.row_bytes,
+  CopyShare<false>(ExchangeBlock(peers, block_bytes, dest, rank), call.send + dest * call.capacity * call.row_bytes,
                    count * call.row_bytes, blockIdx.x, gridDim.x);
   __syncthreads();
-  if (threadIdx.x == 0) SignalAdd(peers.signals[dest] + 1 + rank);
+  if (threadIdx.x == 0) SignalAdd(peers.signals[dest] + ArrivedSignal(rank));
 }
 
 // grid (blocks_per_peer, ranks): blockIdx.y is the source.
@@ -107,21 +107,21 @@ __global__ void __launch_bounds__(kThreads) ReceiveBlocks(Peers peers, int ranks
                                                           int64_t block_bytes, uint64_t timeout_ns) {
   const int source = blockIdx.y;
   uint64_t* mine = peers.signals[rank];
-  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(mine);
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(mine + EpochSignal());
   const int count = call.recv_counts[source];
   if (count < 0 || count > call.capacity) BadCount("receive count", rank, source, count, call.capacity);
   if (threadIdx.x == 0) {
-    WaitAtLeast(mine + 1 + source, epoch * gridDim.x, timeout_ns, "receive (rows arrive)", rank, source,
+    WaitAtLeast(mine + ArrivedSignal(source), epoch * gridDim.x, timeout_ns, "receive (rows arrive)", rank, source,
                 epoch);
   }
   __syncthreads();
   const int64_t live = count * call.row_bytes;
   const int64_t block = call.capacity * call.row_bytes;
   char* out = call.out + source * block;
-  CopyShare<true>(out, peers.staging[rank] + source * block_bytes, live, blockIdx.x, gridDim.x);
+  CopyShare<true>(out, ExchangeBlock(peers, block_bytes, rank, source), live, blockIdx.x, gridDim.x);
   FillShare(out + live, block - live, call.fill_byte, blockIdx.x, gridDim.x);
   __syncthreads();
-  if (threadIdx.x == 0) SignalAdd(peers.signals[source] + 1 + ranks + rank);
+  if (threadIdx.x == 0) SignalAdd(peers.signals[source] + FreedSignal(ranks, rank));
 }
 
 struct PeerCounters {
@@ -141,8 +141,8 @@ __global__ void WaitForPeers(PeerCounters wait, uint64_t target, int rank, bool 
 
 }  // namespace
 
-std::string EnqueueWaitForPeers(const std::vector<const uint64_t*>& counters, const std::vector<int>& peers,
-                                uint64_t target, int rank, bool rows_arrive, uint64_t timeout_ns, cudaStream_t stream) {
+Status EnqueueWaitForPeers(const std::vector<const uint64_t*>& counters, const std::vector<int>& peers,
+                           uint64_t target, int rank, bool rows_arrive, uint64_t timeout_ns, cudaStream_t stream) {
   PeerCounters wait{};
   wait.count = static_cast<int>(counters.size());
   if (wait.count > kMaxRanks || peers.size() != counters.size()) return "bad peer wait";
@@ -155,16 +155,18 @@ std::string EnqueueWaitForPeers(const std::vector<const uint64_t*>& counters, co
   return status == cudaSuccess ? std::string() : std::string(cudaGetErrorString(status));
 }
 
-std::string EnqueueExchange(const Peers& peers, int ranks, int first_rank, const std::vector<Exchange>& calls,
-                            int64_t block_bytes, int blocks_per_peer, uint64_t timeout_ns, cudaStream_t stream) {
-  const int count = static_cast<int>(calls.size());
-  const dim3 grid(blocks_per_peer, ranks);
-  AdvanceEpochs<<<1, kMaxRanks, 0, stream>>>(peers, first_rank, count);
-  for (int i = 0; i < count; ++i) {
-    SendBlocks<<<grid, kThreads, 0, stream>>>(peers, ranks, first_rank + i, calls[i], block_bytes, timeout_ns);
+Status EnqueueExchange(const ShardSet& shards, const std::vector<Exchange>& calls, cudaStream_t stream) {
+  if (static_cast<int>(calls.size()) != shards.count) return "one exchange per shard";
+  const Workspace& w = *shards.workspace;
+  const Peers& peers = shards.group->peers;
+  const dim3 grid(w.blocks_per_peer, w.ranks);
+  AdvanceEpochs<<<1, kMaxRanks, 0, stream>>>(peers, shards.first_rank, shards.count);
+  for (int i = 0; i < shards.count; ++i) {
+    SendBlocks<<<grid, kThreads, 0, stream>>>(peers, w.ranks, shards.rank(i), calls[i], w.block_bytes, w.timeout_ns);
   }
-  for (int i = 0; i < count; ++i) {
-    ReceiveBlocks<<<grid, kThreads, 0, stream>>>(peers, ranks, first_rank + i, calls[i], block_bytes, timeout_ns);
+  for (int i = 0; i < shards.count; ++i) {
+    ReceiveBlocks<<<grid, kThreads, 0, stream>>>(peers, w.ranks, shards.rank(i), calls[i], w.block_bytes,
+                                                 w.timeout_ns);
   }
   const cudaError_t status = cudaGetLastError();
   return status == cudaSuccess ? std::string() : std::string(cudaGetErrorString(status));
