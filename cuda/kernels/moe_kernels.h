@@ -2,8 +2,8 @@
 // and by plain CUDA programs alike: nothing here depends on XLA.
 //
 // Every function only enqueues work on `stream`: no host synchronisation, no device allocation (temporary
-// memory comes from `Scratch`, which the FFI handler carves out of the workspace XLA allocated for the call,
-// so that a CUDA graph capturing the call keeps valid addresses).
+// memory comes from the caller's `Scratch`; the FFI handlers carve it out of the workspace XLA allocates for the
+// call, so that a CUDA graph capturing the call keeps valid addresses).
 // Rows are (token, k) pairs in expert-sorted order: expert e owns rows [offsets[e], offsets[e+1]); rows at
 // or past offsets[E] are dropped pairs and are never read.
 #pragma once
