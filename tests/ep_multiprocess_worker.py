@@ -8,9 +8,10 @@ exits 1 if any check failed. Runs on GPUs (one per process, chosen by the parent
 CUDA_VISIBLE_DEVICES) and on CPUs (JAX_PLATFORMS=cpu, one host device per process, gloo collectives).
 
 Usage: python tests/ep_multiprocess_worker.py --process-id I --num-processes N --coordinator HOST:PORT
-         [--backends xla] [--dtypes float32,bfloat16] [--routings uniform,zipf,all_to_one]
-Backends are moe_ffn_ep's, plus `nvlink_stage1`: backend "nvlink" on a workspace made with overlap=False (the
-plain "nvlink" takes stage 2's overlapped calls where they apply: bf16 here, which the worker checks).
+         [--transports xla] [--dtypes float32,bfloat16] [--routings uniform,zipf,all_to_one]
+Transports are moe_ffn_ep's: "xla", "ragged", and "nvlink" (an NvlinkTransport over a workspace made by every
+process): its fused calls run where they apply (bf16 here, which the worker checks in the program), float32
+falls back to "xla".
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ from jax.sharding import PartitionSpec as P
 
 import jax_megamoe as jmm
 from jax_megamoe import reference
-from moe_cases import Case, make_problem, rel_error, seeded_rng
+from moe_cases import Case, make_problem, rel_error
 
 TOKENS_PER_SHARD, HIDDEN, INTER, EXPERTS, TOP_K = 64, 64, 32, 8, 2
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}  # normwise, against the float32 reference
 OUTPUT_NAMES = ("y", "dx", "d_weights", "d_w_gate_up", "d_w_down")
-NVLINK_OVERLAP = {"nvlink": True, "nvlink_stage1": False}  # worker backend name -> the workspace's overlap
-FUSED_CALLS = ("jmm_cuda_nvlink_moe_forward", "jmm_cuda_nvlink_moe_backward")  # stage 2's FFI targets
+# The nvlink transport's fused FFI targets.
+FUSED_CALLS = ("jmm_cuda_nvlink_moe_gate_up", "jmm_cuda_nvlink_moe_down", "jmm_cuda_nvlink_moe_backward")
 
 
 def gathered_problem(routing: str, dtype, tokens: int):
@@ -41,13 +42,8 @@ def gathered_problem(routing: str, dtype, tokens: int):
 
     `all_to_one` sends every pair to the last shard's experts (ids E-1, E-2, ...), the worst imbalance.
     """
-    rng = seeded_rng("ep_multiprocess", routing, jnp.dtype(dtype).name)
-    case = Case(tokens, HIDDEN, INTER, EXPERTS, TOP_K, "uniform" if routing == "all_to_one" else routing)
-    x, weights, ids, w_gate_up, w_down = (np.asarray(a) for a in make_problem(rng, case, dtype))
-    if routing == "all_to_one":
-        ids = np.tile(EXPERTS - 1 - np.arange(TOP_K, dtype=np.int32), (tokens, 1))
-    dy = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
-    return (x, weights, ids, w_gate_up, w_down), dy
+    args, dy = make_problem(Case(tokens, HIDDEN, INTER, EXPERTS, TOP_K, routing), dtype, seed="ep_multiprocess")
+    return tuple(np.asarray(a) for a in args), np.asarray(dy.astype(jnp.float32))
 
 
 def value_and_grads(fn, args, dy):
@@ -60,18 +56,16 @@ def value_and_grads(fn, args, dy):
     return (y, *grads)
 
 
-@functools.cache  # one compile per backend and dtype: every routing has the same shapes
-def ep_value_and_grads(mesh: Mesh, backend: str, dtype_name: str):
+@functools.cache  # one compile per transport and dtype: every routing has the same shapes
+def ep_value_and_grads(mesh: Mesh, transport: str, dtype_name: str):
     """Jitted forward and gradients of `moe_ffn_ep` over the global mesh (everything sharded over "expert").
 
-    The nvlink backends get one workspace per dtype, made by every process in the same order.
+    The nvlink transport gets one workspace per dtype, made by every process in the same order.
     """
-    options = dict(axis_name="expert", backend=backend, num_experts=EXPERTS)
-    if backend in NVLINK_OVERLAP:
-        options["backend"] = "nvlink"
-        options["workspace"] = jmm.NvlinkWorkspace(mesh, "expert", max_tokens=TOKENS_PER_SHARD, hidden=HIDDEN,
-                                                   top_k=TOP_K, dtype=jnp.dtype(dtype_name),
-                                                   overlap=NVLINK_OVERLAP[backend])
+    options = dict(axis_name="expert", transport=transport, num_experts=EXPERTS)
+    if transport == "nvlink":
+        options["transport"] = jmm.NvlinkTransport(jmm.NvlinkWorkspace(
+            mesh, "expert", max_tokens=TOKENS_PER_SHARD, hidden=HIDDEN, top_k=TOP_K, dtype=jnp.dtype(dtype_name)))
     spec = P("expert")
     fn = jax.shard_map(functools.partial(jmm.moe_ffn_ep, **options), mesh=mesh, in_specs=(spec,) * 5,
                        out_specs=spec)
@@ -88,16 +82,16 @@ def to_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
-def check(mesh: Mesh, backend: str, dtype_name: str, routing: str) -> bool:
+def check(mesh: Mesh, transport: str, dtype_name: str, routing: str) -> bool:
     """Runs one case; prints one line per output shard held here; True if all are within tolerance."""
     tokens = TOKENS_PER_SHARD * mesh.size
     args, dy = gathered_problem(routing, jnp.dtype(dtype_name), tokens)
     sharding = NamedSharding(mesh, P("expert"))
-    fn = ep_value_and_grads(mesh, backend, dtype_name)
+    fn = ep_value_and_grads(mesh, transport, dtype_name)
     global_args, global_dy = tuple(to_global(a, sharding) for a in args), to_global(dy, sharding)
     got = fn(global_args, global_dy)
     ok = True
-    if backend == "nvlink" and dtype_name == "bfloat16":  # stage 2 applies: its calls must be in the program
+    if transport == "nvlink" and dtype_name == "bfloat16":  # the fused calls apply: they must be in the program
         text = fn.lower(global_args, global_dy).as_text()
         missing = [target for target in FUSED_CALLS if target not in text]
         if missing:
@@ -111,7 +105,7 @@ def check(mesh: Mesh, backend: str, dtype_name: str, routing: str) -> bool:
     for name, result, want in zip(OUTPUT_NAMES, got, expected):
         want = np.asarray(want)
         if result.shape != want.shape:
-            print(f"FAIL {backend} {dtype_name} {routing} {name}: shape {result.shape} != {want.shape}", flush=True)
+            print(f"FAIL {transport} {dtype_name} {routing} {name}: shape {result.shape} != {want.shape}", flush=True)
             ok = False
             continue
         for shard in result.addressable_shards:
@@ -119,7 +113,7 @@ def check(mesh: Mesh, backend: str, dtype_name: str, routing: str) -> bool:
             passed = err <= TOLERANCE[dtype_name]
             ok &= passed
             rows = shard.index[0]
-            print(f"{'ok  ' if passed else 'FAIL'} process {jax.process_index()} {backend} {dtype_name} {routing} "
+            print(f"{'ok  ' if passed else 'FAIL'} process {jax.process_index()} {transport} {dtype_name} {routing} "
                   f"{name} [{rows.start}:{rows.stop}]: rel err {err:.2e} (tol {TOLERANCE[dtype_name]:.0e})", flush=True)
     return ok
 
@@ -132,7 +126,7 @@ def ragged_is_rejected(mesh: Mesh) -> bool:
         rejected = "within one process" in str(err)
     else:
         rejected = False
-    print(f"{'ok  ' if rejected else 'FAIL'} process {jax.process_index()} backend='ragged' rejected across processes",
+    print(f"{'ok  ' if rejected else 'FAIL'} process {jax.process_index()} transport='ragged' rejected across processes",
           flush=True)
     return rejected
 
@@ -142,7 +136,7 @@ def main() -> int:
     parser.add_argument("--process-id", type=int, required=True)
     parser.add_argument("--num-processes", type=int, required=True)
     parser.add_argument("--coordinator", required=True, help="HOST:PORT of process 0's coordination service")
-    parser.add_argument("--backends", default="xla")
+    parser.add_argument("--transports", default="xla")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--routings", default="uniform,zipf,all_to_one")
     opts = parser.parse_args()
@@ -153,10 +147,10 @@ def main() -> int:
     print(f"process {jax.process_index()}/{jax.process_count()}: local {jax.local_devices()}, "
           f"mesh over {mesh.size} devices", flush=True)
     ok = True
-    for backend in opts.backends.split(","):
+    for transport in opts.transports.split(","):
         for dtype_name in opts.dtypes.split(","):
             for routing in opts.routings.split(","):
-                ok &= check(mesh, backend, dtype_name, routing)
+                ok &= check(mesh, transport, dtype_name, routing)
     ok &= ragged_is_rejected(mesh)
     jax.distributed.shutdown()
     print(f"process {opts.process_id}: {'all checks passed' if ok else 'SOME CHECKS FAILED'}", flush=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import jax_megamoe as jmm
 from jax_megamoe import reference
 from jax_megamoe.parallel import EPStats, moe_ffn_ep, transport
-from moe_cases import rel_error
+from moe_cases import Case, make_problem as make_moe_problem, make_routing, rel_error, seeded_rng, without_dropped
 
 # One gathered problem size for every mesh, so each jitted function compiles once per mesh (CI has 2 cores).
 TOKENS, HIDDEN, INTER, EXPERTS, TOP_K = 64, 16, 8, 16, 4
@@ -27,6 +26,8 @@ MESHES = {  # name -> (shape, axis names); tokens are sharded over every axis, e
     "ep8": ((8,), ("expert",)),  # K > E_local: rows carry per-local-expert summed weights
     "data2xep4": ((2, 4), ("data", "expert")),
 }
+# all_to_one: every pair on the last shard's experts; empty_experts: empty experts and whole empty shards.
+ROUTINGS = ["uniform", "zipf", "all_to_one", "empty_experts"]
 
 
 def make_mesh(name: str) -> Mesh:
@@ -34,40 +35,10 @@ def make_mesh(name: str) -> Mesh:
     return Mesh(np.array(jax.devices()[:math.prod(shape)]).reshape(shape), names)
 
 
-def rng_for(*parts) -> np.random.Generator:
-    """Fresh inputs per test, reproducible from its parameters."""
-    return np.random.default_rng(zlib.crc32(repr(parts).encode()))
-
-
-def make_routing(rng, tokens: int, routing: str, experts: int = EXPERTS, top_k: int = TOP_K):
-    """`(weights [T, K] float32, experts [T, K] int32)` for one routing pattern (global expert ids)."""
-    if routing == "uniform":
-        probs = np.ones(experts)
-    elif routing == "zipf":  # skewed: expert popularity ~ 1 / rank^1.2, ranks shuffled over the shards
-        probs = 1.0 / rng.permutation(np.arange(1, experts + 1)) ** 1.2
-    elif routing == "all_to_one":  # every pair goes to the last shard's experts; its first expert gets every token
-        probs = None
-    elif routing == "empty":  # even ids of the lower half only: empty experts and whole empty shards
-        probs = np.where((np.arange(experts) % 2 == 0) & (np.arange(experts) < experts // 2), 1.0, 0.0)
-    else:
-        raise AssertionError(routing)
-    if probs is None:
-        ids = np.tile(experts - 1 - np.arange(top_k), (tokens, 1))
-    else:
-        ids = np.stack([rng.choice(experts, top_k, replace=False, p=probs / probs.sum()) for _ in range(tokens)])
-    weights = rng.random((tokens, top_k)) + 0.1
-    return (weights / weights.sum(1, keepdims=True)).astype(np.float32), ids.astype(np.int32)
-
-
-def make_problem(rng, tokens: int, routing: str, dtype=jnp.float32, experts: int = EXPERTS, top_k: int = TOP_K):
-    """The gathered problem `(x, weights, experts, w_gate_up, w_down)` plus a cotangent for `y`."""
-    weights, ids = make_routing(rng, tokens, routing, experts, top_k)
-    x = rng.standard_normal((tokens, HIDDEN))
-    w_gate_up = rng.standard_normal((experts, HIDDEN, 2 * INTER)) / np.sqrt(HIDDEN)
-    w_down = rng.standard_normal((experts, INTER, HIDDEN)) / np.sqrt(INTER)
-    dy = rng.standard_normal((tokens, HIDDEN))
-    return (jnp.asarray(x, dtype), jnp.asarray(weights), jnp.asarray(ids), jnp.asarray(w_gate_up, dtype),
-            jnp.asarray(w_down, dtype)), jnp.asarray(dy, jnp.float32)
+def make_problem(seed, tokens: int, routing: str, dtype=jnp.float32):
+    """The gathered problem `(x, weights, experts, w_gate_up, w_down)` plus a float32 cotangent for `y`."""
+    args, dy = make_moe_problem(Case(tokens, HIDDEN, INTER, EXPERTS, TOP_K, routing), dtype, seed=seed)
+    return args, dy.astype(jnp.float32)
 
 
 def ep_function(mesh: Mesh, **options):
@@ -112,23 +83,40 @@ def assert_matches_reference(value_and_grads_fn, args, dy, tol=1e-5, reference_a
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("routing", ["uniform", "zipf", "all_to_one", "empty"])
+@pytest.mark.parametrize("routing", ROUTINGS)
 def test_matches_single_device_reference(mesh_name, routing):
-    args, dy = make_problem(rng_for(mesh_name, routing), TOKENS, routing)
-    assert_matches_reference(ep_value_and_grads(mesh_name, backend="xla"), args, dy)
+    args, dy = make_problem((mesh_name, routing), TOKENS, routing)
+    assert_matches_reference(ep_value_and_grads(mesh_name, transport="xla"), args, dy)
 
 
 @pytest.mark.parametrize("mesh_name", ["ep2", "ep8"])
 def test_repeated_and_out_of_range_ids(mesh_name):
     """Repeated ids in a token's top-k count twice; ids outside [0, E) contribute zero (as in moe_ffn)."""
-    (x, weights, ids, w_gate_up, w_down), dy = make_problem(rng_for(mesh_name), TOKENS, "uniform")
+    (x, weights, ids, w_gate_up, w_down), dy = make_problem(mesh_name, TOKENS, "uniform")
     ids = ids.at[0, 1].set(ids[0, 0]).at[1, :].set(ids[1, 0]).at[2, 0].set(-1).at[3, 2].set(EXPERTS)
-    assert_matches_reference(ep_value_and_grads(mesh_name, backend="xla"), (x, weights, ids, w_gate_up, w_down), dy)
+    ids = ids.at[4, :].set(jnp.array([2**30, -(2**30), EXPERTS + 3, -5]))
+    assert_matches_reference(ep_value_and_grads(mesh_name, transport="xla"), (x, weights, ids, w_gate_up, w_down), dy)
+
+
+@pytest.mark.parametrize("mesh_name", ["ep2", "data2xep4"])
+def test_int64_ids_outside_the_range_are_dropped(mesh_name):
+    """With jax_enable_x64, int64 ids of 2**32 + 1, -2**32 + 1 and E (an int32 cast would make the first two
+    expert 1) are dropped by the xla transport: bit for bit the problem with those pairs given id -1."""
+    with jax.enable_x64(True):
+        (x, weights, ids, w_gate_up, w_down), dy = make_problem(("int64", mesh_name), TOKENS, "uniform")
+        wide = np.asarray(ids).astype(np.int64)
+        wide[0, 0], wide[9, 1], wide[17, :], wide[40, 3] = 2**32 + 1, -(2**32) + 1, EXPERTS, 2**40
+        fn = jitted_value_and_grads(ep_function(make_mesh(mesh_name), transport="xla"))
+        got = fn((x, weights, jnp.asarray(wide, jnp.int64), w_gate_up, w_down), dy)
+        want = fn((x, weights, without_dropped(wide, EXPERTS), w_gate_up, w_down), dy)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.all(np.asarray(got[0])[17] == 0)
 
 
 def test_one_shard_is_bitwise_moe_ffn():
     """With one expert shard nothing moves: same rows, same kernels, same bits as moe_ffn."""
-    args, dy = make_problem(rng_for("ep1 bitwise"), TOKENS, "zipf")
+    args, dy = make_problem("ep1 bitwise", TOKENS, "zipf")
     got = ep_value_and_grads("ep1")(args, dy)
     want = jitted_value_and_grads(jmm.moe_ffn)(args, dy)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -136,7 +124,7 @@ def test_one_shard_is_bitwise_moe_ffn():
 
 
 def test_bfloat16_close_to_float32_reference():
-    args, dy = make_problem(rng_for("bf16"), TOKENS, "zipf", dtype=jnp.bfloat16)
+    args, dy = make_problem("bf16", TOKENS, "zipf", dtype=jnp.bfloat16)
     args32 = tuple(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args)
     assert_matches_reference(ep_value_and_grads("data2xep4"), args, dy, tol=1e-2, reference_args=args32)
 
@@ -189,7 +177,7 @@ def expected_capacity(ids: np.ndarray, mesh: Mesh, pair_capacity: int):
 def check_capacity(mesh_name, routing, capacity_factor, **options):
     """Stats equal the independent model; output and gradients equal the reference without the dropped pairs."""
     mesh = make_mesh(mesh_name)
-    args, dy = make_problem(rng_for(mesh_name, routing, capacity_factor), TOKENS, routing)
+    args, dy = make_problem((mesh_name, routing, capacity_factor), TOKENS, routing)
     ep = mesh.shape["expert"]
     local_tokens = TOKENS // mesh.size
     pair_capacity = local_tokens * TOP_K
@@ -216,11 +204,11 @@ def check_capacity(mesh_name, routing, capacity_factor, **options):
     ("ep4", "zipf", 0.5), ("ep4", "all_to_one", 1.0), ("data2xep4", "zipf", 0.75), ("ep8", "uniform", 0.3),
     ("ep2", "uniform", None), ("ep1", "zipf", 0.5)])
 def test_capacity_drops_are_counted_exactly(mesh_name, routing, capacity_factor):
-    check_capacity(mesh_name, routing, capacity_factor, backend="xla")
+    check_capacity(mesh_name, routing, capacity_factor, transport="xla")
 
 
 def test_bitwise_deterministic():
-    args, dy = make_problem(rng_for("determinism"), TOKENS, "zipf")
+    args, dy = make_problem("determinism", TOKENS, "zipf")
     first = ep_value_and_grads("ep8")(args, dy)
     fresh = jax.jit(functools.partial(value_and_grads, ep_function(make_mesh("ep8"))))  # a fresh trace and compile
     for again in (ep_value_and_grads("ep8")(args, dy), fresh(args, dy)):
@@ -229,7 +217,7 @@ def test_bitwise_deterministic():
 
 
 def check_named_sharding(mesh: Mesh):
-    args, dy = make_problem(rng_for("named"), TOKENS, "uniform")
+    args, dy = make_problem("named", TOKENS, "uniform")
     specs = (P(mesh.axis_names),) * 3 + (P("expert"),) * 2
     sharded = tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(args, specs))
     dy_sharded = jax.device_put(dy, NamedSharding(mesh, P(mesh.axis_names)))
@@ -252,7 +240,7 @@ def test_jit_with_explicit_axes_mesh():
 
 
 def test_under_checkpoint():
-    args, dy = make_problem(rng_for("remat"), TOKENS, "zipf")
+    args, dy = make_problem("remat", TOKENS, "zipf")
     outside = jitted_value_and_grads(jax.checkpoint(ep_function(make_mesh("data2xep4"))))
     assert_matches_reference(outside, args, dy)
     tokens, experts = P("expert"), P("expert")
@@ -261,18 +249,42 @@ def test_under_checkpoint():
     assert_matches_reference(jitted_value_and_grads(inside), args, dy)
 
 
-def test_public_export_and_stats_type():
-    assert jmm.moe_ffn_ep is moe_ffn_ep
-    args, _ = make_problem(rng_for("stats type"), TOKENS, "uniform")
+@pytest.mark.parametrize("mesh_name, routing", [("ep2", "zipf"), ("ep8", "all_to_one"), ("data2xep4", "empty_experts")])
+def test_public_export_and_stats_are_the_counted_values(mesh_name, routing):
+    """`return_stats=True` gives an EPStats of per-shard int32 arrays: `expert_counts [E_local]` (the pairs each
+    local expert computed), `pairs_received` and `pairs_dropped` (scalars), equal to the numpy count of the
+    routing (dropless: nothing dropped; every routed pair received by the shard of its expert)."""
+    assert jmm.moe_ffn_ep is moe_ffn_ep and jmm.EPStats is EPStats
+    mesh = make_mesh(mesh_name)
+    args, _ = make_problem(("stats", mesh_name, routing), TOKENS, routing)
+    local = EXPERTS // mesh.shape["expert"]
+    seen = []
 
     def body(*a):
         y, stats = moe_ffn_ep(*a, return_stats=True)
-        assert isinstance(stats, EPStats)
-        assert stats.expert_counts.shape == (EXPERTS // 2,) and stats.pairs_dropped.shape == ()
-        assert stats.pairs_received.dtype == jnp.int32
-        return y
+        seen.append(stats)
+        return y, stats.expert_counts, stats.pairs_received[None], stats.pairs_dropped[None]
 
-    jax.jit(jax.shard_map(body, mesh=make_mesh("ep2"), in_specs=(P("expert"),) * 5, out_specs=P("expert")))(*args)
+    tokens, devices = P(mesh.axis_names), P(mesh.axis_names)
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(tokens,) * 3 + (P("expert"),) * 2,
+                               out_specs=(tokens, devices, devices, devices)))
+    _, counts, received, dropped = fn(*args)
+    [stats] = seen
+    assert isinstance(stats, EPStats)
+    assert stats.expert_counts.shape == (local,) and stats.pairs_received.shape == () == stats.pairs_dropped.shape
+    assert {stats.expert_counts.dtype, stats.pairs_received.dtype, stats.pairs_dropped.dtype} == {jnp.int32}
+    # Counted in numpy: the receiver of the tokens of mesh row r for the experts of shard d is device (r, d).
+    ids = np.asarray(args[2])
+    rows = mesh.size // mesh.shape["expert"]
+    want = np.zeros((rows, EXPERTS), np.int64)
+    for row, block in enumerate(ids.reshape(rows, -1)):
+        want[row] = np.bincount(block, minlength=EXPERTS)
+    want = want.reshape(mesh.size, local)
+    np.testing.assert_array_equal(np.asarray(counts).reshape(mesh.size, local), want)
+    np.testing.assert_array_equal(np.asarray(received), want.sum(1))
+    np.testing.assert_array_equal(np.asarray(dropped), 0)
+    if routing == "all_to_one":  # only the last shard of each row receives anything
+        assert np.all(want.reshape(rows, -1, local)[:, :-1] == 0) and want.sum() == TOKENS * TOP_K
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
@@ -294,15 +306,15 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 def test_ragged_path_with_emulated_collective(monkeypatch):
     monkeypatch.setattr(transport, "ragged_supported", lambda: True)
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-    check_capacity("data2xep4", "zipf", None, backend="ragged")
-    check_capacity("ep4", "zipf", 0.5, backend="ragged")
+    check_capacity("data2xep4", "zipf", None, transport="ragged")
+    check_capacity("ep4", "zipf", 0.5, transport="ragged")
 
 
 def test_ragged_path_lowers_with_the_real_collective(monkeypatch):
     """XLA:CPU cannot compile ragged-all-to-all, but forward and backward must trace and lower."""
     monkeypatch.setattr(transport, "ragged_supported", lambda: True)
-    args, dy = make_problem(rng_for("ragged lower"), TOKENS, "uniform")
-    fn = functools.partial(value_and_grads, ep_function(make_mesh("data2xep4"), backend="ragged"))
+    args, dy = make_problem("ragged lower", TOKENS, "uniform")
+    fn = functools.partial(value_and_grads, ep_function(make_mesh("data2xep4"), transport="ragged"))
     text = jax.jit(fn).lower(args, dy).as_text()
     assert text.count("ragged_all_to_all") >= 6  # x, ids, weights there; y back; x, weights, y transposed
 
@@ -320,20 +332,23 @@ def test_ragged_probe_runs_outside_the_callers_trace(monkeypatch):
     assert seen == [True]
 
 
-def test_ragged_probe_and_auto_on_cpu():
+def test_ragged_probe_on_cpu_and_the_default_transport():
     assert transport.probe_ragged() is False
     assert transport.ragged_supported() is False
-    args, dy = make_problem(rng_for("auto"), TOKENS, "uniform")
-    with pytest.raises(ValueError, match="backend='ragged'.*GPU"):
-        jax.jit(ep_function(make_mesh("ep2"), backend="ragged"))(*args)
-    assert_matches_reference(ep_value_and_grads("ep2", backend="auto"), args, dy)
+    args, dy = make_problem("default transport", TOKENS, "uniform")
+    with pytest.raises(ValueError, match="transport='ragged'.*GPU"):
+        jax.jit(ep_function(make_mesh("ep2"), transport="ragged"))(*args)
+    default = ep_value_and_grads("ep2")(args, dy)  # transport="xla" by default
+    for a, b in zip(jax.tree.leaves(default), jax.tree.leaves(ep_value_and_grads("ep2", transport="xla")(args, dy))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_matches_reference(ep_value_and_grads("ep2"), args, dy)
 
 
-def test_local_backend_is_passed_through():
-    args, dy = make_problem(rng_for("local reference"), TOKENS, "zipf")
-    assert_matches_reference(ep_value_and_grads("ep2", local_backend="reference"), args, dy)
-    with pytest.raises(ValueError, match="backend must be one of"):
-        jax.jit(ep_function(make_mesh("ep2"), local_backend="fast"))(*args)
+def test_implementation_is_passed_through():
+    args, dy = make_problem("local reference", TOKENS, "zipf")
+    assert_matches_reference(ep_value_and_grads("ep2", implementation="reference"), args, dy)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        jax.jit(ep_function(make_mesh("ep2"), implementation="fast"))(*args)
 
 
 def call_on_ep4(args, **options):
@@ -341,7 +356,8 @@ def call_on_ep4(args, **options):
 
 
 @pytest.mark.parametrize("options,error,match", [
-    ({"backend": "nccl"}, ValueError, "backend must be one of"),
+    ({"transport": "nccl"}, ValueError, "transport must be"),
+    ({"transport": "auto"}, ValueError, "transport must be"),
     ({"capacity_factor": 0}, ValueError, "capacity_factor must be a finite number > 0"),
     ({"capacity_factor": -1.5}, ValueError, "capacity_factor must be a finite number > 0"),
     ({"capacity_factor": float("nan")}, ValueError, "capacity_factor must be a finite number > 0"),
@@ -354,13 +370,13 @@ def call_on_ep4(args, **options):
     ({"axis_name": ("expert",)}, TypeError, "axis_name must be a mesh axis name"),
 ])
 def test_bad_options(options, error, match):
-    args, _ = make_problem(rng_for("bad"), TOKENS, "uniform")
+    args, _ = make_problem("bad", TOKENS, "uniform")
     with pytest.raises(error, match=match):
         call_on_ep4(args, **options)
 
 
 def test_bad_arrays():
-    (x, weights, ids, w_gate_up, w_down), _ = make_problem(rng_for("bad arrays"), TOKENS, "uniform")
+    (x, weights, ids, w_gate_up, w_down), _ = make_problem("bad arrays", TOKENS, "uniform")
     with pytest.raises(ValueError, match="weights must have shape"):
         call_on_ep4((x, weights[:, :2], ids, w_gate_up, w_down))
     with pytest.raises(ValueError, match="w_down must have shape"):
@@ -375,7 +391,7 @@ def test_bad_arrays():
 
 
 def test_unbound_axis_outside_shard_map():
-    args, _ = make_problem(rng_for("unbound"), 8, "uniform")
+    args, _ = make_problem("unbound", 8, "uniform")
     with pytest.raises(ValueError, match="axis_name 'expert' is not bound.*shard_map"):
         moe_ffn_ep(*args)
 
@@ -384,26 +400,27 @@ def test_unbound_axis_outside_shard_map():
 def test_under_vmap_over_the_expert_axis(shards):
     """`jax.vmap(axis_name=...)` over shards (how the nvlink transport is emulated on one GPU) gives the
     same result as shard_map over that many devices, forward and gradients."""
-    args, dy = make_problem(rng_for("vmap", shards), TOKENS, "zipf")
+    args, dy = make_problem(("vmap", shards), TOKENS, "zipf")
     split = lambda a: a.reshape((shards, -1) + a.shape[1:])
-    emulated = jax.vmap(functools.partial(moe_ffn_ep, axis_name="expert", backend="xla"), axis_name="expert")
+    emulated = jax.vmap(functools.partial(moe_ffn_ep, axis_name="expert", transport="xla"), axis_name="expert")
     y, grads = jitted_value_and_grads(emulated)(tuple(split(a) for a in args), split(dy))
-    y_mesh, grads_mesh = ep_value_and_grads(f"ep{shards}", backend="xla")(args, dy)
+    y_mesh, grads_mesh = ep_value_and_grads(f"ep{shards}", transport="xla")(args, dy)
     merge = lambda a: a.reshape((-1,) + a.shape[2:])
     for name, got, want in zip(("y", "dx", "d_weights", "d_w_gate_up", "d_w_down"), (y, *grads), (y_mesh, *grads_mesh)):
         np.testing.assert_array_equal(np.asarray(merge(got)), np.asarray(want), err_msg=name)
 
 
-@pytest.mark.parametrize("routing", ["uniform", "zipf", "empty"])
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts"])
 def test_uncompacted_plan_keeps_each_token_at_its_index(routing):
     """`make_plan(compact=False)`: token t takes slot t at every destination it is sent to, so dispatch_rows gives
     x with the rows of the tokens not sent zeroed, and `sum_blocks` over result blocks that are zero there equals
-    `combine_rows` bit for bit (what stage 2's overlapped calls rely on when they take x itself as every block)."""
+    `combine_rows` bit for bit (what the nvlink transport's "x as blocks" layout relies on: x itself is every
+    destination's block)."""
     from jax_megamoe.parallel.plan import make_plan
     from jax_megamoe.parallel.rows import combine_rows, dispatch_rows, sum_blocks
     ep, tokens = 4, 24
-    rng = rng_for("uncompacted", routing)
-    _, ids = make_routing(rng, tokens, routing)
+    rng = seeded_rng("uncompacted", routing)
+    _, ids = make_routing(rng, tokens, EXPERTS, TOP_K, routing)
     compact = make_plan(jnp.asarray(ids), ep, EXPERTS // ep, tokens * TOP_K, tokens)
     plan = make_plan(jnp.asarray(ids), ep, EXPERTS // ep, tokens * TOP_K, tokens, compact=False)
     sent = np.asarray(compact.slot) >= 0

@@ -21,7 +21,7 @@ import jax_megamoe as jmm
 from jax_megamoe.parallel import ep as ep_module
 from jax_megamoe.parallel import transport
 from jax_megamoe.parallel.plan import make_plan
-from moe_cases import random_problem, reference_value_and_grads, rel_error, value_and_grads
+from moe_cases import Case, make_problem as make_moe_problem, reference_value_and_grads, rel_error, value_and_grads
 
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason="needs an NVIDIA GPU")]
@@ -31,8 +31,7 @@ TOLERANCE = {jnp.float32: 3e-4, jnp.bfloat16: 1e-2}
 
 def make_problem(seed, tokens, hidden, inter, experts, top_k, dtype, routing="uniform"):
     """Fresh inputs: distinct experts per token, uniform or Zipf-skewed (p_e ~ 1/(e+1)^1.2)."""
-    log_p = jnp.zeros(experts) if routing == "uniform" else -1.2 * jnp.log1p(jnp.arange(experts))
-    return random_problem(seed, tokens, hidden, inter, experts, top_k, dtype, log_p)
+    return make_moe_problem(Case(tokens, hidden, inter, experts, top_k, routing), dtype, seed=("ep gpu", seed))
 
 
 def ep_function(devices, **options):
@@ -104,10 +103,10 @@ def test_exchange_path_on_one_gpu(transport_name):
 
 
 @pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("backend", ["xla", "ragged"])
-def test_two_gpus_match_reference(backend):
+@pytest.mark.parametrize("transport_name", ["xla", "ragged"])
+def test_two_gpus_match_reference(transport_name):
     args, dy = make_problem(13, 2048, 512, 256, 32, 4, jnp.bfloat16, "zipf")
-    fn = jax.jit(functools.partial(value_and_grads, ep_function(GPUS[:2], backend=backend)))
+    fn = jax.jit(functools.partial(value_and_grads, ep_function(GPUS[:2], transport=transport_name)))
     first, second = fn(args, dy), fn(args, dy)
     for a, b in zip(first, second):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -4,9 +4,10 @@ Each test starts two workers (tests/ep_multiprocess_worker.py) that build the sa
 `moe_ffn_ep` forward and all gradients over the global mesh, and check the shards they hold against the
 float32 reference on the gathered problem (float32 <= 1e-5, bf16 <= 2e-2 normwise). The GPU test (marker
 `gpu`) gives each worker one GPU through CUDA_VISIBLE_DEVICES and runs the xla transport over NCCL and
-the nvlink transport through CUDA IPC, with stage 2's overlapped calls (copy-engine pushes and stream writes
-into the IPC mappings; checked to be in the bf16 program) and with stage 1 alone (XLA refuses ragged_all_to_all across processes, so moe_ffn_ep
-rejects "ragged" there); the CPU test runs the xla transport over gloo, so CI covers the multi-process plumbing. This file
+the nvlink transport through CUDA IPC, with its fused calls (copy-engine pushes and stream writes into the IPC
+mappings; checked to be in the bf16 program; float32 falls back to "xla"). XLA refuses ragged_all_to_all across
+processes, so moe_ffn_ep rejects "ragged" there; the CPU test runs the xla transport over gloo, so CI covers
+the multi-process plumbing. This file
 never initialises JAX in the pytest process (that could take GPUs the workers need): GPUs are counted
 with `nvidia-smi -L`. A worker that hangs fails the test after WORKER_TIMEOUT_S.
 """
@@ -64,7 +65,7 @@ def worker_env(process_id: int, platform: str, gpus: list[str]) -> dict[str, str
     return env
 
 
-def run_workers(tmp_path: Path, platform: str, backends: str, gpus: Sequence[str] = ()) -> list[str]:
+def run_workers(tmp_path: Path, platform: str, transports: str, gpus: Sequence[str] = ()) -> list[str]:
     """Runs the workers to completion; fails the test if any exits non-zero or all take too long."""
     coordinator = f"localhost:{free_port()}"
     logs = [tmp_path / f"worker{i}.log" for i in range(NUM_PROCESSES)]
@@ -73,7 +74,7 @@ def run_workers(tmp_path: Path, platform: str, backends: str, gpus: Sequence[str
         with open(log, "w") as out:
             procs.append(subprocess.Popen(
                 [sys.executable, str(WORKER), "--process-id", str(process_id), "--num-processes", str(NUM_PROCESSES),
-                 "--coordinator", coordinator, "--backends", backends],
+                 "--coordinator", coordinator, "--transports", transports],
                 stdout=out, stderr=subprocess.STDOUT, env=worker_env(process_id, platform, list(gpus))))
     deadline = time.monotonic() + WORKER_TIMEOUT_S
     # Poll all workers: if one dies, the other would wait on its collectives until the deadline.
@@ -95,10 +96,10 @@ def run_workers(tmp_path: Path, platform: str, backends: str, gpus: Sequence[str
     return outputs
 
 
-def assert_all_checked(outputs: list[str], backends: str) -> None:
-    """Every worker ran and passed every case: 2 dtypes x 3 routings x 5 outputs per backend, one shard each,
-    plus the rejection of backend='ragged' across processes."""
-    expected_lines = len(backends.split(",")) * 2 * 3 * 5 + 1
+def assert_all_checked(outputs: list[str], transports: str) -> None:
+    """Every worker ran and passed every case: 2 dtypes x 3 routings x 5 outputs per transport, one shard each,
+    plus the rejection of transport='ragged' across processes."""
+    expected_lines = len(transports.split(",")) * 2 * 3 * 5 + 1
     for process_id, text in enumerate(outputs):
         passed = [line for line in text.splitlines() if line.startswith(f"ok   process {process_id} ")]
         assert len(passed) == expected_lines, (f"worker {process_id}: {len(passed)} checks passed, expected "
@@ -115,5 +116,5 @@ def test_two_gpu_processes_match_reference(tmp_path):
     gpus = visible_gpus()
     if len(gpus) < NUM_PROCESSES:
         pytest.skip(f"needs {NUM_PROCESSES} GPUs, nvidia-smi shows {len(gpus)}")
-    outputs = run_workers(tmp_path, "gpu", "xla,nvlink,nvlink_stage1", gpus)
-    assert_all_checked(outputs, "xla,nvlink,nvlink_stage1")
+    outputs = run_workers(tmp_path, "gpu", "xla,nvlink", gpus)
+    assert_all_checked(outputs, "xla,nvlink")

@@ -1,15 +1,16 @@
-"""Every GEMM tile configuration of the CUDA backend against the float32 reference (marker `gpu`).
+"""Every GEMM tile configuration of the CUDA implementation against the float32 reference (marker `gpu`).
 
-JMM_GEMM_TILES is read when moe_ffn is traced (grammar in cuda/include/jmm/gemm_tiles.h), so each configuration
-is a fresh jit of the same function. bf16 only (float32 takes the SIMT path, which has no tiles); forward
-and all four gradients, normwise relative error <= 1e-2 against the float32 reference, every value finite.
-Run on an H200 by scripts/gpu_check.sh.
+The tiles are an explicit `jmm.GemmConfig` passed as `moe_ffn(..., gemm_config=...)` (the default, None, is
+the shape heuristic `GemmConfig.for_problem`), carried to the handlers as int64 attributes. Each
+configuration is a fresh jit of the same function. bf16 only (float32 takes the SIMT path, which has no
+tiles); forward and all four gradients, normwise relative error <= 1e-2 against the float32 reference, every
+value finite. Run on an H200 by scripts/gpu_check.sh. (CPU: tests/test_cuda_lowering.py checks the
+attributes each call carries.)
 """
 
 from __future__ import annotations
 
 import functools
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -17,83 +18,73 @@ import numpy as np
 import pytest
 
 import jax_megamoe as jmm
-from moe_cases import TOLERANCE, random_problem, reference_value_and_grads, rel_error, value_and_grads
+from jax_megamoe.ops.gemm_config import GemmConfig, GemmTiles
+from moe_cases import (OUTPUT_NAMES, TOLERANCE, Case, make_problem, reference_value_and_grads, rel_error,
+                       value_and_grads)
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not any(d.platform == "gpu" for d in jax.devices()), reason="needs an NVIDIA GPU"),
 ]
 
-ENV = "JMM_GEMM_TILES"
-# Each configuration on every row-grouped GEMM, then one GEMM-by-GEMM mix of all of them.
-TILE_SPECS = (
-    "default",
-    "coop128x256_c2",
-    "coop128x256_c1",
-    "pp64x256_c1",
-    "fwd_gate_up=pp64x256_c1,fwd_down=coop128x256_c2,bwd_down=default,bwd_gate_up=pp64x256_c1",
-)
-OUTPUTS = ("y", "dx", "d_weights", "d_w_gate_up", "d_w_down")
+GEMMS = ("fwd_gate_up", "fwd_down", "bwd_down", "bwd_gate_up")
+TILES = tuple(GemmTiles)
+# None (the heuristic), each tiles on every row-grouped GEMM, then GEMM-by-GEMM mixes of all of them.
+CONFIGS = {"heuristic": None}
+CONFIGS |= {t.name: GemmConfig(t, t, t, t) for t in TILES}
+CONFIGS |= {f"mix{shift}": GemmConfig(*(TILES[(g + shift) % len(TILES)] for g in range(len(GEMMS))))
+            for shift in range(1, len(TILES))}
 
-# name: (tokens, hidden, inter, experts, top_k, routing or explicit rows per expert)
+ROW_TILE_EDGES = (63, 64, 65, 0, 127, 128, 129, 1, 255, 256, 257)
+# name: (case, explicit rows per expert or None)
 CASES = {
     # Several row and column tiles per expert, ragged expert sizes (about 256 rows each, or Zipf-skewed).
-    "multi_tile_uniform": (2048, 512, 384, 32, 4, "uniform"),
-    "multi_tile_zipf": (2048, 512, 384, 32, 4, "zipf"),
+    "multi_tile_uniform": (Case(2048, 512, 384, 32, 4), None),
+    "multi_tile_zipf": (Case(2048, 512, 384, 32, 4, "zipf"), None),
     # Expert sizes on both sides of the 64- and 128-row tile edges, one expert without rows (K = 1).
-    "row_tile_edges": (None, 256, 128, 11, 1, (63, 64, 65, 0, 127, 128, 129, 1, 255, 256, 257)),
+    "row_tile_edges": (Case(sum(ROW_TILE_EDGES), 256, 128, 11, 1), ROW_TILE_EDGES),
     # H, I multiples of 8 but not of the 64-deep contraction tile; fewer rows than one tile per expert.
-    "ragged_contraction": (96, 200, 72, 16, 2, "uniform"),
+    "ragged_contraction": (Case(96, 200, 72, 16, 2), None),
 }
-
-
-def cuda_fn(x, weights, experts, w_gate_up, w_down):
-    return jmm.moe_ffn(x, weights, experts, w_gate_up, w_down, backend="cuda")
 
 
 @functools.lru_cache(maxsize=None)
 def problem_and_reference(case_name):
     """The case's bf16 problem `(args, dy)` and its float32 reference outputs (computed once per case)."""
-    tokens, hidden, inter, experts, top_k, routing = CASES[case_name]
-    if isinstance(routing, tuple):
-        ids = np.repeat(np.arange(experts), routing)
-        ids = np.random.default_rng(5).permutation(ids)[:, None].astype(np.int32)
-        tokens = len(ids)
-        log_p = jnp.zeros(experts)
-    else:
-        log_p = jnp.zeros(experts) if routing == "uniform" else -1.2 * jnp.log1p(jnp.arange(experts))
-    seed = zlib.crc32(case_name.encode())
-    args, dy = random_problem(seed, tokens, hidden, inter, experts, top_k, jnp.bfloat16, log_p)
-    if isinstance(routing, tuple):
-        args = (args[0], args[1], jnp.asarray(ids), *args[3:])  # the explicit expert sizes
+    case, rows = CASES[case_name]
+    experts = None
+    if rows is not None:
+        assert sum(rows) == case.tokens
+        ids = np.repeat(np.arange(case.experts), rows)
+        experts = np.random.default_rng(5).permutation(ids)[:, None].astype(np.int32)
+    args, dy = make_problem(case, jnp.bfloat16, seed=("gemm tiles", case_name), experts=experts)
     return args, dy, reference_value_and_grads(args, dy)
 
 
-def cuda_value_and_grads(args, dy):
-    """A fresh jit, traced (and so reading JMM_GEMM_TILES) now."""
-    return jax.jit(lambda args, dy: value_and_grads(cuda_fn, args, dy))(args, dy)
+def cuda_value_and_grads(args, dy, gemm_config):
+    """A fresh jit with the tiles of `gemm_config` fixed in the program."""
+    fn = functools.partial(jmm.moe_ffn, implementation="cuda", gemm_config=gemm_config)
+    return jax.jit(functools.partial(value_and_grads, fn))(args, dy)
 
 
-@pytest.mark.parametrize("spec", TILE_SPECS)
+@pytest.mark.parametrize("config_name", CONFIGS)
 @pytest.mark.parametrize("case_name", CASES)
-def test_tiles_match_reference(monkeypatch, case_name, spec):
+def test_tiles_match_reference(case_name, config_name):
     args, dy, want = problem_and_reference(case_name)
-    monkeypatch.setenv(ENV, spec)
-    got = jax.block_until_ready(cuda_value_and_grads(args, dy))
-    for name, g, w in zip(OUTPUTS, got, want):
+    got = jax.block_until_ready(cuda_value_and_grads(args, dy, CONFIGS[config_name]))
+    for name, g, w in zip(OUTPUT_NAMES, got, want):
         g = np.asarray(g.astype(jnp.float32))
-        assert np.all(np.isfinite(g)), f"{spec}, {name}: non-finite values (unwritten or NaN output)"
+        assert np.all(np.isfinite(g)), f"{config_name}, {name}: non-finite values (unwritten or NaN output)"
         err = rel_error(g, w)
-        assert err <= TOLERANCE["bfloat16"], f"{spec}, {name}: normwise relative error {err:.3g} > 1e-2"
+        assert err <= TOLERANCE["bfloat16"], f"{config_name}, {name}: normwise relative error {err:.3g} > 1e-2"
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("bogus", "unknown tiles"),
-    ("fwd_down=pp64x256_c1,bwd_up=default", 'unknown GEMM "bwd_up"'),
-    ("bwd_down=pp128x128_c2", 'unknown tiles "pp128x128_c2"'),
-])
-def test_bad_tile_spec_is_a_clear_error(monkeypatch, spec, message):
-    args, dy, _ = problem_and_reference("ragged_contraction")
-    monkeypatch.setenv(ENV, spec)
-    with pytest.raises(jax.errors.JaxRuntimeError, match=f"{ENV}=.*{message}"):
-        jax.block_until_ready(cuda_value_and_grads(args, dy))
+@pytest.mark.parametrize("case_name", CASES)
+def test_the_default_is_the_heuristics_config(case_name):
+    """gemm_config=None and the heuristic's GemmConfig passed explicitly give the same bits."""
+    args, dy, _ = problem_and_reference(case_name)
+    case, _ = CASES[case_name]
+    explicit = GemmConfig.for_problem(case.tokens, case.top_k, case.hidden, case.inter, case.experts)
+    assert isinstance(explicit, GemmConfig)
+    for a, b in zip(cuda_value_and_grads(args, dy, None), cuda_value_and_grads(args, dy, explicit), strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))

@@ -1,5 +1,5 @@
 """Linen MoE layer: same results as the NNX layer with the same parameters, gradients, partitioning boxes,
-the expert-parallel transport options."""
+the expert-parallel `transport=` options."""
 
 import flax.linen as nn
 import jax
@@ -10,6 +10,7 @@ from flax import nnx
 
 from jax_megamoe import linen as jmlinen
 from jax_megamoe import nn as jmnn
+from moe_cases import normal
 
 H, I, E, K = 16, 8, 4, 2
 
@@ -25,11 +26,11 @@ def nnx_twin(params, **kwargs):
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.75])
 def test_linen_matches_nnx_forward_and_grads(capacity_factor):
-    module = jmlinen.MoE(I, E, K, capacity_factor=capacity_factor, backend="cpu")
-    x = jax.random.normal(jax.random.key(0), (2, 11, H))
+    module = jmlinen.MoE(I, E, K, capacity_factor=capacity_factor, implementation="cpu")
+    x = normal("linen", (2, 11, H))
     params = module.init(jax.random.key(1), x)["params"]
     y, aux = module.apply({"params": params}, x)
-    twin = nnx_twin(params, capacity_factor=capacity_factor, backend="cpu")
+    twin = nnx_twin(params, capacity_factor=capacity_factor, implementation="cpu")
     want_y, want_aux = twin(x)
     np.testing.assert_allclose(y, want_y, rtol=1e-6, atol=1e-6)
     for got, want in zip(aux, want_aux, strict=True):
@@ -61,7 +62,7 @@ def test_partitioning_boxes_name_the_expert_axis():
 
 def test_bf16_compute_dtype():
     module = jmlinen.MoE(I, E, K, dtype=jnp.bfloat16)
-    x = jax.random.normal(jax.random.key(2), (8, H))
+    x = normal("linen bf16", (8, H))
     params = module.init(jax.random.key(3), x)["params"]
     y, _ = module.apply({"params": params}, x)
     assert y.dtype == jnp.bfloat16
@@ -71,7 +72,7 @@ def test_bf16_compute_dtype():
 
 def test_expert_parallel_under_a_mesh_matches_one_device():
     module = jmlinen.MoE(I, 8, K, expert_axis="expert")
-    x = jax.random.normal(jax.random.key(4), (16, H))
+    x = normal("linen mesh", (16, H))
     variables = module.init(jax.random.key(5), x)
     want, _ = module.apply(variables, x)
     mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -84,13 +85,20 @@ def test_expert_parallel_under_a_mesh_matches_one_device():
     assert int(aux.dropped_pairs) == 0
 
 
-@pytest.mark.parametrize("ep_backend, ep_workspace, match", [
-    ("nvlink", None, "needs workspace=NvlinkWorkspace"),
-    ("xla", object(), "only used by backend='nvlink'"),
+@pytest.mark.parametrize("transport, match", [
+    ("ragged", "transport='ragged'"),      # XLA:CPU has no ragged_all_to_all
+    ("nccl", "transport must be"),
 ])
-def test_ep_transport_errors_surface_through_the_layer(ep_backend, ep_workspace, match):
-    """moe_ffn_ep's own messages for a missing or misplaced workspace reach the caller."""
-    module = jmlinen.MoE(I, 8, K, expert_axis="expert", ep_backend=ep_backend, ep_workspace=ep_workspace)
+def test_ep_transport_errors_surface_through_the_layer(transport, match):
+    """moe_ffn_ep's own messages for a transport that cannot run reach the caller."""
+    module = jmlinen.MoE(I, 8, K, expert_axis="expert", transport=transport)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
         module.init(jax.random.key(0), jnp.zeros((8, H)))
+
+
+def test_implementation_and_transport_are_the_attribute_names():
+    module = jmlinen.MoE(I, E, K, implementation="reference", transport="xla")
+    assert (module.implementation, module.transport) == ("reference", "xla")
+    for old in ("backend", "ep_backend", "ep_workspace"):
+        assert not hasattr(module, old), old

@@ -1,6 +1,6 @@
 """flax.nnx MoE layer: parity with the pure-JAX reference (forward and gradients), aux outputs, capacity,
 nnx transforms (jit, remat, scan over layers), sharding metadata, argument checks, the expert-parallel
-transport options (the nvlink one on two GPUs: marker `gpu`)."""
+`transport=` options (the nvlink transport on two GPUs: marker `gpu`)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,7 @@ from flax import nnx
 import jax_megamoe as jmm
 from jax_megamoe import nn as jmnn
 from jax_megamoe import reference
-from moe_cases import rel_error
+from moe_cases import normal, rel_error
 
 H, I, E, K = 16, 12, 6, 2
 
@@ -30,10 +30,10 @@ def expected(layer, x, dtype=jnp.float32):
     return y.reshape(x.shape), logits, experts
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_forward_and_grads_match_reference(backend):
-    layer = make_layer(backend=backend)
-    x = jax.random.normal(jax.random.key(1), (3, 7, H))
+@pytest.mark.parametrize("implementation", ["cpu", "reference"])
+def test_forward_and_grads_match_reference(implementation):
+    layer = make_layer(implementation=implementation)
+    x = normal("forward", (3, 7, H))
     y, _ = layer(x)
     np.testing.assert_allclose(y, expected(layer, x)[0], rtol=1e-5, atol=1e-6)
 
@@ -50,7 +50,7 @@ def test_forward_and_grads_match_reference(backend):
 
 def test_bfloat16_compute_close_to_float32():
     layer = make_layer(dtype=jnp.bfloat16)
-    x = jax.random.normal(jax.random.key(2), (32, H))
+    x = normal("bf16", (32, H))
     y, _ = layer(x)
     assert y.dtype == jnp.bfloat16
     assert rel_error(y, expected(layer, x)[0]) <= 1e-2
@@ -58,7 +58,7 @@ def test_bfloat16_compute_close_to_float32():
 
 def test_aux_outputs():
     layer = make_layer()
-    x = jax.random.normal(jax.random.key(3), (40, H))
+    x = normal("aux", (40, H))
     _, aux = layer(x)
     _, logits, experts = expected(layer, x)
     np.testing.assert_allclose(aux.load_balancing_loss, reference.load_balancing_loss(logits, experts), rtol=1e-6)
@@ -70,7 +70,7 @@ def test_aux_outputs():
 
 def test_capacity_drops_late_pairs_and_counts_them():
     layer = make_layer(capacity_factor=0.5)
-    x = jax.random.normal(jax.random.key(4), (30, H))
+    x = normal("capacity", (30, H))
     y, aux = layer(x)
     _, logits, experts = expected(layer, x)
     capacity = int(np.ceil(0.5 * 30 * K / E))
@@ -88,28 +88,28 @@ def test_capacity_drops_late_pairs_and_counts_them():
 
 def test_ample_capacity_is_dropless():
     layer = make_layer(capacity_factor=float(E))
-    x = jax.random.normal(jax.random.key(5), (24, H))
+    x = normal("ample", (24, H))
     y, aux = layer(x)
     assert int(aux.dropped_pairs) == 0
     np.testing.assert_allclose(y, expected(layer, x)[0], rtol=1e-5, atol=1e-6)
 
 
-def test_callable_backend_is_used():
+def test_callable_implementation_is_used():
     calls = []
 
     def expert_fn(x, weights, experts, w_gate_up, w_down):
         calls.append(x.shape)
         return reference.moe_ffn(x, weights, experts, w_gate_up, w_down)
 
-    layer = make_layer(backend=expert_fn)
-    x = jax.random.normal(jax.random.key(6), (5, H))
+    layer = make_layer(implementation=expert_fn)
+    x = normal("callable", (5, H))
     np.testing.assert_allclose(layer(x)[0], expected(layer, x)[0], rtol=1e-5, atol=1e-6)
     assert calls == [(5, H)]
 
 
 def test_jit_and_remat():
     layer = make_layer()
-    x = jax.random.normal(jax.random.key(7), (2, 9, H))
+    x = normal("remat", (2, 9, H))
 
     @nnx.jit
     def loss_and_grad(layer, x):
@@ -146,7 +146,7 @@ def test_scan_over_layers():
         y, aux = layer(x)
         return x + y, aux
 
-    x = jax.random.normal(jax.random.key(8), (10, H))
+    x = normal("scan", (10, H))
     out, aux = nnx.jit(run)(x, stack)
     assert aux.expert_counts.shape == (num_layers, E)
 
@@ -193,7 +193,7 @@ def test_under_a_mesh_matches_one_device(shape, expert_axis, capacity_factor):
     """Under `jax.set_mesh` the layer runs per shard (expert-parallel with `expert_axis`); same result."""
     mesh = jax.make_mesh(shape, ("data", "expert"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     single = jmnn.MoE(H, I, 8, K, capacity_factor=capacity_factor, rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(9), (8, 4, H))
+    x = normal("mesh", (8, 4, H))
 
     def loss(layer, x):
         y, aux = layer(x)
@@ -215,7 +215,7 @@ def test_expert_parallel_capacity_drops_are_counted():
     """EP capacity is per (source, destination) shard pair, so compare against dropless: the dropped
     pairs are reported and only the tokens that lost a pair change."""
     mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-    x = jax.random.normal(jax.random.key(10), (64, H))
+    x = normal("ep capacity", (64, H))
     with jax.set_mesh(mesh):
         x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P(("data", "expert"))))
         outputs = {}
@@ -238,21 +238,26 @@ def two_device_expert_mesh(devices):
     return jax.sharding.Mesh(np.array(devices[:2]), ("expert",), axis_types=(jax.sharding.AxisType.Explicit,))
 
 
-@pytest.mark.parametrize("ep_backend, ep_workspace, match", [
-    ("nvlink", None, "needs workspace=NvlinkWorkspace"),
-    ("xla", object(), "only used by backend='nvlink'"),
+@pytest.mark.parametrize("transport, error, match", [
+    ("ragged", ValueError, "transport='ragged'"),    # XLA:CPU has no ragged_all_to_all
+    ("nccl", ValueError, "transport must be"),
 ])
-def test_ep_transport_errors_surface_through_the_layer(ep_backend, ep_workspace, match):
-    """moe_ffn_ep's own messages for a missing or misplaced workspace reach the caller; the workspace is a
-    static attribute, not state."""
+def test_ep_transport_errors_surface_through_the_layer(transport, error, match):
+    """moe_ffn_ep's own messages for a transport that cannot run reach the caller; the transport is a static
+    attribute, not state."""
     mesh = two_device_expert_mesh(jax.devices())
     with jax.set_mesh(mesh):
-        layer = jmnn.MoE(H, I, 8, K, expert_axis="expert", ep_backend=ep_backend, ep_workspace=ep_workspace,
-                         rngs=nnx.Rngs(0))
+        layer = jmnn.MoE(H, I, 8, K, expert_axis="expert", transport=transport, rngs=nnx.Rngs(0))
         assert set(nnx.state(layer)) == {"router", "w_gate_up", "w_down"}
         x = jax.device_put(jnp.zeros((8, H)), jax.sharding.NamedSharding(mesh, jax.P("expert")))
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(error, match=match):
             nnx.jit(lambda m, x: m(x))(layer, x)
+
+
+@pytest.mark.parametrize("old", [{"backend": "cpu"}, {"ep_backend": "xla"}, {"ep_workspace": None}])
+def test_old_keywords_are_gone(old):
+    with pytest.raises(TypeError):
+        make_layer(**old)
 
 
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
@@ -262,10 +267,11 @@ GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 @pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_two_gpus_nvlink_layer_equals_xla_layer(dtype):
-    """The layer with ep_backend="nvlink" gives the "xla" transport's output, aux and gradients bit for bit."""
+    """The layer with transport=NvlinkTransport(workspace) gives the "xla" transport's output, aux and
+    gradients bit for bit (float32: through the fallback to "xla", tests/test_nvlink_gpu.py)."""
     hidden, inter, experts, tokens = 64, 32, 8, 256
     mesh = two_device_expert_mesh(GPUS)
-    x = jax.random.normal(jax.random.key(11), (4, tokens // 4, hidden))
+    x = normal("two gpus", (4, tokens // 4, hidden))
 
     def loss(layer, x):
         y, aux = layer(x)
@@ -275,11 +281,12 @@ def test_two_gpus_nvlink_layer_equals_xla_layer(dtype):
     with jax.set_mesh(mesh), jmm.NvlinkWorkspace(mesh, "expert", max_tokens=tokens // 2, hidden=hidden, top_k=K,
                                                   dtype=dtype) as workspace:
         x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P("expert")))
-        for ep_backend, ep_workspace in (("xla", None), ("nvlink", workspace)):
-            layer = jmnn.MoE(hidden, inter, experts, K, expert_axis="expert", ep_backend=ep_backend,
-                             ep_workspace=ep_workspace, dtype=dtype, rngs=nnx.Rngs(0))
+        for name, transport in (("xla", "xla"), ("nvlink", jmm.NvlinkTransport(workspace))):
+            layer = jmnn.MoE(hidden, inter, experts, K, expert_axis="expert", transport=transport, dtype=dtype,
+                             rngs=nnx.Rngs(0))
+            assert set(nnx.state(layer)) == {"router", "w_gate_up", "w_down"}
             (_, outputs), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, x)
-            results[ep_backend] = jax.device_get((outputs, grads))
+            results[name] = jax.device_get((outputs, grads))
     assert np.all(np.isfinite(np.asarray(results["xla"][0][0], np.float32)))
     for got, want in zip(jax.tree.leaves(results["nvlink"]), jax.tree.leaves(results["xla"]), strict=True):
         np.testing.assert_array_equal(got, want)

@@ -56,7 +56,7 @@ def hf_checkpoint(tmp_path_factory):
 
 def test_logits_match_transformers(hf_checkpoint):
     model, path = hf_checkpoint
-    ours = qwen3_moe.from_pretrained(path, backend="cpu")
+    ours = qwen3_moe.from_pretrained(path, implementation="cpu")
     assert [layer.is_moe for layer in ours.layers] == [True, False, True]
     ids = token_ids()
     logits, aux = ours(jnp.asarray(ids))
@@ -147,7 +147,7 @@ def test_remat_recomputes_only_the_experts_gate_up_projections():
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 16)))
 
     def calls(remat, remat_policy=None):
-        model = qwen3_moe.Qwen3MoeForCausalLM(config, remat=remat, remat_policy=remat_policy, backend="cpu",
+        model = qwen3_moe.Qwen3MoeForCausalLM(config, remat=remat, remat_policy=remat_policy, implementation="cpu",
                                               rngs=nnx.Rngs(0))
         graph, state = nnx.split(model)
 
@@ -197,3 +197,15 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(qwen3_moe.tiny().to_dict()))
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         qwen3_moe.from_pretrained(tmp_path)
+
+
+def test_implementation_and_transport_reach_every_moe_layer():
+    config = qwen3_moe.tiny()
+    model = qwen3_moe.Qwen3MoeForCausalLM(config, implementation="reference", transport="ragged",
+                                          expert_axis="expert", rngs=nnx.Rngs(0))
+    moe_layers = [layer.mlp for layer in model.layers if layer.is_moe]
+    assert moe_layers
+    assert {(m.implementation, m.transport, m.expert_axis) for m in moe_layers} == {("reference", "ragged", "expert")}
+    for old in ({"backend": "cpu"}, {"ep_backend": "xla"}, {"ep_workspace": None}):
+        with pytest.raises(TypeError):
+            qwen3_moe.Qwen3MoeForCausalLM(config, rngs=nnx.Rngs(0), **old)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from jax_megamoe import reference
-from moe_cases import Case, make_problem, rel_error, seeded_rng
+from moe_cases import Case, make_problem, rel_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from moe_training.baseline import ragged_dot_ffn  # noqa: E402  (the example's package; path set above)
@@ -18,9 +18,7 @@ from moe_training.baseline import ragged_dot_ffn  # noqa: E402  (the example's p
 
 @pytest.mark.parametrize("case", [Case(24, 16, 8, 6, 2, "zipf"), Case(10, 16, 8, 6, 2, "out_of_range")], ids=str)
 def test_matches_reference_forward_and_gradients(case):
-    rng = seeded_rng(str(case), "ragged_dot")
-    x, weights, experts, w_gate_up, w_down = make_problem(rng, case, jnp.float32)
-    cotangent = jnp.asarray(rng.standard_normal((case.tokens, case.hidden)), jnp.float32)
+    (x, weights, experts, w_gate_up, w_down), cotangent = make_problem(case, jnp.float32, seed="ragged_dot")
 
     def loss(fn, x, weights, w_gate_up, w_down):
         return jnp.sum(fn(x, weights, experts, w_gate_up, w_down) * cotangent)

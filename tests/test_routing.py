@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jax_megamoe as jmm
+from jax_megamoe import reference
 from moe_cases import seeded_rng
 
 
@@ -46,11 +47,38 @@ def test_normalised_weights_equal_softmax_of_selected_logits():
     np.testing.assert_allclose(weights, expected, rtol=1e-5)
 
 
-def test_route_gradient_flows_to_logits():
-    logits = jnp.asarray(seeded_rng("grad").standard_normal((8, 6)), jnp.float32)
-    coeff = jnp.asarray(seeded_rng("coeff").standard_normal((8, 2)), jnp.float32)
-    grad = jax.grad(lambda l: jnp.sum(jmm.route(l, 2)[0] * coeff))(logits)
-    assert grad.shape == logits.shape and bool(jnp.all(jnp.isfinite(grad))) and float(jnp.abs(grad).sum()) > 0
+def _numpy_route_gradient(logits, coeff, top_k, norm):
+    """d/d logits of sum(route(logits)[0] * coeff), in float64 by hand: with renormalisation the weights are the
+    softmax of the selected logits, g_i = w_i (c_i - sum_j w_j c_j) on the selected and 0 elsewhere; without,
+    they are the full softmax's selected entries, g_i = p_i (c_i [i selected] - sum_selected p_j c_j)."""
+    weights, experts = _numpy_route(logits, top_k, norm)
+    grad = np.zeros_like(logits)
+    rows = np.arange(logits.shape[0])[:, None]
+    if norm:
+        grad[rows, experts] = weights * (coeff - np.sum(weights * coeff, -1, keepdims=True))
+    else:
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        grad = -probs * np.sum(weights * coeff, -1, keepdims=True)
+        grad[rows, experts] += weights * coeff
+    return grad
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("top_k", [1, 2, 6])
+def test_route_gradient_matches_the_reference(top_k, norm):
+    """The weights' gradient in the logits: jax.grad of jmm.route equals jax.grad of reference.route and the
+    gradient written out by hand in float64 (zero for the experts not selected)."""
+    rng = seeded_rng("route grad", top_k, norm)
+    logits = rng.standard_normal((8, 6)).astype(np.float32)
+    coeff = rng.standard_normal((8, top_k)).astype(np.float32)
+    loss = lambda route: lambda l: jnp.sum(route(l, top_k, norm)[0] * coeff)
+    grad = jax.grad(loss(jmm.route))(jnp.asarray(logits))
+    np.testing.assert_allclose(grad, jax.grad(loss(reference.route))(jnp.asarray(logits)), rtol=1e-6, atol=1e-7)
+    want = _numpy_route_gradient(logits.astype(np.float64), coeff.astype(np.float64), top_k, norm)
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-6)
+    if not (top_k == 1 and norm):  # one renormalised weight is always 1: no gradient (but rounding) then
+        assert float(jnp.abs(grad).sum()) > 0
 
 
 def test_load_balancing_loss_is_top_k_at_perfect_balance():

@@ -1,6 +1,6 @@
 """GPU training runs (marker `gpu`; run on an H200 with `pytest -m gpu tests/test_train_gpu.py`): the main
-job trains with the CUDA backend, its loss curve matches the reference backend's, the Qwen3-30B-A3B
-4-layer preset trains with the CUDA backend, and on two GPUs the nvlink
+job trains with the CUDA implementation, its loss curve matches the reference implementation's, the
+Qwen3-30B-A3B 4-layer preset trains with the CUDA implementation, and on two GPUs the nvlink
 expert-parallel transport trains like the xla one."""
 
 import json
@@ -46,10 +46,10 @@ def lm_losses(records):
     return np.array([r["lm_loss"] for r in records])
 
 
-def test_cuda_loss_curve_matches_reference_backend(tmp_path):
+def test_cuda_loss_curve_matches_reference_implementation(tmp_path):
     common = ["--preset", "tiny", "--steps", "40", "--batch", "16", "--seq", "256", "--eval-every", "40"]
-    cuda = lm_losses(train(tmp_path / "cuda", "--backend", "cuda", *common))
-    ref = lm_losses(train(tmp_path / "reference", "--backend", "reference", *common))
+    cuda = lm_losses(train(tmp_path / "cuda", "--implementation", "cuda", *common))
+    ref = lm_losses(train(tmp_path / "reference", "--implementation", "reference", *common))
     assert cuda[-5:].mean() < cuda[:5].mean() - 1.0  # it learns
     # bf16 rounding differences grow along the trajectory: at 40d453b every step agreed within 1%, at 2596be0 one
     # late step (28) differed by 1.9% while steps 0-17 agreed within 2e-4. So the early steps are held tightly and
@@ -60,9 +60,9 @@ def test_cuda_loss_curve_matches_reference_backend(tmp_path):
 
 @pytest.mark.alone  # tens of GiB: beside other test processes it could run out of memory
 def test_qwen3_30b_a3b_width_preset_trains(tmp_path):
-    """The CUDA backend trains the 30B-width model. The ragged_dot baseline cannot on one H200: it asks for 64-66 GiB
+    """The CUDA implementation trains the 30B-width model. The ragged_dot baseline cannot on one H200: it asks for 64-66 GiB
     in one allocation (benchmarks/RESULTS.md, 2026-11-29 16:05 and 2026-11-30 05:39)."""
-    records = train(tmp_path / "cuda", "--preset", "qwen3-30b-a3b-4layer", "--backend", "cuda", "--steps", "8",
+    records = train(tmp_path / "cuda", "--preset", "qwen3-30b-a3b-4layer", "--implementation", "cuda", "--steps", "8",
                     "--batch", "1", "--seq", "2048", "--eval-every", "8", "--eval-batches", "1")
     losses = lm_losses(records)
     assert np.all(np.isfinite(losses))
@@ -72,12 +72,12 @@ def test_qwen3_30b_a3b_width_preset_trains(tmp_path):
 
 @pytest.mark.skipif(len(visible_gpus()) < 2, reason="needs two GPUs")
 def test_nvlink_transport_trains_like_xla(tmp_path):
-    """--ep-backend nvlink on a 1 x 2 mesh: its workspace fits the train and eval steps and the losses follow
+    """--transport nvlink on a 1 x 2 mesh: its workspace fits the train and eval steps and the losses follow
     the xla transport's (bitwise per call, tests/test_nn.py; separate processes may autotune differently)."""
     common = ["--preset", "tiny", "--steps", "20", "--batch", "16", "--seq", "256", "--eval-every", "10"]
-    xla = train(tmp_path / "xla", *common, "--ep-backend", "xla", gpus=2)
-    nvlink = train(tmp_path / "nvlink", *common, "--ep-backend", "nvlink", gpus=2)
-    assert json.loads((tmp_path / "nvlink" / "summary.json").read_text())["ep_backend"] == "nvlink"
+    xla = train(tmp_path / "xla", *common, "--transport", "xla", gpus=2)
+    nvlink = train(tmp_path / "nvlink", *common, "--transport", "nvlink", gpus=2)
+    assert json.loads((tmp_path / "nvlink" / "summary.json").read_text())["transport"] == "nvlink"
     assert lm_losses(nvlink)[-5:].mean() < lm_losses(nvlink)[:5].mean()
     np.testing.assert_allclose(lm_losses(nvlink), lm_losses(xla), rtol=1e-2)
     np.testing.assert_allclose([r["eval_loss"] for r in nvlink if "eval_loss" in r],
