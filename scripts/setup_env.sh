@@ -5,13 +5,13 @@
 #
 # Two steps, each skipped when its inputs are unchanged (their hashes are recorded in .venv/.jmm/):
 #   dependencies  pip installs the build requirements, cmake, ninja, the project's dependencies and EXTRAS;
-#                 inputs: pyproject.toml, EXTRAS, the Python version.
+#                 inputs: pyproject.toml's requirements, EXTRAS, the Python version.
 #   extension     an editable install (`pip install --no-build-isolation --no-deps -e .`): the Python
 #                 sources are used in place and the compiled extension lands in .venv; scikit-build-core
 #                 keeps its CMake build in build/<wheel tag>/, so a rebuild recompiles only what changed;
-#                 inputs: pyproject.toml, CMakeLists.txt, every file under cuda/, the names of the files
-#                 under jax_megamoe/, JMM_CUDA, the nvcc found, and the versions of jax, jaxlib,
-#                 nanobind, nvidia-cutlass and scikit-build-core.
+#                 inputs: pyproject.toml's build tables, CMakeLists.txt, every file under cuda/, the
+#                 names of the files under jax_megamoe/, JMM_CUDA, the nvcc found, and the versions of
+#                 jax, jaxlib, nanobind, nvidia-cutlass and scikit-build-core.
 # So an unchanged tree costs a few hashes and no pip call. The editable install's import hook takes
 # precedence over the current directory, so `import jax_megamoe` works from the repository root too.
 #
@@ -59,8 +59,21 @@ if command -v flock > /dev/null; then
   flock 9
 fi
 
+pyproject_part() {  # pyproject_part deps|build: the tables of pyproject.toml that the step depends on
+  "$py" - "$1" <<'PYEOF'
+import json, sys, tomllib
+meta = tomllib.load(open("pyproject.toml", "rb"))
+project = meta["project"]
+if sys.argv[1] == "deps":
+    part = [meta["build-system"], project.get("dependencies"), project.get("optional-dependencies")]
+else:
+    part = [meta["build-system"], project["name"], project["version"], meta.get("tool", {}).get("scikit-build")]
+print(json.dumps(part, sort_keys=True))
+PYEOF
+}
+
 py_version=$("$py" -c 'import sys; print(sys.version)')
-deps_key=$(printf '%s\n' "$(sha256sum pyproject.toml)" "$extras" "$py_version" | sha256sum | cut -c1-64)
+deps_key=$(printf '%s\n' "$(pyproject_part deps)" "$extras" "$py_version" | sha256sum | cut -c1-64)
 deps_stamp=$state/deps-${extras//,/+}
 if [[ $(cat "$deps_stamp" 2> /dev/null) != "$deps_key" ]]; then
   echo "setup_env.sh: installing dependencies (extras: $extras)"
@@ -97,7 +110,7 @@ site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')
 # The packages whose headers or tools the build uses: a new version of one rebuilds.
 build_deps=$("$py" -c 'from importlib.metadata import version as v
 print([v(p) for p in ("jax", "jaxlib", "nanobind", "nvidia-cutlass", "scikit-build-core")])')
-build_key=$(printf '%s\n' "$(hash_files pyproject.toml CMakeLists.txt cuda)" \
+build_key=$(printf '%s\n' "$(pyproject_part build)" "$(hash_files CMakeLists.txt cuda)" \
   "$(find jax_megamoe -name '*.py' | LC_ALL=C sort)" "JMM_CUDA=${JMM_CUDA:-AUTO}" \
   "nvcc=$(command -v nvcc || true)" "$build_deps" "$py_version" | sha256sum | cut -c1-64)
 if [[ $(cat "$state/build" 2> /dev/null) != "$build_key" ]] || ! compgen -G "$site/jax_megamoe/_ext*" > /dev/null; then
