@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Installs jax_megamoe with its test extras into .venv and runs the CPU test suite (GPU tests: -m gpu).
+# Runs the CPU test suite (GPU tests: -m gpu) from the repository root, in PYTEST_WORKERS processes
+# (default 2). Sets up .venv with the test extras first (scripts/setup_env.sh: seconds when nothing
+# changed). Arguments go to pytest, e.g. `bash scripts/test.sh -x -q tests/test_routing.py`.
 set -euo pipefail
-EXTRAS=test
-. "$(dirname "$0")/setup_env.sh"
-exec pytest -n "${PYTEST_WORKERS:-2}" "$@"
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+bash "$root/scripts/setup_env.sh" test
+cd "$root"
+exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" "$@"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs jax_megamoe into .venv and trains a small Qwen3-MoE on the GPU if there is one, else on CPU.
-# Arguments go to examples/train_qwen3_moe.py (--help lists them).
+# Trains a small Qwen3-MoE with jax_megamoe's MoE layer: on the GPU(s) if there are any, else on 8 host
+# CPU devices. Sets up .venv first (scripts/setup_env.sh: seconds when nothing changed). Arguments go to
+# examples/train_qwen3_moe.py (`bash scripts/train.sh --help` lists them); outputs go to ./runs/.
 set -euo pipefail
-EXTRAS=nn
-. "$(dirname "$0")/setup_env.sh"
-exec python examples/train_qwen3_moe.py "$@"
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+bash "$root/scripts/setup_env.sh" nn
+exec "$root/.venv/bin/python" "$root/examples/train_qwen3_moe.py" "$@"

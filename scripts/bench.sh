@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The benchmark runner: runs the benchmarks of benchmarks/ on this machine's GPU(s) with jax_megamoe as
+# installed (scripts/gpu_check.sh's build step, or scripts/setup_env.sh), and writes each one's log, JSON
+# and plot to OUTDIR. What each benchmark measures: benchmarks/README.md.
+#
+#   bash scripts/bench.sh OUTDIR
+#
+# Steps (env STEPS, default "moe ep e2e"):
+#   moe          benchmarks/bench_moe.py: the MoE layer against the peers, one GPU     -> bench_moe.{log,json,png}
+#   ep           benchmarks/bench_ep.py over every GPU of this process (--ep N; with one GPU, ep = 1:
+#                the cost of moe_ffn_ep's plumbing)                                      -> bench_ep.{log,json}
+#   emulated     benchmarks/bench_ep.py with 8 emulated shards of q30s on one GPU      -> bench_ep_emulated.{log,json}
+#   e2e          examples/train_qwen3_moe.py, preset qwen3-30b-a3b-4layer, one GPU     -> e2e.log, e2e_summary.json,
+#                                                                                          e2e_loss_curve.png
+#   record       benchmarks/train_record.py: the same model trained with our kernels and a pure-JAX
+#                baseline, loss curves compared                                          -> train_record.{log,json,png}
+#   concurrency  benchmarks/nccl_concurrency.py: moe_ffn_ep beside large NCCL collectives (2+ GPUs)
+#                                                                                        -> concurrency.{log,json}
+#   profile-ep   benchmarks/profile_ep.py: per-kernel time of one moe_ffn_ep step      -> profile_ep.{log,json}
+#   kernels      Nsight Compute per-kernel time and DRAM bytes of one moe_ffn forward+backward
+#                (scripts/profile_kernels.py)                                            -> kernels.log
+# Arguments per step: MOE_ARGS (default "--configs q30s,q30,q235 --routings uniform,zipf"), EP_ARGS
+# (default "--config q30"), EMULATED_ARGS (default "--config q30s --emulate 8"), E2E_ARGS (default
+# "--steps 100 --batch 4 --seq 4096"), RECORD_ARGS, CONCURRENCY_ARGS, PROFILE_EP_ARGS (default "--config q30"),
+# KERNELS_CONFIG (q30s, q30 or q235; default q30), KERNELS_ROUTING (uniform or zipf; default uniform).
+# PYTHON (default python3). Exits non-zero if any step failed.
+set -uo pipefail
+OUTDIR=${1:?usage: scripts/bench.sh OUTDIR}
+mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
+cd "$(dirname "$0")/.."
+STEPS=${STEPS:-"moe ep e2e"}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+failed=()
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+(( gpus > 0 )) || gpus=1
+
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+step() {  # step NAME LOG CMD...: runs CMD, tees its output into OUTDIR/LOG, records a failure
+  local name=$1 log=$2 start=$SECONDS
+  shift 2
+  echo "=== $name"
+  "$@" 2>&1 | tee "$OUTDIR/$log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc in $((SECONDS - start)) s"
+  [[ $rc == 0 ]] || failed+=("$name")
+}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv 2>&1
+  git log -1 --format='commit %H %cd' 2>/dev/null
+} | tee "$OUTDIR/gpu.txt"
+
+want moe && step bench-moe bench_moe.log $PY benchmarks/bench_moe.py --json "$OUTDIR/bench_moe.json" \
+  --png "$OUTDIR/bench_moe.png" ${MOE_ARGS:---configs q30s,q30,q235 --routings uniform,zipf}
+
+want ep && step bench-ep bench_ep.log $PY benchmarks/bench_ep.py "$OUTDIR/bench_ep.json" --ep "$gpus" \
+  ${EP_ARGS:---config q30}
+
+want emulated && step bench-ep-emulated bench_ep_emulated.log $PY benchmarks/bench_ep.py \
+  "$OUTDIR/bench_ep_emulated.json" ${EMULATED_ARGS:---config q30s --emulate 8}
+
+e2e() {
+  rm -rf /tmp/jmm_e2e
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $PY examples/train_qwen3_moe.py --preset qwen3-30b-a3b-4layer \
+    --out-dir /tmp/jmm_e2e ${E2E_ARGS:---steps 100 --batch 4 --seq 4096} || return 1
+  cp /tmp/jmm_e2e/summary.json "$OUTDIR/e2e_summary.json" && cp /tmp/jmm_e2e/loss_curve.png "$OUTDIR/e2e_loss_curve.png"
+}
+want e2e && step e2e e2e.log e2e
+
+record() {
+  local rc=0
+  rm -rf /tmp/jmm_train_record
+  $PY benchmarks/train_record.py /tmp/jmm_train_record ${RECORD_ARGS:-} || rc=1
+  cp /tmp/jmm_train_record/summary.json "$OUTDIR/train_record.json" 2>/dev/null || rc=1
+  cp /tmp/jmm_train_record/loss_curves.png "$OUTDIR/train_record.png" 2>/dev/null || rc=1
+  return $rc
+}
+want record && step train-record train_record.log record
+
+# NCCL's settings are read when JAX starts; NVLink multicast stays off.
+want concurrency && step concurrency concurrency.log env NCCL_NVLS_ENABLE=0 $PY benchmarks/nccl_concurrency.py \
+  "$OUTDIR/concurrency.json" ${CONCURRENCY_ARGS:-}
+
+profile_ep() {
+  rm -rf /tmp/jmm_profile_ep
+  $PY benchmarks/profile_ep.py /tmp/jmm_profile_ep --ep "$gpus" ${PROFILE_EP_ARGS:---config q30} &&
+    cp /tmp/jmm_profile_ep/profile_ep.json "$OUTDIR/profile_ep.json"
+}
+want profile-ep && step profile-ep profile_ep.log profile_ep
+
+kernels() {
+  local csv=/tmp/jmm_kernels.csv
+  ncu --profile-from-start off --clock-control none --csv \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+    $PY scripts/profile_kernels.py run "${KERNELS_CONFIG:-q30}" "${KERNELS_ROUTING:-uniform}" > "$csv" || return 1
+  $PY scripts/profile_kernels.py summarize "$csv"
+}
+want kernels && step kernels kernels.log kernels
+
+echo "=== summary: ${#failed[@]} failed step(s): ${failed[*]:-none}"
+[[ ${#failed[@]} == 0 ]]
