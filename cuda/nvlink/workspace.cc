@@ -91,7 +91,7 @@ void Allocate(Group& group, int ranks, int64_t block_bytes) {
     Check(cudaEventCreateWithFlags(&group.forks[r], cudaEventDisableTiming), "creating an event");
     Check(cudaEventCreateWithFlags(&group.joins[r], cudaEventDisableTiming), "creating an event");
     // Every kernel of the library, not only the transport's: any of them may be launched for the first time while
-    // a peer waits (jmm/kernel_modules.h).
+    // a peer waits (kernels/kernel_modules.h).
     if (const std::string error = cuda::LoadAllKernels(); !error.empty()) {
       throw std::runtime_error("jax_megamoe nvlink workspace: loading the library's kernels on GPU " +
                                std::to_string(group.devices[r]) + ": " + error);

@@ -1,4 +1,4 @@
-// GPU check of the arrival-gated grouped GEMM (cuda/include/jmm/arrival_mainloop_sm90.hpp), built and run by
+// GPU check of the arrival-gated grouped GEMM (cuda/nvlink/arrival_mainloop_sm90.hpp), built and run by
 // tests/test_arrival_gemm_gpu.py.
 //
 // `arrival_gemm_check overlap`: groups (expert, source), expert-major, some empty; the A rows of the peer groups

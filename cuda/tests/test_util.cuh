@@ -123,7 +123,7 @@ float MedianMs(cudaStream_t stream, Prepare prepare, Body body) {
   return ms[ms.size() / 2];
 }
 
-// The library's lookup (jmm/stream_write.h); a test program cannot run without it.
+// The library's lookup (nvlink/stream_write.h); a test program cannot run without it.
 using jmm::nvlink::StreamWriteValue64;
 inline StreamWriteValue64 LoadStreamWriteValue64() {
   const StreamWriteValue64 function = jmm::nvlink::LoadStreamWriteValue64();
