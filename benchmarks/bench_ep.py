@@ -4,15 +4,15 @@ At `--ep 1` (one GPU, the default) the difference is pure overhead: routing plan
 (no communication); the target is <= 5% at q30 (T=16384, H=2048, I=768, E=128, K=8, bf16). With
 `--ep N` the mesh spans N devices, each holding T tokens and E/N experts, and the baseline is `moe_ffn`
 with T tokens and E/N experts on one device: the column then reads as the cost of the all-to-alls.
-`--backend` takes a comma list (e.g. `xla,ragged,nvlink`): every backend runs in the same process on the
+`--transport` takes a comma list (e.g. `xla,ragged,nvlink`): every transport runs in the same process on the
 same inputs, one row each, with its time as a ratio to moe_ffn's. `nvlink` opens an `NvlinkWorkspace` for
-the mesh (GPUs of this process), with stage 2's overlapped forward and backward where they apply; `nvlink_stage1` (a
-bench-only name) runs `backend="nvlink"` with a workspace opened with `overlap=False`, so `nvlink,nvlink_stage1`
-compares the two in one run. A backend that fails is recorded with its error, the others still run, and the
-exit status is 1.
+the mesh (GPUs of this process) and passes `transport=jmm.NvlinkTransport(workspace)`: its fused calls where
+they apply (bf16, H and I multiples of 8; otherwise moe_ffn_ep runs "xla" and warns), with x itself as every
+destination's block when dropless. A transport that fails is recorded with its error, the others still run, and
+the exit status is 1.
 
-Times are medians over samples of back-to-back calls after warm-up, each sample synchronised once (so
-they are device time whenever the device is the bottleneck). Forward, and forward+backward (all four
+Times are medians over `--samples` samples of `--calls` back-to-back calls after 3 warm-up calls, each sample
+synchronised once (so they are device time whenever the device is the bottleneck). Forward, and forward+backward (all four
 gradients). Prints a table and writes JSON.
 
 `--emulate R` runs R emulated shards on one device instead (`jax.vmap` over the expert axis, nvlink with
@@ -20,8 +20,8 @@ gradients). Prints a table and writes JSON.
 (`--config q30s --emulate 8` has q30's total work).
 
 Usage: python benchmarks/bench_ep.py OUT.json [--config q30] [--ep 1 | --emulate R]
-                                      [--backend auto[,xla,ragged,nvlink,nvlink_stage1]]
-                                      [--routing uniform,zipf]
+                                      [--transport xla[,ragged,nvlink]] [--routing uniform,zipf]
+                                      [--samples 15] [--calls 10]
 """
 
 from __future__ import annotations
@@ -49,9 +49,8 @@ CONFIGS = {  # name: (T per device, H, I, E, K)
     "tiny": (256, 64, 32, 16, 4),  # a CPU smoke run of the script
 }
 TARGET_OVERHEAD = 0.05
-BACKENDS = ("auto", "xla", "ragged", "nvlink", "nvlink_stage1")
-# Bench-only names: moe_ffn_ep's backend and the NvlinkWorkspace options they stand for.
-NVLINK_VARIANTS = {"nvlink": {"overlap": True}, "nvlink_stage1": {"overlap": False}}
+TRANSPORTS = ("xla", "ragged", "nvlink")
+TIMING = {"calls": 10, "samples": 15, "warmup": 3}  # set from --calls and --samples by main()
 
 
 def make_inputs(tokens, hidden, inter, experts, top_k, routing, seed=0):
@@ -76,7 +75,10 @@ def forward_backward(fn):
     return run
 
 
-def median_ms(fn, *args, calls=10, samples=15, warmup=3):
+def median_ms(fn, *args, calls=None, samples=None, warmup=None):
+    calls = TIMING["calls"] if calls is None else calls
+    samples = TIMING["samples"] if samples is None else samples
+    warmup = TIMING["warmup"] if warmup is None else warmup
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     times = []
@@ -96,29 +98,29 @@ def measure(name, fn, args, dy):
 
 
 @contextlib.contextmanager
-def ep_options(backend, open_workspace):
-    """`moe_ffn_ep` keyword arguments for the bench's `backend`; for "nvlink" and "nvlink_stage1" this opens a
-    workspace with `open_workspace(overlap=...)` and closes it when the block ends."""
-    if backend not in NVLINK_VARIANTS:
-        yield {"backend": backend}
+def ep_options(transport, open_workspace):
+    """`moe_ffn_ep` keyword arguments for the bench's `transport` name; for "nvlink" this opens a workspace with
+    `open_workspace()`, passes `jmm.NvlinkTransport(workspace)` and closes the workspace when the block ends."""
+    if transport != "nvlink":
+        yield {"transport": transport}
         return
-    workspace = open_workspace(**NVLINK_VARIANTS[backend])
+    workspace = open_workspace()
     try:
-        yield {"backend": "nvlink", "workspace": workspace}
+        yield {"transport": jmm.NvlinkTransport(workspace)}
     finally:
         workspace.close()
 
 
-def measure_ep(name, backend, over_axis, open_workspace, args, dy):
-    """One `moe_ffn_ep` row for `backend`, its per-shard function mapped over the expert axis by
-    `over_axis` (shard_map over a mesh, or vmap for emulated shards); a failing backend gives a row with
+def measure_ep(name, transport, over_axis, open_workspace, args, dy):
+    """One `moe_ffn_ep` row for `transport`, its per-shard function mapped over the expert axis by
+    `over_axis` (shard_map over a mesh, or vmap for emulated shards); a failing transport gives a row with
     its error instead."""
     try:
-        with ep_options(backend, open_workspace) as options:
+        with ep_options(transport, open_workspace) as options:
             fn = over_axis(functools.partial(jmm.moe_ffn_ep, axis_name="expert", **options))
-            return dict(measure(name, fn, args, dy), backend=backend)
-    except Exception as err:  # recorded, so one failing backend does not lose the others' numbers
-        return {"impl": name, "backend": backend, "error": f"{type(err).__name__}: {err}"}
+            return dict(measure(name, fn, args, dy), transport=transport)
+    except Exception as err:  # recorded, so one failing transport does not lose the others' numbers
+        return {"impl": name, "transport": transport, "error": f"{type(err).__name__}: {err}"}
 
 
 def with_ratios(row, baseline):
@@ -133,7 +135,7 @@ def with_ratios(row, baseline):
 def ep_problem(config, ranks, emulated, routing):
     """`(args, dy, over_axis, open_workspace)` of a `moe_ffn_ep` run with T tokens per shard: on a mesh of
     `ranks` devices (inputs sharded over it, `over_axis` = shard_map), or `emulated` on one device
-    (inputs shaped `[R, ...]`, `over_axis` = vmap). `open_workspace(overlap=...)` makes the matching NvlinkWorkspace."""
+    (inputs shaped `[R, ...]`, `over_axis` = vmap). `open_workspace()` makes the matching NvlinkWorkspace."""
     tokens, hidden, inter, experts, top_k = CONFIGS[config]
     args, dy = make_inputs(tokens * ranks, hidden, inter, experts, top_k, routing)
     workspace_size = dict(max_tokens=tokens, hidden=hidden, top_k=top_k, dtype=jnp.bfloat16)
@@ -153,20 +155,20 @@ def ep_problem(config, ranks, emulated, routing):
             functools.partial(jmm.NvlinkWorkspace, mesh, axis_name="expert", **workspace_size))
 
 
-def run_config(config, ep, backends, routing):
-    """Every backend at `ep` devices against `moe_ffn` on one device with T tokens and E/ep experts (the
+def run_config(config, ep, transports, routing):
+    """Every transport at `ep` devices against `moe_ffn` on one device with T tokens and E/ep experts (the
     same per-device work, nothing exchanged)."""
     tokens, hidden, inter, experts, top_k = CONFIGS[config]
     local_experts = experts // ep
     args, dy = make_inputs(tokens, hidden, inter, local_experts, min(top_k, local_experts), routing)
     baseline = measure("moe_ffn", jmm.moe_ffn, args, dy)
     args, dy, over_mesh, open_workspace = ep_problem(config, ep, False, routing)
-    rows = [baseline] + [with_ratios(measure_ep(f"moe_ffn_ep(ep={ep}, backend={backend})", backend, over_mesh,
-                                                open_workspace, args, dy), baseline) for backend in backends]
+    rows = [baseline] + [with_ratios(measure_ep(f"moe_ffn_ep(ep={ep}, transport={transport})", transport, over_mesh,
+                                                open_workspace, args, dy), baseline) for transport in transports]
     return [dict(row, config=config, routing=routing) for row in rows]
 
 
-def run_emulated(config, ranks, backends, routing):
+def run_emulated(config, ranks, transports, routing):
     """R emulated shards on one device (`jax.vmap` over the expert axis), T tokens each, against `moe_ffn`
     on all R·T tokens and E experts in one call: the same expert work, so the ratio is the cost of the
     plan, the transport's protocol and kernels and the combine, without any link."""
@@ -175,9 +177,9 @@ def run_emulated(config, ranks, backends, routing):
     def merged(a):  # [R, n, ...] -> [R·n, ...]: the whole problem, for moe_ffn
         return a.reshape(-1, *a.shape[2:])
     baseline = measure("moe_ffn", jmm.moe_ffn, tuple(merged(a) for a in args), merged(dy))
-    rows = [baseline] + [with_ratios(measure_ep(f"moe_ffn_ep(emulated R={ranks}, backend={backend})", backend,
+    rows = [baseline] + [with_ratios(measure_ep(f"moe_ffn_ep(emulated R={ranks}, transport={transport})", transport,
                                                 over_vmap, open_workspace, args, dy), baseline)
-                         for backend in backends]
+                         for transport in transports]
     return [dict(row, config=config, routing=routing) for row in rows]
 
 
@@ -204,13 +206,13 @@ def print_table(rows):
               f"{r['forward_backward_ms']:11.3f} {overheads[0]} {overheads[1]} {ratios[0]} {ratios[1]}")
 
 
-def parse_backends(text: str) -> list[str]:
-    """`--backend` as a comma list of known backends, in order, without repeats."""
-    backends = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
-    unknown = [name for name in backends if name not in BACKENDS]
-    if not backends or unknown:
-        raise argparse.ArgumentTypeError(f"expected a comma list of {BACKENDS}, got {text!r}")
-    return backends
+def parse_transports(text: str) -> list[str]:
+    """`--transport` as a comma list of known transports, in order, without repeats."""
+    transports = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in transports if name not in TRANSPORTS]
+    if not transports or unknown:
+        raise argparse.ArgumentTypeError(f"expected a comma list of {TRANSPORTS}, got {text!r}")
+    return transports
 
 
 def main():
@@ -218,20 +220,25 @@ def main():
     parser.add_argument("json_path", help="where to write the results (JSON)")
     parser.add_argument("--config", default="q30", choices=sorted(CONFIGS))
     parser.add_argument("--ep", type=int, default=1, help="expert-axis size (devices)")
-    parser.add_argument("--backend", default=["auto"], type=parse_backends,
-                        help=f"moe_ffn_ep backend, or a comma list of them run side by side: {', '.join(BACKENDS)}")
+    parser.add_argument("--transport", default=["xla"], type=parse_transports,
+                        help=f"moe_ffn_ep transport, or a comma list of them run side by side: {', '.join(TRANSPORTS)}")
     parser.add_argument("--routing", default="uniform,zipf")
     parser.add_argument("--emulate", type=int, metavar="R",
                         help="R emulated shards on one device (jax.vmap) instead of a mesh of --ep devices; "
                              "the baseline is then moe_ffn on all R*T tokens and E experts")
+    parser.add_argument("--samples", type=int, default=TIMING["samples"], help="timed samples per measurement")
+    parser.add_argument("--calls", type=int, default=TIMING["calls"], help="back-to-back calls per sample")
     opts = parser.parse_args()
+    if opts.samples < 1 or opts.calls < 1:
+        parser.error(f"--samples and --calls must be >= 1, got {opts.samples} and {opts.calls}")
+    TIMING.update(samples=opts.samples, calls=opts.calls)
     if opts.emulate is not None and (opts.emulate < 1 or opts.ep != 1):
         parser.error(f"--emulate R needs R >= 1 and no --ep (got --emulate {opts.emulate}, --ep {opts.ep})")
 
     rows = []
     for routing in opts.routing.split(","):
-        rows += (run_config(opts.config, opts.ep, opts.backend, routing) if opts.emulate is None else
-                 run_emulated(opts.config, opts.emulate, opts.backend, routing))
+        rows += (run_config(opts.config, opts.ep, opts.transport, routing) if opts.emulate is None else
+                 run_emulated(opts.config, opts.emulate, opts.transport, routing))
     print_table(rows)
     ep_rows = [r for r in rows if r["impl"] != "moe_ffn"]
     failed = [r for r in ep_rows if "error" in r]
@@ -242,15 +249,15 @@ def main():
         "benchmark": "moe_ffn_ep overhead vs moe_ffn",
         "device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "timing": "median over 15 samples of 10 back-to-back calls, one sync per sample, after 3 warm-up calls",
+        "timing": (f"median over {TIMING['samples']} samples of {TIMING['calls']} back-to-back calls, one sync per "
+                   f"sample, after {TIMING['warmup']} warm-up calls"),
         "config": dict(zip(("tokens_per_device", "hidden", "inter", "experts", "top_k"), CONFIGS[opts.config]),
                        name=opts.config, dtype="bfloat16", ep=opts.ep, emulated_shards=opts.emulate,
-                       backend=",".join(opts.backend),
-                       backends=opts.backend),
+                       transport=",".join(opts.transport), transports=opts.transport),
         "target_overhead": target,
         "meets_target": None if target is None else not failed and all(
             r["forward_overhead"] <= target and r["forward_backward_overhead"] <= target for r in ep_rows),
-        "failed_backends": sorted({r["backend"] for r in failed}),
+        "failed_transports": sorted({r["transport"] for r in failed}),
         "rows": rows,
     }
     with open(opts.json_path, "w") as f:
@@ -259,7 +266,7 @@ def main():
         f"; overhead target <= {target:.0%}: {'met' if result['meets_target'] else 'NOT met'}")
     print(f"wrote {opts.json_path}{verdict}")
     if failed:
-        raise SystemExit(f"backends failed: {', '.join(result['failed_backends'])} (errors in the table and JSON)")
+        raise SystemExit(f"transports failed: {', '.join(result['failed_transports'])} (errors in the table and JSON)")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
 """MoE layer benchmark on one GPU: jax_megamoe's CUDA kernels against the peers, in one run.
 
-Implementations: `ours` (jax_megamoe.moe_ffn, backend="cuda"), `torch_grouped_mm` (torchtitan style:
+Implementations: `ours` (jax_megamoe.moe_ffn, implementation="cuda"), `torch_grouped_mm` (torchtitan style:
 stable sort + torch._grouped_mm + index_add scatter), `ragged_dot` (sort + jax.lax.ragged_dot),
 `gshard` (capacity-factor-1.0 dispatch/combine einsums), `tokamax` (tokamax.ragged_dot with its Mosaic GPU
 kernel, pinned so that no silent fallback to XLA is timed; only if importable: packages missing from the
 image can be put in the folder named by JMM_PEER_SITE, which is appended to sys.path so the image's own
 packages win),
-`ours_tiles_<spec>`: `ours` with the environment variable JMM_GEMM_TILES=<spec> ('+' standing for ',',
-grammar in cuda/include/jmm/gemm_tiles.h), e.g. `ours_tiles_default,ours_tiles_pp64x256_c1,
-ours_tiles_fwd_down=coop128x256_c2+bwd_down=coop128x256_c1` to compare GEMM tile configurations in one run,
+`ours_tiles_<spec>`: `ours` with an explicit `jmm.GemmConfig` passed as `moe_ffn(..., gemm_config=...)`: <spec>
+is one `jax_megamoe.GemmTiles` member name for every row-grouped GEMM (`ours_tiles_coop_128x256`), or
+`<gemm>=<member>` pairs joined by '+' (`ours_tiles_fwd_down=coop_128x256+bwd_down=coop_128x256`; <gemm>: fwd_gate_up,
+fwd_down, bwd_down, bwd_gate_up), the GEMMs not named keeping the heuristic's tiles for the config's shape
+(`GemmConfig.for_problem`), to compare GEMM tile configurations in one run,
 and `ours_graphs`: `ours` with XLA recording the custom calls into CUDA graphs (command buffers; XLA_FLAGS of
 GRAPH_XLA_FLAGS set for its subprocess), which XLA does not do for custom calls by default.
 Configs (bf16): q30 (T=16384, H=2048, I=768, E=128, K=8), q235 (H=4096, I=1536), q30s (T=2048), and `tiny`
@@ -50,7 +52,8 @@ CONFIGS = {  # name: (T, H, I, E, K), in ascending memory order
     "q235": (16384, 4096, 1536, 128, 8),
 }
 IMPLS = ("ours", "torch_grouped_mm", "ragged_dot", "gshard", "tokamax")
-TILES_PREFIX = "ours_tiles_"  # + a JMM_GEMM_TILES value with '+' for ',' (commas separate --impls)
+TILES_PREFIX = "ours_tiles_"  # + a GemmTiles member, or gemm=member pairs joined by '+' (commas separate --impls)
+GEMMS = ("fwd_gate_up", "fwd_down", "bwd_down", "bwd_gate_up")  # GemmConfig's fields
 GRAPHS_IMPL = "ours_graphs"
 GRAPH_XLA_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 ROUTINGS = ("uniform", "zipf")
@@ -64,14 +67,41 @@ def flops_forward(t, h, i, e, k):
     return 6 * t * k * h * i
 
 
-def gemm_tiles_spec(impl):
-    """The JMM_GEMM_TILES value of an `ours_tiles_<spec>` implementation name, or None for any other name."""
-    if not impl.startswith(TILES_PREFIX):
+def is_tiles_impl(impl):
+    return impl.startswith(TILES_PREFIX)
+
+
+def gemm_config(impl, shape):
+    """The explicit `jmm.GemmConfig` of an `ours_tiles_<spec>` implementation name for a problem of `shape`
+    (T, H, I, E, K), or None for any other name (moe_ffn's heuristic)."""
+    if not is_tiles_impl(impl):
         return None
-    spec = impl[len(TILES_PREFIX):].replace("+", ",")
+    import dataclasses
+
+    from jax_megamoe import GemmConfig, GemmTiles
+
+    spec = impl[len(TILES_PREFIX):]
     if not spec:
-        raise ValueError(f"impl {impl!r}: expected {TILES_PREFIX}<JMM_GEMM_TILES value>, got an empty value")
-    return spec
+        raise ValueError(f"impl {impl!r}: expected {TILES_PREFIX}<GemmTiles member or gemm=member pairs>, got nothing")
+
+    def tiles(name):
+        try:
+            return GemmTiles[name.upper()]
+        except KeyError:
+            raise ValueError(f"impl {impl!r}: unknown tiles {name!r}; GemmTiles has "
+                             f"{[t.name.lower() for t in GemmTiles]}") from None
+
+    t, h, i, e, k = shape
+    heuristic = GemmConfig.for_problem(t, k, h, i, e)
+    if "=" not in spec:
+        return GemmConfig(**dict.fromkeys(GEMMS, tiles(spec)))
+    chosen = {}
+    for part in spec.split("+"):
+        gemm, _, name = part.partition("=")
+        if gemm not in GEMMS or gemm in chosen:
+            raise ValueError(f"impl {impl!r}: {gemm!r} is not one of {GEMMS} (each once)")
+        chosen[gemm] = tiles(name)
+    return dataclasses.replace(heuristic, **chosen)
 
 
 # ----------------------------------------------------------------------------------------------- JAX side
@@ -113,13 +143,15 @@ def jax_variant(moe, variant, top_k):
     raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
 
 
-def jax_impl(name):
+def jax_impl(name, shape=None):
+    """The MoE function of implementation `name`; `shape` (T, H, I, E, K) gives `ours_tiles_*` their config."""
     import jax
     import jax.numpy as jnp
 
-    if name in ("ours", GRAPHS_IMPL) or gemm_tiles_spec(name) is not None:
-        import jax_megamoe as jmm  # the tiles come from JMM_GEMM_TILES, set by child(); graphs from XLA_FLAGS
-        return lambda x, w, ids, gu, d: jmm.moe_ffn(x, w, ids, gu, d, backend="cuda")
+    if name in ("ours", GRAPHS_IMPL) or is_tiles_impl(name):
+        import jax_megamoe as jmm  # graphs come from XLA_FLAGS, set for the child by child_env()
+        config = gemm_config(name, shape)
+        return lambda x, w, ids, gu, d: jmm.moe_ffn(x, w, ids, gu, d, implementation="cuda", gemm_config=config)
 
     from jax_megamoe.reference import swiglu
 
@@ -205,7 +237,7 @@ def run_jax(name, cname, routing, variant, samples, inner):
         except Exception as err:  # noqa: BLE001 - any import failure means the peer is unavailable
             return dict(row, status=f"skipped: tokamax not importable ({err!r})")
     t, h, i, e, k = CONFIGS[cname]
-    moe = jax_variant(jax_impl(name), variant, k)
+    moe = jax_variant(jax_impl(name, CONFIGS[cname]), variant, k)
     # Without memory statistics (a CPU) the peak is NaN.
     peak_bytes = lambda: (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", float("nan"))
     try:
@@ -332,9 +364,6 @@ def run_torch(cname, routing, variant, samples, inner):
 
 def child(args):
     """One row (one config and routing given), or the matmul rate, printed as JSON for the driver."""
-    spec = gemm_tiles_spec(args.child)
-    if spec is not None:
-        os.environ["JMM_GEMM_TILES"] = spec  # read when moe_ffn is traced, before any
     if args.child == "bf16_matmul_8192":
         row = run_matmul()
     elif args.child == "torch_grouped_mm":

@@ -2,9 +2,9 @@
 
 One jitted `shard_map` step over every local device (mesh axis "expert") does two independent things, so
 XLA may run them concurrently:
-  * MoE forward and backward (all four gradients) with `moe_ffn_ep(backend=--backend)` (bf16, a
-    bench_ep config, T tokens per device; `nvlink` opens an `NvlinkWorkspace` for the mesh with stage
-    2's overlapped forward and backward, `nvlink_stage1` one without, as bench_ep.py does);
+  * MoE forward and backward (all four gradients) with `moe_ffn_ep(transport=--transport)` (bf16, a
+    bench_ep config, T tokens per device; `nvlink` opens an `NvlinkWorkspace` for the mesh and passes
+    `NvlinkTransport(workspace)`, whose fused calls push the rows by the copy engines, as bench_ep.py does);
   * the FSDP pattern: an all_gather of a `--collective-mib` MiB float32 shard per device and a
     psum_scatter of a buffer of that many MiB per device times the axis size (the next step's shard).
 The collective buffers start at 1.0 and stay exactly 1.0 (psum_scatter is divided by the axis size).
@@ -19,10 +19,10 @@ NCCL settings are read when JAX starts, so this script sets them before importin
 sets NCCL_MAX_CTAS (left as in the environment otherwise), and NCCL_NVLS_ENABLE=0 always (NVLink multicast
 stays off). The JSON records the NCCL_* environment actually used.
 
-Usage: python benchmarks/nccl_concurrency.py OUT.json [--backend nvlink|nvlink_stage1|xla|ragged] [--iters 1000]
+Usage: python benchmarks/nccl_concurrency.py OUT.json [--transport nvlink|xla|ragged] [--iters 1000]
          [--collective-mib 1024] [--hang-seconds 60] [--nccl-max-ctas N] [--config q30]
 CPU smoke: JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
-         python benchmarks/nccl_concurrency.py out.json --backend xla --iters 3 --collective-mib 1 --config tiny
+         python benchmarks/nccl_concurrency.py out.json --transport xla --iters 3 --collective-mib 1 --config tiny
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ EXIT_HANG = 3
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json_path", help="where to write the result (JSON)")
-    parser.add_argument("--backend", default="nvlink", choices=("nvlink", "nvlink_stage1", "xla", "ragged"))
+    parser.add_argument("--transport", default="nvlink", choices=("nvlink", "xla", "ragged"))
     parser.add_argument("--iters", type=int, default=1000)
     parser.add_argument("--collective-mib", type=float, default=1024.0,
                         help="MiB per device of the all_gather input and of the psum_scatter output")
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
 
     result = {
         "benchmark": "NCCL concurrency: moe_ffn_ep fwd+bwd with FSDP all_gather/psum_scatter in the same step",
-        "backend": opts.backend, "devices": ep, "device_kind": devices[0].device_kind, "jax": jax.__version__,
+        "transport": opts.transport, "devices": ep, "device_kind": devices[0].device_kind, "jax": jax.__version__,
         "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": dict(zip(("tokens_per_device", "hidden", "inter", "experts", "top_k"), CONFIGS[opts.config]),
                        name=opts.config, dtype="bfloat16"),
@@ -184,8 +184,8 @@ def main(argv=None) -> int:
         seconds = time.monotonic() - start
         result.update(hangs=1, hung_iteration=iteration, hung_after_s=round(seconds, 1))
         write_result()
-        print(f"HANG: iteration {iteration} did not finish within {opts.hang_seconds:g} s (backend "
-              f"{opts.backend}, NCCL_MAX_CTAS={os.environ.get('NCCL_MAX_CTAS', 'unset')}); aborting. "
+        print(f"HANG: iteration {iteration} did not finish within {opts.hang_seconds:g} s (transport "
+              f"{opts.transport}, NCCL_MAX_CTAS={os.environ.get('NCCL_MAX_CTAS', 'unset')}); aborting. "
               f"{result['iterations_done']} iterations completed; wrote {opts.json_path}", file=sys.stderr, flush=True)
 
     sharding = NamedSharding(mesh, P("expert"))
@@ -198,9 +198,9 @@ def main(argv=None) -> int:
 
     open_workspace = functools.partial(jmm.NvlinkWorkspace, mesh, axis_name="expert", max_tokens=tokens,
                                        hidden=hidden, top_k=top_k, dtype=jnp.bfloat16)
-    with ep_options(opts.backend, open_workspace) as moe_options:
+    with ep_options(opts.transport, open_workspace) as moe_options:
         step = build_step(mesh, moe_options)
-        print(f"compiling: backend {opts.backend}, {ep} devices, config {opts.config}, "
+        print(f"compiling: transport {opts.transport}, {ep} devices, config {opts.config}, "
               f"{opts.collective_mib:g} MiB collectives per device", flush=True)
         compiled = step.lower(*args, dy, shard, full).compile()
         watchdog = Watchdog(opts.hang_seconds, on_hang)

@@ -3,7 +3,7 @@
 Nsight Compute serialises kernel launches across a process's GPUs, which deadlocks every kernel that
 waits on a peer (the nvlink transport's and NCCL's), and Nsight Systems is not usable on the lent
 machines; the JAX profiler (CUPTI) records every kernel with its real duration and concurrency. This
-script runs the forward+backward of `moe_ffn_ep` (bench_ep's inputs and backends; `--ep N` GPUs of
+script runs the forward+backward of `moe_ffn_ep` (bench_ep's inputs and transports; `--ep N` GPUs of
 this process, or `--emulate R` shards on one GPU) `--iters` times inside `jax.profiler.trace`, reads
 the Perfetto trace the profiler writes, and sums the duration of the complete events of each device
 process per event name. It also lays out the last step's events on each device in time (stream, start,
@@ -11,7 +11,7 @@ duration), which shows what runs beside what and what waits: the sums alone do n
 Prints the top kernels and the last step per device and writes OUT_DIR/profile_ep.json; the trace itself
 stays in OUT_DIR for Perfetto.
 
-Usage: python benchmarks/profile_ep.py OUT_DIR [--config q30] [--ep 2 | --emulate R] [--backend xla]
+Usage: python benchmarks/profile_ep.py OUT_DIR [--config q30] [--ep 2 | --emulate R] [--transport xla]
                                        [--iters 5] [--top 25] [--process REGEX]
 """
 
@@ -98,7 +98,7 @@ def main(argv=None):
     parser.add_argument("--config", default="q30")
     parser.add_argument("--ep", type=int, default=1, help="GPUs of the expert axis")
     parser.add_argument("--emulate", type=int, metavar="R", help="R emulated shards on one device instead")
-    parser.add_argument("--backend", default="xla", choices=("xla", "ragged", "nvlink"))
+    parser.add_argument("--transport", default="xla", choices=("xla", "ragged", "nvlink"))
     parser.add_argument("--routing", default="uniform", choices=("uniform", "zipf"))
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--top", type=int, default=25, help="events printed per device")
@@ -120,7 +120,7 @@ def main(argv=None):
     args, dy, over_axis, open_workspace = ep_problem(opts.config, ranks, opts.emulate is not None, opts.routing)
 
     opts.out_dir.mkdir(parents=True, exist_ok=True)
-    with ep_options(opts.backend, open_workspace) as options:
+    with ep_options(opts.transport, open_workspace) as options:
         step = jax.jit(forward_backward(over_axis(functools.partial(jmm.moe_ffn_ep, axis_name="expert",
                                                                     **options))))
         for _ in range(3):  # compile and warm up outside the trace
@@ -143,7 +143,7 @@ def main(argv=None):
         for event in events:
             print(f"  {event['start_us']:9.1f} {event['dur_us']:8.1f}  {event['stream'][:24]:24}  {event['name'][:80]}")
     result = {"config": opts.config, "ranks": ranks, "emulated": opts.emulate is not None,
-              "backend": opts.backend, "routing": opts.routing, "iters": opts.iters,
+              "transport": opts.transport, "routing": opts.routing, "iters": opts.iters,
               "device": jax.devices()[0].device_kind, "per_step": profile, "last_step": timeline}
     (opts.out_dir / "profile_ep.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {opts.out_dir / 'profile_ep.json'}")

@@ -1,11 +1,11 @@
 """GPU training record (issue 5, item 5): a Qwen3-30B-A3B-width model with 4 layers, bf16, on one GPU,
-trained twice from the same seed on the same data, once with jax_megamoe's CUDA backend and once with
+trained twice from the same seed on the same data, once with jax_megamoe's CUDA implementation and once with
 a pure-JAX baseline: `--baseline ragged_dot` (DESIGN.md §7: sort + `jax.lax.ragged_dot`, the default) or
-`--baseline reference` (the per-expert dense reference backend, exact but E times the expert FLOPs).
+`--baseline reference` (the per-expert dense reference implementation, exact but E times the expert FLOPs).
 
     python benchmarks/train_record.py OUT_DIR [--steps 150 --batch 2 --seq 1024]
 
-Runs examples/train_qwen3_moe.py once per backend (a fresh process each, so peak memory is per run) and
+Runs examples/train_qwen3_moe.py once per implementation (a fresh process each, so peak memory is per run) and
 writes OUT_DIR/{cuda,BASELINE}/ (metrics.jsonl, loss_curve.png, summary.json), OUT_DIR/loss_curves.png
 (both runs) and OUT_DIR/summary.json (tokens/s, MFU, peak memory, losses, and how closely the runs
 agree: the final losses, the means of `--window`-step windows of the training loss, and the eval losses on
@@ -34,9 +34,9 @@ from moe_training import metrics  # noqa: E402  (the example's helpers; path set
 BASELINES = ("ragged_dot", "reference")
 
 
-def run_backend(backend: str, args, out_dir: Path, device: str) -> dict:
+def run_implementation(implementation: str, args, out_dir: Path, device: str) -> dict:
     command = [sys.executable, str(ROOT / "examples" / "train_qwen3_moe.py"), "--preset", "qwen3-30b-a3b-4layer",
-               "--backend", backend, "--dtype", "bfloat16", "--steps", str(args.steps), "--batch", str(args.batch),
+               "--implementation", implementation, "--dtype", "bfloat16", "--steps", str(args.steps), "--batch", str(args.batch),
                "--seq", str(args.seq), "--seed", str(args.seed), "--eval-every", str(args.eval_every),
                "--eval-batches", str(args.eval_batches),
                "--attention-impl", args.attention_impl, "--mesh-data", "1", "--mesh-expert", "1",
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--attention-impl", choices=["cudnn", "xla"], default="cudnn",
                         help="attention for both runs (DESIGN.md's end-to-end anchors used cuDNN)")
     parser.add_argument("--baseline", choices=BASELINES, default="ragged_dot",
-                        help="the pure-JAX run the CUDA backend is compared with")
+                        help="the pure-JAX run the CUDA implementation is compared with")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
@@ -91,18 +91,18 @@ def main() -> None:
     if args.steps < 20:
         parser.error("--steps must be >= 20 (the final loss averages the last 10 steps)")
 
-    backends = ("cuda", args.baseline)
+    implementations = ("cuda", args.baseline)
     devices = args.device.split(",")
     if len(devices) not in (1, 2):
         parser.error(f"--device takes one GPU or two ('A,B'), got {args.device!r}")
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(devices)) as pool:
-        futures = {backend: pool.submit(run_backend, backend, args, args.out_dir / backend, devices[i % len(devices)])
-                   for i, backend in enumerate(backends)}
-        summaries = {backend: future.result() for backend, future in futures.items()}
-    done = [b for b in backends if not summaries[b].get("failed")]
+        futures = {name: pool.submit(run_implementation, name, args, args.out_dir / name, devices[i % len(devices)])
+                   for i, name in enumerate(implementations)}
+        summaries = {name: future.result() for name, future in futures.items()}
+    done = [b for b in implementations if not summaries[b].get("failed")]
     record = {"runs": summaries, "final_loss_mean_last_10_steps": {b: summaries[b]["final_loss"] for b in done}}
     curves = {b: metrics.read_metrics(str(args.out_dir / b / "metrics.jsonl")) for b in done}
-    if len(done) == len(backends):
+    if len(done) == len(implementations):
         finals = record["final_loss_mean_last_10_steps"]
         gap = abs(finals["cuda"] - finals[args.baseline]) / finals[args.baseline]
         record.update(final_loss_relative_gap=gap, within_1pct=gap <= 0.01,
@@ -113,15 +113,15 @@ def main() -> None:
     (args.out_dir / "summary.json").write_text(json.dumps(record, indent=2))
     metrics.plot_loss_curves(curves, str(args.out_dir / "loss_curves.png"))
 
-    print("| backend | tokens/s | MFU | step ms | peak GiB | final loss |")
+    print("| implementation | tokens/s | MFU | step ms | peak GiB | final loss |")
     print("|---|---|---|---|---|---|")
-    for backend, s in summaries.items():
+    for name, s in summaries.items():
         if s.get("failed"):
-            print(f"| {backend} | failed (exit code {s['returncode']}) | | | | |")
+            print(f"| {name} | failed (exit code {s['returncode']}) | | | | |")
             continue
         mfu = f"{100 * s['mfu']:.1f}%" if s["mfu"] else "-"
         peak = f"{s['peak_memory_bytes'] / 2**30:.1f}" if s["peak_memory_bytes"] else "-"
-        print(f"| {backend} | {s['tokens_per_s']:,.0f} | {mfu} | {1e3 * s['median_step_time_s']:.1f} | {peak} "
+        print(f"| {name} | {s['tokens_per_s']:,.0f} | {mfu} | {1e3 * s['median_step_time_s']:.1f} | {peak} "
               f"| {s['final_loss']:.4f} |")
     if "final_loss_relative_gap" in record:
         print(f"final-loss gap {100 * record['final_loss_relative_gap']:.2f}% (within 1%: {record['within_1pct']}); "

@@ -27,12 +27,12 @@ def cpu_env(devices: int) -> dict[str, str]:
 def test_nccl_concurrency_runs_moe_and_collectives_on_two_cpu_devices(tmp_path):
     out = tmp_path / "concurrency.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "nccl_concurrency.py"), str(out), "--backend", "xla", "--iters", "3",
+        [sys.executable, str(BENCHMARKS / "nccl_concurrency.py"), str(out), "--transport", "xla", "--iters", "3",
          "--collective-mib", "1", "--config", "tiny", "--nccl-max-ctas", "32"],
         env=cpu_env(2), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
-    assert result["devices"] == 2 and result["backend"] == "xla"
+    assert result["devices"] == 2 and result["transport"] == "xla"
     assert result["iterations_done"] == 3 and result["hangs"] == 0
     assert result["checksum_mismatches"] == 0 and result["collectives_exact"] is True
     assert result["env"]["NCCL_MAX_CTAS"] == "32" and result["env"]["NCCL_NVLS_ENABLE"] == "0"
@@ -50,42 +50,52 @@ def test_nccl_concurrency_watchdog_aborts_a_stuck_iteration():
     assert proc.stdout.strip() == "hung at 7"
 
 
-def test_bench_ep_backend_list():
-    assert bench_ep.parse_backends("xla,ragged,nvlink") == ["xla", "ragged", "nvlink"]
-    assert bench_ep.parse_backends("nvlink,nvlink_stage1") == ["nvlink", "nvlink_stage1"]
-    assert bench_ep.parse_backends(" xla , xla ") == ["xla"]
-    for bad in ("", "xla,bogus"):
+def test_bench_ep_transport_list():
+    assert bench_ep.parse_transports("xla,ragged,nvlink") == ["xla", "ragged", "nvlink"]
+    assert bench_ep.parse_transports(" xla , xla ") == ["xla"]
+    for bad in ("", "xla,bogus", "nvlink_stage1", "auto"):
         with pytest.raises(argparse.ArgumentTypeError, match="comma list"):
-            bench_ep.parse_backends(bad)
+            bench_ep.parse_transports(bad)
 
 
 class _FakeWorkspace:
-    def __init__(self, overlap):
-        self.overlap, self.closed = overlap, False
+    def __init__(self):
+        self.closed = False
 
     def close(self):
         self.closed = True
 
 
-@pytest.mark.parametrize("backend, overlap", [("nvlink", True), ("nvlink_stage1", False)])
-def test_bench_ep_nvlink_variants_open_their_workspace(backend, overlap):
-    # Both run moe_ffn_ep's "nvlink" backend; the name picks the workspace's overlap, closed after the block.
-    with bench_ep.ep_options(backend, _FakeWorkspace) as options:
-        workspace = options["workspace"]
-        assert options == {"backend": "nvlink", "workspace": workspace} and workspace.overlap is overlap
+def test_bench_ep_nvlink_opens_its_workspace_and_passes_the_transport(monkeypatch):
+    # "nvlink" runs moe_ffn_ep with transport=NvlinkTransport(workspace), the workspace closed after the block.
+    import jax_megamoe as jmm
+    monkeypatch.setattr(jmm, "NvlinkTransport", lambda workspace: ("transport of", workspace))
+    with bench_ep.ep_options("nvlink", _FakeWorkspace) as options:
+        kind, workspace = options["transport"]
+        assert kind == "transport of" and isinstance(workspace, _FakeWorkspace) and list(options) == ["transport"]
         assert not workspace.closed
     assert workspace.closed
     with bench_ep.ep_options("xla", _FakeWorkspace) as options:
-        assert options == {"backend": "xla"}
+        assert options == {"transport": "xla"}
 
 
-def test_bench_moe_tiles_impl_names_give_the_gemm_tiles_variable():
-    assert bench_moe.gemm_tiles_spec("ours") is None
-    assert bench_moe.gemm_tiles_spec("ours_tiles_pp64x256_c1") == "pp64x256_c1"
-    assert (bench_moe.gemm_tiles_spec("ours_tiles_fwd_down=coop128x256_c2+bwd_down=default")
-            == "fwd_down=coop128x256_c2,bwd_down=default")
-    with pytest.raises(ValueError, match="empty value"):
-        bench_moe.gemm_tiles_spec("ours_tiles_")
+def test_bench_moe_tiles_impl_names_give_an_explicit_gemm_config():
+    from jax_megamoe import GemmConfig, GemmTiles
+    shape = bench_moe.CONFIGS["q30"]
+    t, h, i, e, k = shape
+    heuristic = GemmConfig.for_problem(t, k, h, i, e)
+    assert bench_moe.gemm_config("ours", shape) is None
+    for tiles in GemmTiles:
+        config = bench_moe.gemm_config(f"ours_tiles_{tiles.name.lower()}", shape)
+        assert config == GemmConfig(tiles, tiles, tiles, tiles)
+    last = list(GemmTiles)[-1]
+    config = bench_moe.gemm_config(f"ours_tiles_fwd_down={last.name.lower()}+bwd_gate_up={last.name}", shape)
+    assert config == GemmConfig(heuristic.fwd_gate_up, last, heuristic.bwd_down, last)
+    for bad, message in (("ours_tiles_", "got nothing"), ("ours_tiles_bogus", "unknown tiles"),
+                         (f"ours_tiles_bwd_up={last.name}", "is not one of"),
+                         (f"ours_tiles_fwd_down={last.name}+fwd_down={last.name}", "each once")):
+        with pytest.raises(ValueError, match=message):
+            bench_moe.gemm_config(bad, shape)
 
 
 def test_bench_moe_graphs_impl_adds_the_command_buffer_flags(monkeypatch):
@@ -97,7 +107,7 @@ def test_bench_moe_graphs_impl_adds_the_command_buffer_flags(monkeypatch):
 
 
 def test_bench_moe_table_fits_long_impl_names():
-    row = dict(impl="ours_tiles_fwd_gate_up=pp64x256_c1", config="q30s", routing="uniform", variant="router",
+    row = dict(impl="ours_tiles_fwd_gate_up=coop_128x256+fwd_down=coop_128x256", config="q30s", routing="uniform", variant="router",
                status="ok",
                fwd_ms=0.5, fwd_tflops=300.0, fwd_pct_matmul=43.0, fwd_bwd_ms=1.5, fwd_bwd_tflops=310.0,
                fwd_bwd_pct_matmul=44.0, peak_gib=3.7, peak_by_call=True)
@@ -108,19 +118,21 @@ def test_bench_moe_table_fits_long_impl_names():
 
 def test_bench_ep_emulated_shards_on_one_cpu_device(tmp_path):
     # 4 emulated shards under vmap on one device: xla measured, ragged recorded as failed (exit 1), the JSON
-    # names the emulation and every row has its times or its error.
+    # names the emulation and every row has its times or its error. One sample of one call: the plumbing only.
     out = tmp_path / "ep.json"
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_ep.py"), str(out), "--config", "tiny", "--emulate", "4",
-         "--backend", "xla,ragged", "--routing", "uniform"],
+         "--transport", "xla,ragged", "--routing", "uniform", "--samples", "1", "--calls", "1"],
         env=cpu_env(1), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
-    assert result["config"]["emulated_shards"] == 4 and result["failed_backends"] == ["ragged"]
+    assert result["config"]["emulated_shards"] == 4 and result["failed_transports"] == ["ragged"]
+    assert result["config"]["transports"] == ["xla", "ragged"]
+    assert result["timing"].startswith("median over 1 samples of 1 back-to-back calls")
     baseline, xla, ragged = result["rows"]
-    assert baseline["impl"] == "moe_ffn" and xla["impl"] == "moe_ffn_ep(emulated R=4, backend=xla)"
+    assert baseline["impl"] == "moe_ffn" and xla["impl"] == "moe_ffn_ep(emulated R=4, transport=xla)"
     assert xla["forward_ms"] > 0 and xla["forward_ratio"] == pytest.approx(xla["forward_ms"] / baseline["forward_ms"])
-    assert "ragged_all_to_all" in ragged["error"]
+    assert "transport='ragged'" in ragged["error"]
 
 
 def test_bench_ep_emulate_refuses_a_mesh():
@@ -178,7 +190,7 @@ def test_profile_ep_runs_on_two_cpu_devices(tmp_path):
         env=cpu_env(2), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "profile_ep.json").read_text())
-    assert result["ranks"] == 2 and result["backend"] == "xla" and not result["emulated"]
+    assert result["ranks"] == 2 and result["transport"] == "xla" and not result["emulated"]
     events = result["per_step"]["/host:CPU"]["events"]
     assert events and all(row["ms"] >= 0 for row in events)
 
@@ -218,16 +230,12 @@ def test_bench_moe_runs_every_variant_of_the_jax_peers_on_cpu(tmp_path):
 
 
 def _float32_problem(seed=0):
-    import jax
+    """The tiny config's float32 x, w_gate_up, w_down, cotangent and a router's weights (moe_cases' draws)."""
     import jax.numpy as jnp
+    from moe_cases import Case, make_problem, normal
     t, h, i, e, k = bench_moe.CONFIGS["tiny"]
-    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
-    x = jax.random.normal(keys[0], (t, h), jnp.float32)
-    gu = jax.random.normal(keys[1], (e, h, 2 * i), jnp.float32) / h**0.5
-    d = jax.random.normal(keys[2], (e, i, h), jnp.float32) / i**0.5
-    dy = jax.random.normal(keys[3], (t, h), jnp.float32)
-    w_router = jax.random.normal(keys[4], (h, e), jnp.float32) / h**0.5
-    return x, gu, d, dy, w_router, k
+    (x, _, _, gu, d), dy = make_problem(Case(t, h, i, e, k), jnp.float32, seed=("bench", seed))
+    return x, gu, d, dy, normal(("router", seed), (h, e), scale=h**-0.5), k
 
 
 @pytest.mark.parametrize("variant", ["plain", "router", "remat"])
