@@ -479,8 +479,8 @@ def test_under_checkpoint_saving_the_named_residuals_nothing_is_recomputed(cuda_
     """jax.checkpoint with save_only_these_names("moe_layout", "moe_gate_up", "moe_rows"): the lowered program
     runs each nvlink call once (nothing of the exchanges or the experts recomputed), as without jax.checkpoint;
     with no policy the backward's recomputation runs the exchanges of the ids and weights, the layout and the
-    gate_up call again, never the down call. (XLA:GPU keeps both copies; tests/test_nvlink_gpu.py counts them in
-    the program compiled on a GPU.)"""
+    gate_up call again, never the down call. (tests/test_nvlink_gpu.py counts the calls again in the program
+    lowered and compiled on a GPU, and compares the gradients.)"""
     plain = nvlink_call_counts(lower_for_cuda(ep_step(), *EP_SHAPES))
     assert plain == {
         "nvlink_moe_gate_up": 1,

@@ -227,15 +227,21 @@ def test_where_the_fused_path_cannot_apply_xla_runs_with_one_warning(monkeypatch
     assert_bitwise_equal(second, first)
 
 
-def compiled_fused_counts(fn, *args) -> dict[str, int]:
-    text = fn.lower(*args).compile().as_text()
-    return {target: text.count(f'custom_call_target="{target}"') for target in FUSED_CALLS}
+def fused_counts(fn, *args) -> tuple[dict[str, int], dict[str, int]]:
+    """How many calls of each fused target the lowered and the compiled program of jitted `fn` make."""
+    lowered = fn.lower(*args)
+    text, compiled = lowered.as_text(), lowered.compile().as_text()
+    return (
+        {target: text.count(f"@{target}(") for target in FUSED_CALLS},
+        {target: compiled.count(f'custom_call_target="{target}"') for target in FUSED_CALLS},
+    )
 
 
 def test_checkpoint_saving_the_named_residuals_recomputes_no_fused_call():
-    """Under jax.checkpoint with save_only_these_names("moe_layout", "moe_gate_up", "moe_rows") the program
-    compiled on the GPU runs each fused call once, as without jax.checkpoint; with no policy it runs the gate_up
-    call twice (the recomputation) and the others once; all three give the plain gradients bit for bit."""
+    """Under jax.checkpoint with save_only_these_names("moe_layout", "moe_gate_up", "moe_rows") the program,
+    lowered and compiled on the GPU, runs each fused call once, as without jax.checkpoint; with no policy the
+    lowered program runs the gate_up call twice (the recomputation) and the others once, and the compiled one
+    keeps one down and one backward call; all three give the plain gradients bit for bit."""
     ranks, tokens, hidden, inter, experts, top_k = 2, 96, 128, 64, 32, 4
     args, dy = make_shards(31, ranks, tokens, hidden, inter, experts, top_k, jnp.bfloat16, "zipf")
     policy = jax.checkpoint_policies.save_only_these_names("moe_layout", "moe_gate_up", "moe_rows")
@@ -249,11 +255,14 @@ def test_checkpoint_saving_the_named_residuals_recomputes_no_fused_call():
                 ("recomputed", jax.checkpoint(layer)),
             )
         }
-        counts = {name: compiled_fused_counts(step, args, dy) for name, step in steps.items()}
+        counts = {name: fused_counts(step, args, dy) for name, step in steps.items()}
         results = {name: jax.block_until_ready(step(args, dy)) for name, step in steps.items()}
     once = dict.fromkeys(FUSED_CALLS, 1)
-    assert counts["plain"] == once and counts["saved"] == once, counts
-    assert counts["recomputed"] == once | {"jmm_cuda_nvlink_moe_gate_up": 2}, counts
+    for name in ("plain", "saved"):
+        assert counts[name] == (once, once), (name, counts[name])
+    lowered, compiled = counts["recomputed"]
+    assert lowered == once | {"jmm_cuda_nvlink_moe_gate_up": 2}, lowered
+    assert compiled["jmm_cuda_nvlink_moe_down"] == compiled["jmm_cuda_nvlink_moe_backward"] == 1, compiled
     assert_bitwise_equal(results["saved"], results["plain"])
     assert_bitwise_equal(results["recomputed"], results["plain"])
 
