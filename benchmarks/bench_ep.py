@@ -11,9 +11,9 @@ they apply (bf16, H and I multiples of 8; otherwise moe_ffn_ep runs "xla" and wa
 destination's block when dropless. A transport that fails is recorded with its error, the others still run, and
 the exit status is 1.
 
-Times are medians over `--samples` samples of `--calls` back-to-back calls after 3 warm-up calls, each sample
-synchronised once (so they are device time whenever the device is the bottleneck). Forward, and forward+backward (all four
-gradients). Prints a table and writes JSON.
+Times are medians over `--samples` samples of `--calls` back-to-back calls after 3 warm-up calls, each
+sample synchronised once (so they are device time whenever the device is the bottleneck). Forward, and
+forward+backward (all four gradients). Prints a table and writes JSON.
 
 `--emulate R` runs R emulated shards on one device instead (`jax.vmap` over the expert axis, nvlink with
 `NvlinkWorkspace.emulated`), against `moe_ffn` on all R·T tokens: the cost of the protocol itself
@@ -60,18 +60,20 @@ def make_inputs(tokens, hidden, inter, experts, top_k, routing, seed=0):
     ids = jax.lax.top_k(log_p + jax.random.gumbel(keys[0], (tokens, experts)), top_k)[1].astype(jnp.int32)
     weights = jax.nn.softmax(jax.random.normal(keys[1], (tokens, top_k)), axis=-1)
     x = jax.random.normal(keys[2], (tokens, hidden), jnp.bfloat16)
-    w_gate_up = (jax.random.normal(keys[3], (experts, hidden, 2 * inter)) / hidden ** 0.5).astype(jnp.bfloat16)
-    w_down = (jax.random.normal(keys[4], (experts, inter, hidden)) / inter ** 0.5).astype(jnp.bfloat16)
+    w_gate_up = (jax.random.normal(keys[3], (experts, hidden, 2 * inter)) / hidden**0.5).astype(jnp.bfloat16)
+    w_down = (jax.random.normal(keys[4], (experts, inter, hidden)) / inter**0.5).astype(jnp.bfloat16)
     dy = jax.random.normal(keys[5], (tokens, hidden), jnp.bfloat16)
     return (x, weights, ids, w_gate_up, w_down), dy
 
 
 def forward_backward(fn):
     """`(x, weights, ids, w_gate_up, w_down), dy -> (y, dx, d_weights, d_w_gate_up, d_w_down)`."""
+
     def run(args, dy):
         x, weights, ids, w_gate_up, w_down = args
         y, vjp = jax.vjp(lambda a, w, g, d: fn(a, w, ids, g, d), x, weights, w_gate_up, w_down)
         return (y, *vjp(dy))
+
     return run
 
 
@@ -140,19 +142,28 @@ def ep_problem(config, ranks, emulated, routing):
     args, dy = make_inputs(tokens * ranks, hidden, inter, experts, top_k, routing)
     workspace_size = dict(max_tokens=tokens, hidden=hidden, top_k=top_k, dtype=jnp.bfloat16)
     if emulated:
+
         def shards(a):  # [R·n, ...] -> [R, n, ...]: shard r holds tokens (or experts) r·n .. r·n + n - 1
             return a.reshape(ranks, a.shape[0] // ranks, *a.shape[1:])
-        return (tuple(shards(a) for a in args), shards(dy), functools.partial(jax.vmap, axis_name="expert"),
-                functools.partial(jmm.NvlinkWorkspace.emulated, ranks, **workspace_size))
+
+        return (
+            tuple(shards(a) for a in args),
+            shards(dy),
+            functools.partial(jax.vmap, axis_name="expert"),
+            functools.partial(jmm.NvlinkWorkspace.emulated, ranks, **workspace_size),
+        )
     devices = jax.devices()[:ranks]
     if len(devices) < ranks:
         raise SystemExit(f"--ep {ranks} needs {ranks} devices, found {len(jax.devices())}")
     mesh = Mesh(np.array(devices), ("expert",))
     sharding = NamedSharding(mesh, P("expert"))
     spec = P("expert")
-    return (tuple(jax.device_put(a, sharding) for a in args), jax.device_put(dy, sharding),
-            functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec),
-            functools.partial(jmm.NvlinkWorkspace, mesh, axis_name="expert", **workspace_size))
+    return (
+        tuple(jax.device_put(a, sharding) for a in args),
+        jax.device_put(dy, sharding),
+        functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec),
+        functools.partial(jmm.NvlinkWorkspace, mesh, axis_name="expert", **workspace_size),
+    )
 
 
 def run_config(config, ep, transports, routing):
@@ -163,8 +174,13 @@ def run_config(config, ep, transports, routing):
     args, dy = make_inputs(tokens, hidden, inter, local_experts, min(top_k, local_experts), routing)
     baseline = measure("moe_ffn", jmm.moe_ffn, args, dy)
     args, dy, over_mesh, open_workspace = ep_problem(config, ep, False, routing)
-    rows = [baseline] + [with_ratios(measure_ep(f"moe_ffn_ep(ep={ep}, transport={transport})", transport, over_mesh,
-                                                open_workspace, args, dy), baseline) for transport in transports]
+    rows = [baseline] + [
+        with_ratios(
+            measure_ep(f"moe_ffn_ep(ep={ep}, transport={transport})", transport, over_mesh, open_workspace, args, dy),
+            baseline,
+        )
+        for transport in transports
+    ]
     return [dict(row, config=config, routing=routing) for row in rows]
 
 
@@ -176,34 +192,47 @@ def run_emulated(config, ranks, transports, routing):
 
     def merged(a):  # [R, n, ...] -> [R·n, ...]: the whole problem, for moe_ffn
         return a.reshape(-1, *a.shape[2:])
+
     baseline = measure("moe_ffn", jmm.moe_ffn, tuple(merged(a) for a in args), merged(dy))
-    rows = [baseline] + [with_ratios(measure_ep(f"moe_ffn_ep(emulated R={ranks}, transport={transport})", transport,
-                                                over_vmap, open_workspace, args, dy), baseline)
-                         for transport in transports]
+    rows = [baseline] + [
+        with_ratios(
+            measure_ep(
+                f"moe_ffn_ep(emulated R={ranks}, transport={transport})", transport, over_vmap, open_workspace, args, dy
+            ),
+            baseline,
+        )
+        for transport in transports
+    ]
     return [dict(row, config=config, routing=routing) for row in rows]
 
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
 def print_table(rows):
     """One line per row: times, overhead over moe_ffn, and the same as a ratio (1.05x = +5.0%)."""
-    print(f"{'config':7} {'routing':8} {'impl':47} {'fwd ms':>9} {'fwd+bwd ms':>11} {'fwd ovh':>8} {'f+b ovh':>8} "
-          f"{'fwd/ffn':>8} {'f+b/ffn':>8}")
+    print(
+        f"{'config':7} {'routing':8} {'impl':47} {'fwd ms':>9} {'fwd+bwd ms':>11} {'fwd ovh':>8} {'f+b ovh':>8} "
+        f"{'fwd/ffn':>8} {'f+b/ffn':>8}"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['config']:7} {r['routing']:8} {r['impl']:47} FAILED: {r['error'][:200]}")
             continue
-        overheads = [f"{r[k] * 100:+7.1f}%" if k in r else f"{'':8}" for k in
-                     ("forward_overhead", "forward_backward_overhead")]
+        overheads = [
+            f"{r[k] * 100:+7.1f}%" if k in r else f"{'':8}" for k in ("forward_overhead", "forward_backward_overhead")
+        ]
         ratios = [f"{r[k]:7.3f}x" if k in r else f"{'':8}" for k in ("forward_ratio", "forward_backward_ratio")]
-        print(f"{r['config']:7} {r['routing']:8} {r['impl']:47} {r['forward_ms']:9.3f} "
-              f"{r['forward_backward_ms']:11.3f} {overheads[0]} {overheads[1]} {ratios[0]} {ratios[1]}")
+        print(
+            f"{r['config']:7} {r['routing']:8} {r['impl']:47} {r['forward_ms']:9.3f} "
+            f"{r['forward_backward_ms']:11.3f} {overheads[0]} {overheads[1]} {ratios[0]} {ratios[1]}"
+        )
 
 
 def parse_transports(text: str) -> list[str]:
@@ -220,12 +249,20 @@ def main():
     parser.add_argument("json_path", help="where to write the results (JSON)")
     parser.add_argument("--config", default="q30", choices=sorted(CONFIGS))
     parser.add_argument("--ep", type=int, default=1, help="expert-axis size (devices)")
-    parser.add_argument("--transport", default=["xla"], type=parse_transports,
-                        help=f"moe_ffn_ep transport, or a comma list of them run side by side: {', '.join(TRANSPORTS)}")
+    parser.add_argument(
+        "--transport",
+        default=["xla"],
+        type=parse_transports,
+        help=f"moe_ffn_ep transport, or a comma list of them run side by side: {', '.join(TRANSPORTS)}",
+    )
     parser.add_argument("--routing", default="uniform,zipf")
-    parser.add_argument("--emulate", type=int, metavar="R",
-                        help="R emulated shards on one device (jax.vmap) instead of a mesh of --ep devices; "
-                             "the baseline is then moe_ffn on all R*T tokens and E experts")
+    parser.add_argument(
+        "--emulate",
+        type=int,
+        metavar="R",
+        help="R emulated shards on one device (jax.vmap) instead of a mesh of --ep devices; "
+        "the baseline is then moe_ffn on all R*T tokens and E experts",
+    )
     parser.add_argument("--samples", type=int, default=TIMING["samples"], help="timed samples per measurement")
     parser.add_argument("--calls", type=int, default=TIMING["calls"], help="back-to-back calls per sample")
     opts = parser.parse_args()
@@ -237,8 +274,11 @@ def main():
 
     rows = []
     for routing in opts.routing.split(","):
-        rows += (run_config(opts.config, opts.ep, opts.transport, routing) if opts.emulate is None else
-                 run_emulated(opts.config, opts.emulate, opts.transport, routing))
+        rows += (
+            run_config(opts.config, opts.ep, opts.transport, routing)
+            if opts.emulate is None
+            else run_emulated(opts.config, opts.emulate, opts.transport, routing)
+        )
     print_table(rows)
     ep_rows = [r for r in rows if r["impl"] != "moe_ffn"]
     failed = [r for r in ep_rows if "error" in r]
@@ -247,23 +287,38 @@ def main():
     target = TARGET_OVERHEAD if opts.ep == 1 and opts.emulate is None else None
     result = {
         "benchmark": "moe_ffn_ep overhead vs moe_ffn",
-        "device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "timing": (f"median over {TIMING['samples']} samples of {TIMING['calls']} back-to-back calls, one sync per "
-                   f"sample, after {TIMING['warmup']} warm-up calls"),
-        "config": dict(zip(("tokens_per_device", "hidden", "inter", "experts", "top_k"), CONFIGS[opts.config]),
-                       name=opts.config, dtype="bfloat16", ep=opts.ep, emulated_shards=opts.emulate,
-                       transport=",".join(opts.transport), transports=opts.transport),
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "timing": (
+            f"median over {TIMING['samples']} samples of {TIMING['calls']} back-to-back calls, one sync per "
+            f"sample, after {TIMING['warmup']} warm-up calls"
+        ),
+        "config": dict(
+            zip(("tokens_per_device", "hidden", "inter", "experts", "top_k"), CONFIGS[opts.config], strict=True),
+            name=opts.config,
+            dtype="bfloat16",
+            ep=opts.ep,
+            emulated_shards=opts.emulate,
+            transport=",".join(opts.transport),
+            transports=opts.transport,
+        ),
         "target_overhead": target,
-        "meets_target": None if target is None else not failed and all(
-            r["forward_overhead"] <= target and r["forward_backward_overhead"] <= target for r in ep_rows),
+        "meets_target": None
+        if target is None
+        else not failed
+        and all(r["forward_overhead"] <= target and r["forward_backward_overhead"] <= target for r in ep_rows),
         "failed_transports": sorted({r["transport"] for r in failed}),
         "rows": rows,
     }
     with open(opts.json_path, "w") as f:
         json.dump(result, f, indent=2)
-    verdict = "" if target is None else (
-        f"; overhead target <= {target:.0%}: {'met' if result['meets_target'] else 'NOT met'}")
+    verdict = (
+        ""
+        if target is None
+        else (f"; overhead target <= {target:.0%}: {'met' if result['meets_target'] else 'NOT met'}")
+    )
     print(f"wrote {opts.json_path}{verdict}")
     if failed:
         raise SystemExit(f"transports failed: {', '.join(result['failed_transports'])} (errors in the table and JSON)")

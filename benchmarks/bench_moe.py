@@ -14,7 +14,7 @@ fwd_down, bwd_down, bwd_gate_up), the GEMMs not named keeping the heuristic's ti
 and `ours_graphs`: `ours` with XLA recording the custom calls into CUDA graphs (command buffers; XLA_FLAGS of
 GRAPH_XLA_FLAGS set for its subprocess), which XLA does not do for custom calls by default.
 Configs (bf16): q30 (T=16384, H=2048, I=768, E=128, K=8), q235 (H=4096, I=1536), q30s (T=2048), and `tiny`
-(a CPU smoke size); uniform and Zipf-skewed routing. Variants (DESIGN §7): `plain` (router excluded, as published
+(a CPU smoke size); uniform and Zipf-skewed routing. Variants: `plain` (router excluded, as published
 fused-MoE numbers are taken), `router` (the router inside the timed call: logits GEMM, float32 softmax, top-k and
 renormalisation, differentiated into its weight; the same routing code for every implementation) and `remat`
 (the MoE under jax.checkpoint, torch.utils.checkpoint for torch: the backward recomputes the forward, as
@@ -58,9 +58,11 @@ GRAPHS_IMPL = "ours_graphs"
 GRAPH_XLA_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 ROUTINGS = ("uniform", "zipf")
 VARIANTS = ("plain", "router", "remat")
-# Peers known to be hopeless at a size are not run there (DESIGN §7 anchors): recorded as skipped.
-SKIP = {("gshard", "q235"): "not run: dense capacity einsum at q235 takes minutes of device time",
-        ("ragged_dot", "q235"): "not run: already out of memory at q30 (dense expansion)"}
+# Peers known to be hopeless at a size are not run there (measured once): recorded as skipped.
+SKIP = {
+    ("gshard", "q235"): "not run: dense capacity einsum at q235 takes minutes of device time",
+    ("ragged_dot", "q235"): "not run: already out of memory at q30 (dense expansion)",
+}
 
 
 def flops_forward(t, h, i, e, k):
@@ -80,7 +82,7 @@ def gemm_config(impl, shape):
 
     from jax_megamoe import GemmConfig, GemmTiles
 
-    spec = impl[len(TILES_PREFIX):]
+    spec = impl[len(TILES_PREFIX) :]
     if not spec:
         raise ValueError(f"impl {impl!r}: expected {TILES_PREFIX}<GemmTiles member or gemm=member pairs>, got nothing")
 
@@ -88,8 +90,9 @@ def gemm_config(impl, shape):
         try:
             return GemmTiles[name.upper()]
         except KeyError:
-            raise ValueError(f"impl {impl!r}: unknown tiles {name!r}; GemmTiles has "
-                             f"{[t.name.lower() for t in GemmTiles]}") from None
+            raise ValueError(
+                f"impl {impl!r}: unknown tiles {name!r}; GemmTiles has {[t.name.lower() for t in GemmTiles]}"
+            ) from None
 
     t, h, i, e, k = shape
     heuristic = GemmConfig.for_problem(t, k, h, i, e)
@@ -106,6 +109,7 @@ def gemm_config(impl, shape):
 
 # ----------------------------------------------------------------------------------------------- JAX side
 
+
 def log_prior(e, routing, xp):
     """Log-probabilities of the experts before noise: flat, or Zipf-like (`xp`: numpy, jax.numpy or torch)."""
     if routing == "uniform":
@@ -116,6 +120,7 @@ def log_prior(e, routing, xp):
 def jax_routing(t, e, k, routing, seed):
     import jax
     import jax.numpy as jnp
+
     k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
     experts = jax.lax.top_k(log_prior(e, routing, jnp) + jax.random.gumbel(k1, (t, e)), k)[1].astype(jnp.int32)
     weights = jax.nn.softmax(jax.random.normal(k2, (t, k)), axis=-1)
@@ -128,6 +133,7 @@ def jax_variant(moe, variant, top_k):
     jax_megamoe.route (what every JAX implementation here would call), so r1 gets the router's gradient."""
     import jax
     import jax.numpy as jnp
+
     if variant == "plain":
         return moe
     if variant == "remat":
@@ -139,6 +145,7 @@ def jax_variant(moe, variant, top_k):
             logits = jnp.dot(x, w_router, preferred_element_type=jnp.float32) + logit_bias
             weights, experts = route(logits, top_k, norm_topk_prob=True)
             return moe(x, weights, experts, gu, d)
+
         return routed
     raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
 
@@ -150,6 +157,7 @@ def jax_impl(name, shape=None):
 
     if name in ("ours", GRAPHS_IMPL) or is_tiles_impl(name):
         import jax_megamoe as jmm  # graphs come from XLA_FLAGS, set for the child by child_env()
+
         config = gemm_config(name, shape)
         return lambda x, w, ids, gu, d: jmm.moe_ffn(x, w, ids, gu, d, implementation="cuda", gemm_config=config)
 
@@ -158,9 +166,11 @@ def jax_impl(name, shape=None):
     if name in ("ragged_dot", "tokamax"):
         if name == "tokamax":
             import tokamax
-            ragged = lambda a, b, s: tokamax.ragged_dot(a, b, s, implementation="mosaic")
+
+            def ragged(a, b, s):
+                return tokamax.ragged_dot(a, b, s, implementation="mosaic")
         else:
-            ragged = lambda a, b, s: jax.lax.ragged_dot(a, b, s)
+            ragged = jax.lax.ragged_dot
 
         def moe(x, w, ids, gu, d):
             t, k = ids.shape
@@ -172,28 +182,36 @@ def jax_impl(name, shape=None):
             out = ragged(swiglu(ragged(xs, gu, sizes)), d, sizes)
             out = out.astype(jnp.float32) * w.reshape(-1)[order][:, None]
             return jnp.zeros((t, x.shape[1]), jnp.float32).at[order // k].add(out).astype(x.dtype)
+
         return moe
 
     if name == "gshard":
+
         def moe(x, w, ids, gu, d):
             t, k = ids.shape
             e = gu.shape[0]
             cap = math.ceil(t * k / e)  # capacity factor 1.0
-            onehot = jax.nn.one_hot(ids, e, dtype=jnp.int32)                       # [T, K, E]
+            onehot = jax.nn.one_hot(ids, e, dtype=jnp.int32)  # [T, K, E]
             pos = jnp.cumsum(onehot.reshape(t * k, e), axis=0).reshape(t, k, e) - 1
-            pos = jnp.sum(pos * onehot, axis=-1)                                   # [T, K]
+            pos = jnp.sum(pos * onehot, axis=-1)  # [T, K]
             keep = (pos < cap).astype(x.dtype)
-            dispatch = sum(jax.nn.one_hot(ids[:, j], e, dtype=x.dtype)[:, :, None]
-                           * (jax.nn.one_hot(pos[:, j], cap, dtype=x.dtype) * keep[:, j, None])[:, None, :]
-                           for j in range(k))                                       # [T, E, C]
-            combine = sum(jax.nn.one_hot(ids[:, j], e, dtype=x.dtype)[:, :, None]
-                          * (jax.nn.one_hot(pos[:, j], cap, dtype=x.dtype)
-                             * (keep[:, j] * w[:, j]).astype(x.dtype)[:, None])[:, None, :]
-                          for j in range(k))
+            dispatch = sum(
+                jax.nn.one_hot(ids[:, j], e, dtype=x.dtype)[:, :, None]
+                * (jax.nn.one_hot(pos[:, j], cap, dtype=x.dtype) * keep[:, j, None])[:, None, :]
+                for j in range(k)
+            )  # [T, E, C]
+            combine = sum(
+                jax.nn.one_hot(ids[:, j], e, dtype=x.dtype)[:, :, None]
+                * (jax.nn.one_hot(pos[:, j], cap, dtype=x.dtype) * (keep[:, j] * w[:, j]).astype(x.dtype)[:, None])[
+                    :, None, :
+                ]
+                for j in range(k)
+            )
             xe = jnp.einsum("tec,th->ech", dispatch, x)
             he = swiglu(jnp.einsum("ech,ehi->eci", xe, gu))
             oe = jnp.einsum("eci,eih->ech", he, d)
             return jnp.einsum("tec,ech->th", combine, oe)
+
         return moe
     raise ValueError(name)
 
@@ -220,12 +238,14 @@ def forward_and_gradients(moe):
     def fwd_bwd(x, r1, r2, gu, d, dy):
         y, vjp = jax.vjp(lambda a, b, c, f: moe(a, b, r2, c, f), x, r1, gu, d)
         return y, vjp(dy)
+
     return fwd_bwd
 
 
 def run_jax(name, cname, routing, variant, samples, inner):
     import jax
     import jax.numpy as jnp
+
     row = dict(impl=name, config=cname, routing=routing, variant=variant)
     if name == "tokamax":
         if os.environ.get("JMM_PEER_SITE"):
@@ -238,8 +258,10 @@ def run_jax(name, cname, routing, variant, samples, inner):
             return dict(row, status=f"skipped: tokamax not importable ({err!r})")
     t, h, i, e, k = CONFIGS[cname]
     moe = jax_variant(jax_impl(name, CONFIGS[cname]), variant, k)
-    # Without memory statistics (a CPU) the peak is NaN.
-    peak_bytes = lambda: (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", float("nan"))
+
+    def peak_bytes():  # without memory statistics (a CPU) the peak is NaN
+        return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", float("nan"))
+
     try:
         keys = jax.random.split(jax.random.PRNGKey(7), 5)
         x = jax.random.normal(keys[0], (t, h), jnp.bfloat16)
@@ -251,7 +273,7 @@ def run_jax(name, cname, routing, variant, samples, inner):
             r2 = log_prior(e, routing, jnp)
         else:
             r1, r2 = jax_routing(t, e, k, routing, seed=11)
-        sync = lambda out: jax.block_until_ready(out)
+        sync = jax.block_until_ready
         fwd = jax.jit(moe)
         fwd_bwd = jax.jit(forward_and_gradients(moe)).lower(x, r1, r2, gu, d, dy).compile()
         before = peak_bytes()
@@ -259,21 +281,23 @@ def run_jax(name, cname, routing, variant, samples, inner):
         peak = peak_bytes()
         row.update(peak_gib=peak / 2**30, peak_by_call=bool(peak > before) if math.isfinite(peak) else None)
         row["fwd_ms"], row["fwd_min_ms"] = time_calls(fwd, (x, r1, r2, gu, d), sync, samples, inner)
-        row["fwd_bwd_ms"], row["fwd_bwd_min_ms"] = time_calls(fwd_bwd, (x, r1, r2, gu, d, dy), sync,
-                                                              samples, inner)
+        row["fwd_bwd_ms"], row["fwd_bwd_min_ms"] = time_calls(fwd_bwd, (x, r1, r2, gu, d, dy), sync, samples, inner)
         row["status"] = "ok"
     except Exception as err:  # noqa: BLE001 - OOM and compile failures are results here
         msg = str(err).splitlines()[0][:200]
-        row["status"] = ("OOM: " if "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower()
-                         else "error: ") + msg
+        row["status"] = (
+            "OOM: " if "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower() else "error: "
+        ) + msg
     return row
 
 
 # --------------------------------------------------------------------------------------------- torch side
 
+
 def run_matmul():
     """The bf16 matmul rate (8192^3, torch) of this GPU, the base of every row's "%mm"."""
     import torch
+
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_ms, _ = time_calls(torch.matmul, (a, b), lambda _: torch.cuda.synchronize(), 10, 10)
@@ -283,15 +307,18 @@ def run_matmul():
 def torch_variant(moe, variant, top_k):
     """jax_variant's `f(x, r1, r2, gu, d)` for torch: the router is the same math, checkpointing is torch's."""
     import torch
+
     if variant == "plain":
         return moe
     if variant == "remat":
         return lambda *args: torch.utils.checkpoint.checkpoint(moe, *args, use_reentrant=False)
     if variant == "router":
+
         def routed(x, w_router, logit_bias, gu, d):
             probs = torch.softmax((x @ w_router).float() + logit_bias, dim=-1)
             weights, experts = torch.topk(probs, top_k, dim=-1)
             return moe(x, weights / weights.sum(dim=-1, keepdim=True), experts, gu, d)
+
         return routed
     raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
 
@@ -300,6 +327,7 @@ def torch_grouped_mm_moe(x, w, ids, gu, d):
     """torchtitan's MoE experts: stable sort by expert, torch._grouped_mm twice, weighted index_add scatter."""
     import torch
     import torch.nn.functional as F
+
     t, k = ids.shape
     e = gu.shape[0]
     flat = ids.reshape(-1)
@@ -316,6 +344,7 @@ def torch_grouped_mm_moe(x, w, ids, gu, d):
 def run_torch(cname, routing, variant, samples, inner):
     import torch
     import torch.utils.checkpoint  # noqa: F401 - torch_variant's remat
+
     dev = torch.device("cuda")
 
     def sync(_):
@@ -362,6 +391,7 @@ def run_torch(cname, routing, variant, samples, inner):
 
 # ------------------------------------------------------------------------------------------------ driver
 
+
 def child(args):
     """One row (one config and routing given), or the matmul rate, printed as JSON for the driver."""
     if args.child == "bf16_matmul_8192":
@@ -384,22 +414,43 @@ def child_env(impl):
 
 def run_child(impl, cname="all", routing="all", variant="all", samples=0, inner=0):
     """`child` in a subprocess of its own: its row, or a row saying how it crashed."""
-    cmd = [sys.executable, __file__, "--child", impl, "--configs", cname, "--routings", routing,
-           "--variants", variant, "--samples", str(samples), "--inner", str(inner)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        impl,
+        "--configs",
+        cname,
+        "--routings",
+        routing,
+        "--variants",
+        variant,
+        "--samples",
+        str(samples),
+        "--inner",
+        str(inner),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(impl))
     found = [line for line in proc.stdout.splitlines() if line.startswith("JMM_BENCH_ROW ")]
     if found:
-        return json.loads(found[-1][len("JMM_BENCH_ROW "):])
+        return json.loads(found[-1][len("JMM_BENCH_ROW ") :])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return dict(impl=impl, config=cname, routing=routing, variant=variant,
-                status=f"crashed rc={proc.returncode}: " + " | ".join(tail)[:300])
+    return dict(
+        impl=impl,
+        config=cname,
+        routing=routing,
+        variant=variant,
+        status=f"crashed rc={proc.returncode}: " + " | ".join(tail)[:300],
+    )
 
 
 def table(rows, matmul_tfs):
     w = max([18] + [len(r["impl"]) + 2 for r in rows if "config" in r])
-    lines = [f"bf16 matmul (8192^3, torch) in this run: {matmul_tfs:.0f} TF/s",
-             f"{'impl':<{w}}{'config':<7}{'routing':<9}{'variant':<8}{'fwd ms':>9}{'TF/s':>7}{'%mm':>6}"
-             f"{'f+b ms':>9}{'TF/s':>7}{'%mm':>6}{'peak GiB':>10}  status"]
+    lines = [
+        f"bf16 matmul (8192^3, torch) in this run: {matmul_tfs:.0f} TF/s",
+        f"{'impl':<{w}}{'config':<7}{'routing':<9}{'variant':<8}{'fwd ms':>9}{'TF/s':>7}{'%mm':>6}"
+        f"{'f+b ms':>9}{'TF/s':>7}{'%mm':>6}{'peak GiB':>10}  status",
+    ]
     for r in rows:
         if "config" not in r:
             continue
@@ -407,9 +458,11 @@ def table(rows, matmul_tfs):
         if r.get("status") != "ok":
             lines.append(f"{head}{'':>54}  {r.get('status')}")
             continue
-        lines.append(f"{head}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>7.0f}"
-                     f"{r['fwd_pct_matmul']:>6.0f}{r['fwd_bwd_ms']:>9.3f}{r['fwd_bwd_tflops']:>7.0f}"
-                     f"{r['fwd_bwd_pct_matmul']:>6.0f}{r['peak_gib']:>10.2f}{'*' if r['peak_by_call'] is False else '':1} ok")
+        lines.append(
+            f"{head}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>7.0f}"
+            f"{r['fwd_pct_matmul']:>6.0f}{r['fwd_bwd_ms']:>9.3f}{r['fwd_bwd_tflops']:>7.0f}"
+            f"{r['fwd_bwd_pct_matmul']:>6.0f}{r['peak_gib']:>10.2f}{'*' if r['peak_by_call'] is False else '':1} ok"
+        )
     if any(r.get("status") == "ok" and r.get("peak_by_call") is False for r in rows):
         lines.append("* peak set before the call (input creation or compilation): the call's own peak is lower")
     return "\n".join(lines)
@@ -418,24 +471,31 @@ def table(rows, matmul_tfs):
 def plot(rows, path):
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib missing: no chart")
         return
     ok = [r for r in rows if r.get("status") == "ok" and "config" in r]
-    groups = sorted({(r["config"], r["routing"], r["variant"]) for r in ok},
-                    key=lambda g: (list(CONFIGS).index(g[0]), g[1], VARIANTS.index(g[2])))
+    groups = sorted(
+        {(r["config"], r["routing"], r["variant"]) for r in ok},
+        key=lambda g: (list(CONFIGS).index(g[0]), g[1], VARIANTS.index(g[2])),
+    )
     impls = list(dict.fromkeys(r["impl"] for r in ok))  # in run order
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     for ax, key, title in ((axes[0], "fwd_tflops", "forward"), (axes[1], "fwd_bwd_tflops", "forward+backward")):
         width = 0.8 / max(len(impls), 1)
         for j, impl in enumerate(impls):
-            vals = [next((r[key] for r in ok if r["impl"] == impl and (r["config"], r["routing"], r["variant"]) == g),
-                         0) for g in groups]
+            vals = [
+                next((r[key] for r in ok if r["impl"] == impl and (r["config"], r["routing"], r["variant"]) == g), 0)
+                for g in groups
+            ]
             ax.bar([x + j * width for x in range(len(groups))], vals, width, label=impl)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))],
-                      [f"{c}\n{r}" + ("" if v == "plain" else f"\n{v}") for c, r, v in groups])
+        ax.set_xticks(
+            [x + 0.4 - width / 2 for x in range(len(groups))],
+            [f"{c}\n{r}" + ("" if v == "plain" else f"\n{v}") for c, r, v in groups],
+        )
         ax.set_ylabel("effective TF/s (bf16)")
         ax.set_title(title)
         ax.legend()
@@ -459,8 +519,11 @@ def main():
         return child(args)
 
     configs, routings, variants = args.configs.split(","), args.routings.split(","), args.variants.split(",")
-    for flag, given, known in (("--configs", configs, CONFIGS), ("--routings", routings, ROUTINGS),
-                               ("--variants", variants, VARIANTS)):
+    for flag, given, known in (
+        ("--configs", configs, CONFIGS),
+        ("--routings", routings, ROUTINGS),
+        ("--variants", variants, VARIANTS),
+    ):
         unknown = [v for v in given if v not in known]
         if unknown:
             parser.error(f"{flag}: unknown {unknown}; known: {sorted(known)}")
@@ -473,11 +536,13 @@ def main():
             for routing in routings:
                 for variant in variants:
                     if (impl, cname) in SKIP:
-                        rows.append(dict(impl=impl, config=cname, routing=routing, variant=variant,
-                                         status=SKIP[(impl, cname)]))
+                        rows.append(
+                            dict(impl=impl, config=cname, routing=routing, variant=variant, status=SKIP[(impl, cname)])
+                        )
                     else:
-                        rows.append(with_rates(run_child(impl, cname, routing, variant, args.samples, args.inner),
-                                               matmul_tfs))
+                        rows.append(
+                            with_rates(run_child(impl, cname, routing, variant, args.samples, args.inner), matmul_tfs)
+                        )
         print(f"[{impl}: {time.perf_counter() - start:.0f} s]", flush=True)
         with open(args.json, "w") as f:  # after every implementation, so a run cut short keeps its rows
             json.dump(dict(rows=rows, matmul_tflops=matmul_tfs, configs=CONFIGS, argv=sys.argv), f, indent=1)

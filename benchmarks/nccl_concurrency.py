@@ -45,12 +45,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("json_path", help="where to write the result (JSON)")
     parser.add_argument("--transport", default="nvlink", choices=("nvlink", "xla", "ragged"))
     parser.add_argument("--iters", type=int, default=1000)
-    parser.add_argument("--collective-mib", type=float, default=1024.0,
-                        help="MiB per device of the all_gather input and of the psum_scatter output")
-    parser.add_argument("--hang-seconds", type=float, default=60.0,
-                        help="abort (exit 3) if one iteration takes longer than this")
-    parser.add_argument("--nccl-max-ctas", type=int, default=None,
-                        help="set NCCL_MAX_CTAS (before JAX starts); default: leave the environment as is")
+    parser.add_argument(
+        "--collective-mib",
+        type=float,
+        default=1024.0,
+        help="MiB per device of the all_gather input and of the psum_scatter output",
+    )
+    parser.add_argument(
+        "--hang-seconds", type=float, default=60.0, help="abort (exit 3) if one iteration takes longer than this"
+    )
+    parser.add_argument(
+        "--nccl-max-ctas",
+        type=int,
+        default=None,
+        help="set NCCL_MAX_CTAS (before JAX starts); default: leave the environment as is",
+    )
     parser.add_argument("--config", default="q30", help="bench_ep config of the MoE layer (q30, q30s, tiny)")
     opts = parser.parse_args(argv)
     for name in ("iters", "collective_mib", "hang_seconds"):
@@ -69,8 +78,9 @@ def set_nccl_env(opts) -> None:
 
 
 def recorded_env() -> dict:
-    return {k: v for k, v in sorted(os.environ.items())
-            if k.startswith(("NCCL_", "XLA_", "JAX_", "CUDA_VISIBLE", "JMM_"))}
+    return {
+        k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "XLA_", "JAX_", "CUDA_VISIBLE", "JMM_"))
+    }
 
 
 class Watchdog:
@@ -162,21 +172,36 @@ def main(argv=None) -> int:
 
     result = {
         "benchmark": "NCCL concurrency: moe_ffn_ep fwd+bwd with FSDP all_gather/psum_scatter in the same step",
-        "transport": opts.transport, "devices": ep, "device_kind": devices[0].device_kind, "jax": jax.__version__,
-        "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": dict(zip(("tokens_per_device", "hidden", "inter", "experts", "top_k"), CONFIGS[opts.config]),
-                       name=opts.config, dtype="bfloat16"),
-        "collective_mib_per_device": opts.collective_mib, "iterations_requested": opts.iters,
-        "hang_seconds": opts.hang_seconds, "env": recorded_env(),
-        "iterations_done": 0, "hangs": 0, "checksum_mismatches": 0, "collectives_exact": None,
+        "transport": opts.transport,
+        "devices": ep,
+        "device_kind": devices[0].device_kind,
+        "jax": jax.__version__,
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "config": dict(
+            zip(("tokens_per_device", "hidden", "inter", "experts", "top_k"), CONFIGS[opts.config], strict=True),
+            name=opts.config,
+            dtype="bfloat16",
+        ),
+        "collective_mib_per_device": opts.collective_mib,
+        "iterations_requested": opts.iters,
+        "hang_seconds": opts.hang_seconds,
+        "env": recorded_env(),
+        "iterations_done": 0,
+        "hangs": 0,
+        "checksum_mismatches": 0,
+        "collectives_exact": None,
     }
     iteration_ms: list[float] = []
 
     def write_result():
         if iteration_ms:
             result["time_per_iteration_ms"] = {
-                "median": statistics.median(iteration_ms), "mean": statistics.fmean(iteration_ms),
-                "min": min(iteration_ms), "max": max(iteration_ms)}
+                "median": statistics.median(iteration_ms),
+                "mean": statistics.fmean(iteration_ms),
+                "min": min(iteration_ms),
+                "max": max(iteration_ms),
+            }
         with open(opts.json_path, "w") as f:
             json.dump(result, f, indent=2)
 
@@ -184,9 +209,13 @@ def main(argv=None) -> int:
         seconds = time.monotonic() - start
         result.update(hangs=1, hung_iteration=iteration, hung_after_s=round(seconds, 1))
         write_result()
-        print(f"HANG: iteration {iteration} did not finish within {opts.hang_seconds:g} s (transport "
-              f"{opts.transport}, NCCL_MAX_CTAS={os.environ.get('NCCL_MAX_CTAS', 'unset')}); aborting. "
-              f"{result['iterations_done']} iterations completed; wrote {opts.json_path}", file=sys.stderr, flush=True)
+        print(
+            f"HANG: iteration {iteration} did not finish within {opts.hang_seconds:g} s (transport "
+            f"{opts.transport}, NCCL_MAX_CTAS={os.environ.get('NCCL_MAX_CTAS', 'unset')}); aborting. "
+            f"{result['iterations_done']} iterations completed; wrote {opts.json_path}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     sharding = NamedSharding(mesh, P("expert"))
     args, dy = make_inputs(tokens * ep, hidden, inter, experts, top_k, "uniform")
@@ -196,12 +225,16 @@ def main(argv=None) -> int:
     shard = jax.jit(lambda: jnp.ones((ep * collective_elems,), jnp.float32), out_shardings=sharding)()
     full = jax.jit(lambda: jnp.ones((ep * ep * collective_elems,), jnp.float32), out_shardings=sharding)()
 
-    open_workspace = functools.partial(jmm.NvlinkWorkspace, mesh, axis_name="expert", max_tokens=tokens,
-                                       hidden=hidden, top_k=top_k, dtype=jnp.bfloat16)
+    open_workspace = functools.partial(
+        jmm.NvlinkWorkspace, mesh, axis_name="expert", max_tokens=tokens, hidden=hidden, top_k=top_k, dtype=jnp.bfloat16
+    )
     with ep_options(opts.transport, open_workspace) as moe_options:
         step = build_step(mesh, moe_options)
-        print(f"compiling: transport {opts.transport}, {ep} devices, config {opts.config}, "
-              f"{opts.collective_mib:g} MiB collectives per device", flush=True)
+        print(
+            f"compiling: transport {opts.transport}, {ep} devices, config {opts.config}, "
+            f"{opts.collective_mib:g} MiB collectives per device",
+            flush=True,
+        )
         compiled = step.lower(*args, dy, shard, full).compile()
         watchdog = Watchdog(opts.hang_seconds, on_hang)
         first_checksum = None
@@ -224,9 +257,12 @@ def main(argv=None) -> int:
     result["ok"] = result["checksum_mismatches"] == 0 and result["collectives_exact"]
     write_result()
     timing = result["time_per_iteration_ms"]
-    print(f"{result['iterations_done']} iterations, 0 hangs, median {timing['median']:.2f} ms "
-          f"(max {timing['max']:.2f} ms); checksum mismatches {result['checksum_mismatches']}, collectives exact: "
-          f"{result['collectives_exact']}; wrote {opts.json_path}", flush=True)
+    print(
+        f"{result['iterations_done']} iterations, 0 hangs, median {timing['median']:.2f} ms "
+        f"(max {timing['max']:.2f} ms); checksum mismatches {result['checksum_mismatches']}, collectives exact: "
+        f"{result['collectives_exact']}; wrote {opts.json_path}",
+        flush=True,
+    )
     return 0 if result["ok"] else 1
 
 

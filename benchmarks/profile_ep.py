@@ -32,8 +32,11 @@ DEVICE_PROCESS = r"^/device:GPU:\d+"  # the profiler's process names for GPU act
 def kernel_times(trace: dict, process_pattern: str) -> dict[str, dict[str, dict[str, float]]]:
     """`{process name: {event name: {"total_us", "count"}}}` over the complete ("X") events of the
     processes whose name matches `process_pattern`."""
-    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
     wanted = {pid for pid, name in names.items() if re.search(process_pattern, name)}
     times: dict = collections.defaultdict(lambda: collections.defaultdict(lambda: {"total_us": 0.0, "count": 0}))
     for event in trace["traceEvents"]:
@@ -48,10 +51,16 @@ def last_step_timeline(trace: dict, process_pattern: str, iters: int) -> dict[st
     """`{process name: [{"stream", "start_us", "dur_us", "name"}]}`: the complete events of the last of `iters`
     steps on each matching process, by start time, relative to the step's first event. The steps are told apart
     by the `iters - 1` longest idle gaps of the process (the host waits for each step before the next)."""
-    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
     events = collections.defaultdict(list)
     for event in trace["traceEvents"]:
         if event.get("ph") == "X" and re.search(process_pattern, names.get(event.get("pid"), "")):
@@ -65,12 +74,18 @@ def last_step_timeline(trace: dict, process_pattern: str, iters: int) -> dict[st
             if index:
                 gaps.append((start - busy_until, index))
             busy_until = max(busy_until, start + float(event.get("dur", 0.0)))
-        starts = sorted(index for _, index in sorted(gaps, reverse=True)[:iters - 1])
-        step = process_events[starts[-1] if starts else 0:]
+        starts = sorted(index for _, index in sorted(gaps, reverse=True)[: iters - 1])
+        step = process_events[starts[-1] if starts else 0 :]
         origin = float(step[0]["ts"])
-        out[names[pid]] = [{"stream": threads.get((pid, e["tid"]), str(e["tid"])),
-                            "start_us": round(float(e["ts"]) - origin, 1), "dur_us": round(float(e.get("dur", 0.0)), 1),
-                            "name": e["name"]} for e in step]
+        out[names[pid]] = [
+            {
+                "stream": threads.get((pid, e["tid"]), str(e["tid"])),
+                "start_us": round(float(e["ts"]) - origin, 1),
+                "dur_us": round(float(e.get("dur", 0.0)), 1),
+                "name": e["name"],
+            }
+            for e in step
+        ]
     return out
 
 
@@ -78,8 +93,13 @@ def per_step(times: dict, iters: int) -> dict:
     """Per-step milliseconds and calls, sorted by time, and each process's total."""
     out = {}
     for process, events in sorted(times.items()):
-        rows = sorted(({"name": name, "ms": e["total_us"] / iters / 1e3, "calls": e["count"] / iters}
-                       for name, e in events.items()), key=lambda row: -row["ms"])
+        rows = sorted(
+            (
+                {"name": name, "ms": e["total_us"] / iters / 1e3, "calls": e["count"] / iters}
+                for name, e in events.items()
+            ),
+            key=lambda row: -row["ms"],
+        )
         out[process] = {"total_ms": sum(row["ms"] for row in rows), "events": rows}
     return out
 
@@ -102,13 +122,15 @@ def main(argv=None):
     parser.add_argument("--routing", default="uniform", choices=("uniform", "zipf"))
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--top", type=int, default=25, help="events printed per device")
-    parser.add_argument("--process", default=DEVICE_PROCESS,
-                        help="regex of the trace processes to sum (default: the GPUs)")
+    parser.add_argument(
+        "--process", default=DEVICE_PROCESS, help="regex of the trace processes to sum (default: the GPUs)"
+    )
     opts = parser.parse_args(argv)
     if opts.emulate is not None and opts.ep != 1:
         parser.error(f"--emulate R and --ep N exclude each other (got --emulate {opts.emulate}, --ep {opts.ep})")
 
     import jax
+
     import jax_megamoe as jmm
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -121,8 +143,7 @@ def main(argv=None):
 
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     with ep_options(opts.transport, open_workspace) as options:
-        step = jax.jit(forward_backward(over_axis(functools.partial(jmm.moe_ffn_ep, axis_name="expert",
-                                                                    **options))))
+        step = jax.jit(forward_backward(over_axis(functools.partial(jmm.moe_ffn_ep, axis_name="expert", **options))))
         for _ in range(3):  # compile and warm up outside the trace
             jax.block_until_ready(step(args, dy))
         with jax.profiler.trace(str(opts.out_dir), create_perfetto_trace=True):
@@ -136,15 +157,23 @@ def main(argv=None):
     timeline = last_step_timeline(trace, opts.process, opts.iters)
     for process, summary in profile.items():
         print(f"{process}: {summary['total_ms']:.3f} ms of events per step (overlapping streams add up)")
-        for row in summary["events"][:opts.top]:
+        for row in summary["events"][: opts.top]:
             print(f"  {row['ms']:8.3f} ms  {row['calls']:5.1f}x  {row['name'][:110]}")
     for process, events in timeline.items():
         print(f"{process}: the last step, {len(events)} events (start and duration in us, stream)")
         for event in events:
             print(f"  {event['start_us']:9.1f} {event['dur_us']:8.1f}  {event['stream'][:24]:24}  {event['name'][:80]}")
-    result = {"config": opts.config, "ranks": ranks, "emulated": opts.emulate is not None,
-              "transport": opts.transport, "routing": opts.routing, "iters": opts.iters,
-              "device": jax.devices()[0].device_kind, "per_step": profile, "last_step": timeline}
+    result = {
+        "config": opts.config,
+        "ranks": ranks,
+        "emulated": opts.emulate is not None,
+        "transport": opts.transport,
+        "routing": opts.routing,
+        "iters": opts.iters,
+        "device": jax.devices()[0].device_kind,
+        "per_step": profile,
+        "last_step": timeline,
+    }
     (opts.out_dir / "profile_ep.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {opts.out_dir / 'profile_ep.json'}")
 

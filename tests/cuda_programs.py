@@ -17,8 +17,22 @@ def build(name: str, out_dir: pathlib.Path) -> pathlib.Path:
     cutlass_include = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
     binary = out_dir / name
     built = subprocess.run(
-        [NVCC, "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_90a", "-O3", "-DNDEBUG",
-         f"-I{ROOT / 'cuda'}", f"-I{cutlass_include}", str(ROOT / "cuda" / "tests" / f"{name}.cu"),
-         "-o", str(binary)], capture_output=True, text=True, timeout=600)
+        [
+            NVCC,
+            "-std=c++17",
+            "--expt-relaxed-constexpr",
+            "-arch=sm_90a",
+            "-O3",
+            "-DNDEBUG",
+            f"-I{ROOT / 'cuda'}",
+            f"-I{cutlass_include}",
+            str(ROOT / "cuda" / "tests" / f"{name}.cu"),
+            "-o",
+            str(binary),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert built.returncode == 0, built.stderr[-3000:]
     return binary

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from moe_cases import Case, make_problem, rel_error
 
 import jax_megamoe as jmm
 from jax_megamoe import reference
-from moe_cases import Case, make_problem, rel_error
 
 TOKENS_PER_SHARD, HIDDEN, INTER, EXPERTS, TOP_K = 64, 64, 32, 8, 2
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}  # normwise, against the float32 reference
@@ -48,6 +48,7 @@ def gathered_problem(routing: str, dtype, tokens: int):
 
 def value_and_grads(fn, args, dy):
     """`fn(*args)` and the gradients of `<fn(*args), dy>` in x, weights, w_gate_up, w_down."""
+
     def loss(x, weights, w_gate_up, w_down):
         y = fn(x, weights, args[2], w_gate_up, w_down)
         return jnp.sum(y.astype(jnp.float32) * dy), y
@@ -64,11 +65,13 @@ def ep_value_and_grads(mesh: Mesh, transport: str, dtype_name: str):
     """
     options = dict(axis_name="expert", transport=transport, num_experts=EXPERTS)
     if transport == "nvlink":
-        options["transport"] = jmm.NvlinkTransport(jmm.NvlinkWorkspace(
-            mesh, "expert", max_tokens=TOKENS_PER_SHARD, hidden=HIDDEN, top_k=TOP_K, dtype=jnp.dtype(dtype_name)))
+        options["transport"] = jmm.NvlinkTransport(
+            jmm.NvlinkWorkspace(
+                mesh, "expert", max_tokens=TOKENS_PER_SHARD, hidden=HIDDEN, top_k=TOP_K, dtype=jnp.dtype(dtype_name)
+            )
+        )
     spec = P("expert")
-    fn = jax.shard_map(functools.partial(jmm.moe_ffn_ep, **options), mesh=mesh, in_specs=(spec,) * 5,
-                       out_specs=spec)
+    fn = jax.shard_map(functools.partial(jmm.moe_ffn_ep, **options), mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)
     return jax.jit(functools.partial(value_and_grads, fn))
 
 
@@ -95,14 +98,15 @@ def check(mesh: Mesh, transport: str, dtype_name: str, routing: str) -> bool:
         text = fn.lower(global_args, global_dy).as_text()
         missing = [target for target in FUSED_CALLS if target not in text]
         if missing:
-            print(f"FAIL process {jax.process_index()} nvlink bfloat16 {routing}: the program lacks {missing}",
-                  flush=True)
+            print(
+                f"FAIL process {jax.process_index()} nvlink bfloat16 {routing}: the program lacks {missing}", flush=True
+            )
             ok = False
 
     args32 = tuple(a.astype(np.float32) if a.dtype != np.int32 else a for a in args)
     on_local_device = functools.partial(jax.device_put, device=jax.local_devices()[0])
     expected = reference_value_and_grads()(on_local_device(args32), on_local_device(dy))
-    for name, result, want in zip(OUTPUT_NAMES, got, expected):
+    for name, result, want in zip(OUTPUT_NAMES, got, expected, strict=True):
         want = np.asarray(want)
         if result.shape != want.shape:
             print(f"FAIL {transport} {dtype_name} {routing} {name}: shape {result.shape} != {want.shape}", flush=True)
@@ -113,8 +117,11 @@ def check(mesh: Mesh, transport: str, dtype_name: str, routing: str) -> bool:
             passed = err <= TOLERANCE[dtype_name]
             ok &= passed
             rows = shard.index[0]
-            print(f"{'ok  ' if passed else 'FAIL'} process {jax.process_index()} {transport} {dtype_name} {routing} "
-                  f"{name} [{rows.start}:{rows.stop}]: rel err {err:.2e} (tol {TOLERANCE[dtype_name]:.0e})", flush=True)
+            print(
+                f"{'ok  ' if passed else 'FAIL'} process {jax.process_index()} {transport} {dtype_name} {routing} "
+                f"{name} [{rows.start}:{rows.stop}]: rel err {err:.2e} (tol {TOLERANCE[dtype_name]:.0e})",
+                flush=True,
+            )
     return ok
 
 
@@ -126,8 +133,10 @@ def ragged_is_rejected(mesh: Mesh) -> bool:
         rejected = "within one process" in str(err)
     else:
         rejected = False
-    print(f"{'ok  ' if rejected else 'FAIL'} process {jax.process_index()} transport='ragged' rejected across processes",
-          flush=True)
+    print(
+        f"{'ok  ' if rejected else 'FAIL'} process {jax.process_index()} transport='ragged' rejected across processes",
+        flush=True,
+    )
     return rejected
 
 
@@ -141,11 +150,15 @@ def main() -> int:
     parser.add_argument("--routings", default="uniform,zipf,all_to_one")
     opts = parser.parse_args()
 
-    jax.distributed.initialize(coordinator_address=opts.coordinator, num_processes=opts.num_processes,
-                               process_id=opts.process_id)
+    jax.distributed.initialize(
+        coordinator_address=opts.coordinator, num_processes=opts.num_processes, process_id=opts.process_id
+    )
     mesh = Mesh(np.array(jax.devices()), ("expert",))
-    print(f"process {jax.process_index()}/{jax.process_count()}: local {jax.local_devices()}, "
-          f"mesh over {mesh.size} devices", flush=True)
+    print(
+        f"process {jax.process_index()}/{jax.process_count()}: local {jax.local_devices()}, "
+        f"mesh over {mesh.size} devices",
+        flush=True,
+    )
     ok = True
     for transport in opts.transports.split(","):
         for dtype_name in opts.dtypes.split(","):

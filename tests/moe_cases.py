@@ -85,8 +85,11 @@ def make_routing(rng: np.random.Generator, tokens: int, experts: int, top_k: int
             allowed = np.arange(e) < max(k, e // 2)
         log_p = np.where(allowed, 0.0, -np.inf)
     if routing == "one_expert":
-        others = _top_k_distinct(rng, np.where(np.arange(e) == 0, -np.inf, 0.0), tokens, k - 1) if k > 1 else \
-            np.zeros((tokens, 0), np.int64)
+        others = (
+            _top_k_distinct(rng, np.where(np.arange(e) == 0, -np.inf, 0.0), tokens, k - 1)
+            if k > 1
+            else np.zeros((tokens, 0), np.int64)
+        )
         ids = np.concatenate([np.zeros((tokens, 1), np.int64), others], axis=1)
     elif routing == "all_to_one":
         ids = np.tile(e - 1 - np.arange(k), (tokens, 1))
@@ -117,8 +120,13 @@ def make_problem(case: Case, dtype, *, seed, experts=None):
     w_gate_up = rng.standard_normal((e, h, 2 * i)) / np.sqrt(h)
     w_down = rng.standard_normal((e, i, h)) / np.sqrt(i)
     dy = rng.standard_normal((t, h))
-    args = (jnp.asarray(x, dtype), jnp.asarray(weights), jnp.asarray(ids, np.int32 if experts is None else ids.dtype),
-            jnp.asarray(w_gate_up, dtype), jnp.asarray(w_down, dtype))
+    args = (
+        jnp.asarray(x, dtype),
+        jnp.asarray(weights),
+        jnp.asarray(ids, np.int32 if experts is None else ids.dtype),
+        jnp.asarray(w_gate_up, dtype),
+        jnp.asarray(w_down, dtype),
+    )
     return args, jnp.asarray(dy, dtype)
 
 
@@ -191,5 +199,5 @@ def rel_error(actual, expected) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-# normwise tolerance per dtype against a float32/float64 reference (DESIGN §6)
+# normwise tolerance per dtype against a float32/float64 reference
 TOLERANCE = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 1e-2, "float16": 3e-3}

@@ -12,7 +12,6 @@ import subprocess
 
 import jax
 import pytest
-
 from cuda_programs import NVCC, build
 
 pytestmark = [

@@ -27,9 +27,26 @@ def cpu_env(devices: int) -> dict[str, str]:
 def test_nccl_concurrency_runs_moe_and_collectives_on_two_cpu_devices(tmp_path):
     out = tmp_path / "concurrency.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "nccl_concurrency.py"), str(out), "--transport", "xla", "--iters", "3",
-         "--collective-mib", "1", "--config", "tiny", "--nccl-max-ctas", "32"],
-        env=cpu_env(2), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            str(BENCHMARKS / "nccl_concurrency.py"),
+            str(out),
+            "--transport",
+            "xla",
+            "--iters",
+            "3",
+            "--collective-mib",
+            "1",
+            "--config",
+            "tiny",
+            "--nccl-max-ctas",
+            "32",
+        ],
+        env=cpu_env(2),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert result["devices"] == 2 and result["transport"] == "xla"
@@ -41,10 +58,12 @@ def test_nccl_concurrency_runs_moe_and_collectives_on_two_cpu_devices(tmp_path):
 
 def test_nccl_concurrency_watchdog_aborts_a_stuck_iteration():
     # The watchdog alone (no JAX): an iteration armed and never disarmed must end the process with exit 3.
-    code = ("import time, nccl_concurrency as n\n"
-            "watchdog = n.Watchdog(0.2, lambda iteration, start: print('hung at', iteration, flush=True))\n"
-            "watchdog.arm(7)\n"
-            "time.sleep(30)\n")
+    code = (
+        "import time, nccl_concurrency as n\n"
+        "watchdog = n.Watchdog(0.2, lambda iteration, start: print('hung at', iteration, flush=True))\n"
+        "watchdog.arm(7)\n"
+        "time.sleep(30)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=BENCHMARKS, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "hung at 7"
@@ -69,6 +88,7 @@ class _FakeWorkspace:
 def test_bench_ep_nvlink_opens_its_workspace_and_passes_the_transport(monkeypatch):
     # "nvlink" runs moe_ffn_ep with transport=NvlinkTransport(workspace), the workspace closed after the block.
     import jax_megamoe as jmm
+
     monkeypatch.setattr(jmm, "NvlinkTransport", lambda workspace: ("transport of", workspace))
     with bench_ep.ep_options("nvlink", _FakeWorkspace) as options:
         kind, workspace = options["transport"]
@@ -81,6 +101,7 @@ def test_bench_ep_nvlink_opens_its_workspace_and_passes_the_transport(monkeypatc
 
 def test_bench_moe_tiles_impl_names_give_an_explicit_gemm_config():
     from jax_megamoe import GemmConfig, GemmTiles
+
     shape = bench_moe.CONFIGS["q30"]
     t, h, i, e, k = shape
     heuristic = GemmConfig.for_problem(t, k, h, i, e)
@@ -91,9 +112,12 @@ def test_bench_moe_tiles_impl_names_give_an_explicit_gemm_config():
     last = list(GemmTiles)[-1]
     config = bench_moe.gemm_config(f"ours_tiles_fwd_down={last.name.lower()}+bwd_gate_up={last.name}", shape)
     assert config == GemmConfig(heuristic.fwd_gate_up, last, heuristic.bwd_down, last)
-    for bad, message in (("ours_tiles_", "got nothing"), ("ours_tiles_bogus", "unknown tiles"),
-                         (f"ours_tiles_bwd_up={last.name}", "is not one of"),
-                         (f"ours_tiles_fwd_down={last.name}+fwd_down={last.name}", "each once")):
+    for bad, message in (
+        ("ours_tiles_", "got nothing"),
+        ("ours_tiles_bogus", "unknown tiles"),
+        (f"ours_tiles_bwd_up={last.name}", "is not one of"),
+        (f"ours_tiles_fwd_down={last.name}+fwd_down={last.name}", "each once"),
+    ):
         with pytest.raises(ValueError, match=message):
             bench_moe.gemm_config(bad, shape)
 
@@ -107,10 +131,21 @@ def test_bench_moe_graphs_impl_adds_the_command_buffer_flags(monkeypatch):
 
 
 def test_bench_moe_table_fits_long_impl_names():
-    row = dict(impl="ours_tiles_fwd_gate_up=coop_128x256+fwd_down=coop_128x256", config="q30s", routing="uniform", variant="router",
-               status="ok",
-               fwd_ms=0.5, fwd_tflops=300.0, fwd_pct_matmul=43.0, fwd_bwd_ms=1.5, fwd_bwd_tflops=310.0,
-               fwd_bwd_pct_matmul=44.0, peak_gib=3.7, peak_by_call=True)
+    row = dict(
+        impl="ours_tiles_fwd_gate_up=coop_128x256+fwd_down=coop_128x256",
+        config="q30s",
+        routing="uniform",
+        variant="router",
+        status="ok",
+        fwd_ms=0.5,
+        fwd_tflops=300.0,
+        fwd_pct_matmul=43.0,
+        fwd_bwd_ms=1.5,
+        fwd_bwd_tflops=310.0,
+        fwd_bwd_pct_matmul=44.0,
+        peak_gib=3.7,
+        peak_by_call=True,
+    )
     header, line = bench_moe.table([row], 698.0).splitlines()[1:]
     assert line.startswith(row["impl"] + "  q30s") and header.index("config") == line.index("q30s")
     assert header.index("variant") == line.index("router")
@@ -121,9 +156,28 @@ def test_bench_ep_emulated_shards_on_one_cpu_device(tmp_path):
     # names the emulation and every row has its times or its error. One sample of one call: the plumbing only.
     out = tmp_path / "ep.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_ep.py"), str(out), "--config", "tiny", "--emulate", "4",
-         "--transport", "xla,ragged", "--routing", "uniform", "--samples", "1", "--calls", "1"],
-        env=cpu_env(1), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(BENCHMARKS / "bench_ep.py"),
+            str(out),
+            "--config",
+            "tiny",
+            "--emulate",
+            "4",
+            "--transport",
+            "xla,ragged",
+            "--routing",
+            "uniform",
+            "--samples",
+            "1",
+            "--calls",
+            "1",
+        ],
+        env=cpu_env(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert result["config"]["emulated_shards"] == 4 and result["failed_transports"] == ["ragged"]
@@ -136,24 +190,32 @@ def test_bench_ep_emulated_shards_on_one_cpu_device(tmp_path):
 
 
 def test_bench_ep_emulate_refuses_a_mesh():
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_ep.py"), "/dev/null", "--emulate", "2", "--ep", "2"],
-                          env=cpu_env(1), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_ep.py"), "/dev/null", "--emulate", "2", "--ep", "2"],
+        env=cpu_env(1),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "--emulate R needs" in proc.stderr
 
 
 def test_profile_ep_sums_complete_events_per_device_process():
     import profile_ep
-    trace = {"traceEvents": [
-        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
-        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:1"}},
-        {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/host:CPU"}},
-        {"ph": "X", "pid": 1, "tid": 7, "ts": 0, "dur": 300.0, "name": "gemm"},
-        {"ph": "X", "pid": 1, "tid": 8, "ts": 10, "dur": 100.0, "name": "gemm"},
-        {"ph": "X", "pid": 1, "tid": 7, "ts": 400, "dur": 50.0, "name": "nccl"},
-        {"ph": "X", "pid": 2, "tid": 7, "ts": 0, "dur": 20.0, "name": "nccl"},
-        {"ph": "i", "pid": 1, "tid": 7, "ts": 5, "name": "marker"},         # not a complete event
-        {"ph": "X", "pid": 3, "tid": 1, "ts": 0, "dur": 999.0, "name": "host"},  # not a GPU
-    ]}
+
+    trace = {
+        "traceEvents": [
+            {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:1"}},
+            {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "X", "pid": 1, "tid": 7, "ts": 0, "dur": 300.0, "name": "gemm"},
+            {"ph": "X", "pid": 1, "tid": 8, "ts": 10, "dur": 100.0, "name": "gemm"},
+            {"ph": "X", "pid": 1, "tid": 7, "ts": 400, "dur": 50.0, "name": "nccl"},
+            {"ph": "X", "pid": 2, "tid": 7, "ts": 0, "dur": 20.0, "name": "nccl"},
+            {"ph": "i", "pid": 1, "tid": 7, "ts": 5, "name": "marker"},  # not a complete event
+            {"ph": "X", "pid": 3, "tid": 1, "ts": 0, "dur": 999.0, "name": "host"},  # not a GPU
+        ]
+    }
     profile = profile_ep.per_step(profile_ep.kernel_times(trace, profile_ep.DEVICE_PROCESS), iters=2)
     assert sorted(profile) == ["/device:GPU:0", "/device:GPU:1"]
     gpu0 = profile["/device:GPU:0"]
@@ -164,30 +226,58 @@ def test_profile_ep_sums_complete_events_per_device_process():
 
 def test_profile_ep_lays_out_the_last_step_in_time():
     import profile_ep
+
     # Three steps on GPU 0, told apart by the two longest idle gaps; within the last, a gap shorter than those and an
     # event on a second stream that overlaps the first.
-    events = [(7, 0, 10, "a"), (7, 12, 5, "b"), (7, 500, 10, "a"), (8, 505, 20, "c"),
-              (7, 1000, 10, "a"), (8, 1003, 2, "c"), (7, 1040, 30, "d")]
-    trace = {"traceEvents": [
-        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
-        {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
-        {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/host:CPU"}},
-        {"ph": "X", "pid": 3, "tid": 1, "ts": 2000, "dur": 9.0, "name": "host"},  # not a GPU
-        *({"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": name} for tid, ts, dur, name in events),
-    ]}
+    events = [
+        (7, 0, 10, "a"),
+        (7, 12, 5, "b"),
+        (7, 500, 10, "a"),
+        (8, 505, 20, "c"),
+        (7, 1000, 10, "a"),
+        (8, 1003, 2, "c"),
+        (7, 1040, 30, "d"),
+    ]
+    trace = {
+        "traceEvents": [
+            {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
+            {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "X", "pid": 3, "tid": 1, "ts": 2000, "dur": 9.0, "name": "host"},  # not a GPU
+            *({"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": name} for tid, ts, dur, name in events),
+        ]
+    }
     timeline = profile_ep.last_step_timeline(trace, profile_ep.DEVICE_PROCESS, iters=3)
-    assert timeline == {"/device:GPU:0": [
-        {"stream": "Stream #7", "start_us": 0.0, "dur_us": 10.0, "name": "a"},
-        {"stream": "8", "start_us": 3.0, "dur_us": 2.0, "name": "c"},
-        {"stream": "Stream #7", "start_us": 40.0, "dur_us": 30.0, "name": "d"}]}
+    assert timeline == {
+        "/device:GPU:0": [
+            {"stream": "Stream #7", "start_us": 0.0, "dur_us": 10.0, "name": "a"},
+            {"stream": "8", "start_us": 3.0, "dur_us": 2.0, "name": "c"},
+            {"stream": "Stream #7", "start_us": 40.0, "dur_us": 30.0, "name": "d"},
+        ]
+    }
 
 
 def test_profile_ep_runs_on_two_cpu_devices(tmp_path):
     # The whole script on the host platform (no GPU processes in the trace there: the CPU's events instead).
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "profile_ep.py"), str(tmp_path), "--config", "tiny", "--ep", "2",
-         "--iters", "2", "--process", "/host:CPU"],
-        env=cpu_env(2), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(BENCHMARKS / "profile_ep.py"),
+            str(tmp_path),
+            "--config",
+            "tiny",
+            "--ep",
+            "2",
+            "--iters",
+            "2",
+            "--process",
+            "/host:CPU",
+        ],
+        env=cpu_env(2),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "profile_ep.json").read_text())
     assert result["ranks"] == 2 and result["transport"] == "xla" and not result["emulated"]
@@ -197,10 +287,15 @@ def test_profile_ep_runs_on_two_cpu_devices(tmp_path):
 
 def test_train_record_agreement_compares_eval_losses_and_window_means():
     import train_record
+
     cuda = [{"step": s, "loss": 2.0 + (0.1 if s % 2 else -0.1)} for s in range(1, 8)] + [
-        {"step": 4, "eval_loss": 1.5}, {"step": 7, "eval_loss": 1.2}]
+        {"step": 4, "eval_loss": 1.5},
+        {"step": 7, "eval_loss": 1.2},
+    ]
     baseline = [{"step": s, "loss": 2.0} for s in range(1, 10)] + [
-        {"step": 4, "eval_loss": 1.5}, {"step": 8, "eval_loss": 1.0}]
+        {"step": 4, "eval_loss": 1.5},
+        {"step": 8, "eval_loss": 1.0},
+    ]
     result = train_record.agreement(cuda, baseline, window=2)
     # Eval losses only where both runs measured (step 4); windows only as far as the shorter run (7 -> 3).
     assert result["eval_loss"] == {"relative_gaps": [(4, 0.0)], "within_1pct": True}
@@ -215,15 +310,37 @@ def test_train_record_agreement_compares_eval_losses_and_window_means():
 def test_bench_moe_runs_every_variant_of_the_jax_peers_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_moe.py"), "--configs", "tiny", "--routings", "zipf",
-         "--impls", "ragged_dot,gshard", "--variants", "plain,router,remat", "--samples", "1", "--inner", "1",
-         "--json", str(out), "--png", str(tmp_path / "bench.png")],
-        env=cpu_env(1), capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            str(BENCHMARKS / "bench_moe.py"),
+            "--configs",
+            "tiny",
+            "--routings",
+            "zipf",
+            "--impls",
+            "ragged_dot,gshard",
+            "--variants",
+            "plain,router,remat",
+            "--samples",
+            "1",
+            "--inner",
+            "1",
+            "--json",
+            str(out),
+            "--png",
+            str(tmp_path / "bench.png"),
+        ],
+        env=cpu_env(1),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # The torch matmul row fails on a CPU; the others are this run's rows.
     rows = [r for r in json.loads(out.read_text())["rows"] if r["impl"] != "bf16_matmul_8192"]
     assert sorted((r["impl"], r["variant"]) for r in rows) == sorted(
-        (impl, variant) for impl in ("ragged_dot", "gshard") for variant in ("plain", "router", "remat"))
+        (impl, variant) for impl in ("ragged_dot", "gshard") for variant in ("plain", "router", "remat")
+    )
     for r in rows:
         assert r["status"] == "ok", r
         assert r["config"] == "tiny" and r["routing"] == "zipf" and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
@@ -233,6 +350,7 @@ def _float32_problem(seed=0):
     """The tiny config's float32 x, w_gate_up, w_down, cotangent and a router's weights (moe_cases' draws)."""
     import jax.numpy as jnp
     from moe_cases import Case, make_problem, normal
+
     t, h, i, e, k = bench_moe.CONFIGS["tiny"]
     (x, _, _, gu, d), dy = make_problem(Case(t, h, i, e, k), jnp.float32, seed=("bench", seed))
     return x, gu, d, dy, normal(("router", seed), (h, e), scale=h**-0.5), k
@@ -244,22 +362,27 @@ def test_bench_moe_variants_of_the_ragged_dot_peer_match_the_reference(variant):
     # (the router's gradient reaches w_router): a benchmark row is only worth comparing if it is right.
     import jax
     import jax.numpy as jnp
-    from jax_megamoe import reference
     from moe_cases import rel_error
+
+    from jax_megamoe import reference
 
     x, gu, d, dy, w_router, k = _float32_problem()
     e = gu.shape[0]
-    r1, r2 = ((w_router, bench_moe.log_prior(e, "zipf", jnp)) if variant == "router"
-              else bench_moe.jax_routing(x.shape[0], e, k, "zipf", seed=1))
+    r1, r2 = (
+        (w_router, bench_moe.log_prior(e, "zipf", jnp))
+        if variant == "router"
+        else bench_moe.jax_routing(x.shape[0], e, k, "zipf", seed=1)
+    )
 
     def value_and_grads(moe):
         fn = bench_moe.jax_variant(moe, variant, k)
         return jax.value_and_grad(lambda a, b, c, f: jnp.sum(fn(a, b, r2, c, f) * dy), argnums=(0, 1, 2, 3))(
-            x, r1, gu, d)
+            x, r1, gu, d
+        )
 
     got, want = value_and_grads(bench_moe.jax_impl("ragged_dot")), value_and_grads(reference.moe_ffn)
     assert rel_error(got[0], want[0]) <= 1e-5
-    for name, g, w in zip(("x", "r1", "w_gate_up", "w_down"), got[1], want[1]):
+    for name, g, w in zip(("x", "r1", "w_gate_up", "w_down"), got[1], want[1], strict=True):
         assert float(jnp.linalg.norm(w)) > 0, name
         assert rel_error(g, w) <= 1e-5, name
 
@@ -271,13 +394,14 @@ def test_bench_moe_torch_variants_compute_the_jax_variants():
     import numpy as np
     import torch
     import torch.nn.functional as F
+
     from jax_megamoe import reference
 
     def dense_moe(x, w, ids, gu, d):
         out = torch.zeros_like(x)
         for j in range(ids.shape[1]):
             g, u = torch.einsum("th,thi->ti", x, gu[ids[:, j]]).chunk(2, dim=-1)
-            out = out + w[:, j:j + 1] * torch.einsum("ti,tih->th", F.silu(g) * u, d[ids[:, j]])
+            out = out + w[:, j : j + 1] * torch.einsum("ti,tih->th", F.silu(g) * u, d[ids[:, j]])
         return out
 
     x, gu, d, dy, w_router, k = _float32_problem(seed=2)
@@ -295,7 +419,7 @@ def test_bench_moe_torch_variants_compute_the_jax_variants():
         y = bench_moe.torch_variant(dense_moe, variant, k)(params[0], params[1], ids, params[2], params[3])
         return torch.autograd.grad(y, params, tdy)
 
-    for plain, remat in zip(grads("plain"), grads("remat")):
+    for plain, remat in zip(grads("plain"), grads("remat"), strict=True):
         assert float(plain.norm()) > 0 and torch.allclose(plain, remat, rtol=1e-5, atol=1e-5)
 
 

@@ -19,13 +19,18 @@ from jax_megamoe.ops import moe as moe_ops
 from jax_megamoe.ops.gemm_config import GemmConfig, GemmTiles
 
 T, H, I, E, K = 24, 16, 8, 4, 2
-BYTES = {"jmm_cuda_moe_layout": 1001, "jmm_cuda_moe_gate_up": 2003, "jmm_cuda_moe_down": 2503,
-         "jmm_cuda_moe_backward": 3005}
+BYTES = {
+    "jmm_cuda_moe_layout": 1001,
+    "jmm_cuda_moe_gate_up": 2003,
+    "jmm_cuda_moe_down": 2503,
+    "jmm_cuda_moe_backward": 3005,
+}
 
 
 class StandInExtension:
     """The CUDA build's workspace queries, answering a distinct size per target and recording what each was
     asked; every query named in _targets.py must exist (a missing one fails the lowering)."""
+
     with_cuda = True
 
     def __init__(self):
@@ -38,6 +43,7 @@ class StandInExtension:
         def query(*sizes):
             self.asked[name] = sizes
             return BYTES.get(name, 4096)
+
         return query
 
 
@@ -56,8 +62,13 @@ def lowered_cuda_step(dtype, gemm_config=None) -> str:
         y = jmm.moe_ffn(x, weights, experts, w_gate_up, w_down, implementation="cuda", gemm_config=gemm_config)
         return jnp.sum(y.astype(jnp.float32))
 
-    args = (jnp.zeros((T, H), dtype), jnp.zeros((T, K), jnp.float32), jnp.zeros((T, K), jnp.int32),
-            jnp.zeros((E, H, 2 * I), dtype), jnp.zeros((E, I, H), dtype))
+    args = (
+        jnp.zeros((T, H), dtype),
+        jnp.zeros((T, K), jnp.float32),
+        jnp.zeros((T, K), jnp.int32),
+        jnp.zeros((E, H, 2 * I), dtype),
+        jnp.zeros((E, I, H), dtype),
+    )
     grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 3, 4)))  # the value keeps y (moe_down) in
     return grads.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -78,8 +89,12 @@ def test_every_cuda_moe_call_has_its_workspace_result(dtype, cuda_lowering):
     text = lowered_cuda_step(dtype)
     bf16 = dtype == jnp.bfloat16
     sizes = (bf16, T, K, H, I, E)
-    assert cuda_lowering.asked == {"jmm_cuda_moe_layout": (T * K, E), "jmm_cuda_moe_gate_up": sizes,
-                                   "jmm_cuda_moe_down": sizes, "jmm_cuda_moe_backward": sizes}
+    assert cuda_lowering.asked == {
+        "jmm_cuda_moe_layout": (T * K, E),
+        "jmm_cuda_moe_gate_up": sizes,
+        "jmm_cuda_moe_down": sizes,
+        "jmm_cuda_moe_backward": sizes,
+    }
     found = calls(text)
     assert sorted(found) == sorted(BYTES)
     for name, line in found.items():
@@ -103,8 +118,10 @@ def test_the_gemm_config_reaches_each_call_as_int64_attributes(explicit, cuda_lo
     assert tile_attributes(found["jmm_cuda_moe_layout"]) == {}
     assert tile_attributes(found["jmm_cuda_moe_gate_up"]) == {"fwd_gate_up_tiles": int(config.fwd_gate_up)}
     assert tile_attributes(found["jmm_cuda_moe_down"]) == {"fwd_down_tiles": int(config.fwd_down)}
-    assert tile_attributes(found["jmm_cuda_moe_backward"]) == {"bwd_down_tiles": int(config.bwd_down),
-                                                              "bwd_gate_up_tiles": int(config.bwd_gate_up)}
+    assert tile_attributes(found["jmm_cuda_moe_backward"]) == {
+        "bwd_down_tiles": int(config.bwd_down),
+        "bwd_gate_up_tiles": int(config.bwd_gate_up),
+    }
 
 
 def test_gemm_config_is_typed():
@@ -120,17 +137,33 @@ def test_gemm_config_is_typed():
 
 
 def test_moe_ffn_rejects_a_gemm_config_of_another_type():
-    args = (jnp.zeros((T, H)), jnp.zeros((T, K)), jnp.zeros((T, K), jnp.int32), jnp.zeros((E, H, 2 * I)),
-            jnp.zeros((E, I, H)))
+    args = (
+        jnp.zeros((T, H)),
+        jnp.zeros((T, K)),
+        jnp.zeros((T, K), jnp.int32),
+        jnp.zeros((E, H, 2 * I)),
+        jnp.zeros((E, I, H)),
+    )
     with pytest.raises(TypeError, match="gemm_config must be None or a jax_megamoe.GemmConfig"):
         jmm.moe_ffn(*args, implementation="cpu", gemm_config={"fwd_down": 0})
 
 
 def test_cpu_calls_have_no_workspace_result_and_no_tiles():
     x = jnp.ones((T, H), jnp.float32)
-    text = jax.jit(lambda x: jmm.moe_ffn(x, jnp.ones((T, K)), jnp.zeros((T, K), jnp.int32),
-                                         jnp.ones((E, H, 2 * I)), jnp.ones((E, I, H)), implementation="cpu")
-                   ).lower(x).as_text()
+    text = (
+        jax.jit(
+            lambda x: jmm.moe_ffn(
+                x,
+                jnp.ones((T, K)),
+                jnp.zeros((T, K), jnp.int32),
+                jnp.ones((E, H, 2 * I)),
+                jnp.ones((E, I, H)),
+                implementation="cpu",
+            )
+        )
+        .lower(x)
+        .as_text()
+    )
     found = calls(text)
     assert sorted(found) == ["jmm_cpu_moe_down", "jmm_cpu_moe_gate_up", "jmm_cpu_moe_layout"]
     assert not any("ui8" in line.rsplit("->", 1)[1] for line in found.values())

@@ -11,11 +11,21 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from moe_cases import (
+    OUTPUT_NAMES,
+    Case,
+    make_routing,
+    merge_shards,
+    rel_error,
+    seeded_rng,
+    split_shards,
+    without_dropped,
+)
+from moe_cases import make_problem as make_moe_problem
 
 import jax_megamoe as jmm
 from jax_megamoe import reference
 from jax_megamoe.parallel import EPStats, moe_ffn_ep, transport
-from moe_cases import Case, make_problem as make_moe_problem, make_routing, rel_error, seeded_rng, without_dropped
 
 # One gathered problem size for every mesh, so each jitted function compiles once per mesh (CI has 2 cores).
 TOKENS, HIDDEN, INTER, EXPERTS, TOP_K = 64, 16, 8, 16, 4
@@ -32,7 +42,7 @@ ROUTINGS = ["uniform", "zipf", "all_to_one", "empty_experts"]
 
 def make_mesh(name: str) -> Mesh:
     shape, names = MESHES[name]
-    return Mesh(np.array(jax.devices()[:math.prod(shape)]).reshape(shape), names)
+    return Mesh(np.array(jax.devices()[: math.prod(shape)]).reshape(shape), names)
 
 
 def make_problem(seed, tokens: int, routing: str, dtype=jnp.float32):
@@ -53,6 +63,7 @@ def ep_function(mesh: Mesh, **options):
 
 def value_and_grads(fn, args, dy):
     """`fn(*args)` and the gradients of `<fn(*args), dy>` in x, weights, w_gate_up, w_down."""
+
     def loss(x, weights, w_gate_up, w_down):
         y = fn(x, weights, args[2], w_gate_up, w_down)
         return jnp.sum(y.astype(jnp.float32) * dy), y
@@ -77,7 +88,9 @@ def assert_matches_reference(value_and_grads_fn, args, dy, tol=1e-5, reference_a
     reference_args = args if reference_args is None else reference_args
     y, grads = value_and_grads_fn(args, dy)
     y_ref, grads_ref = jitted_value_and_grads(reference.moe_ffn)(reference_args, dy)
-    for name, got, want in zip(("y", "dx", "d_weights", "d_w_gate_up", "d_w_down"), (y, *grads), (y_ref, *grads_ref)):
+    for name, got, want in zip(
+        ("y", "dx", "d_weights", "d_w_gate_up", "d_w_down"), (y, *grads), (y_ref, *grads_ref), strict=True
+    ):
         assert got.shape == want.shape, name
         assert rel_error(got, want) <= tol, f"{name}: relative error {rel_error(got, want):.2e} > {tol}"
 
@@ -119,7 +132,7 @@ def test_one_shard_is_bitwise_moe_ffn():
     args, dy = make_problem("ep1 bitwise", TOKENS, "zipf")
     got = ep_value_and_grads("ep1")(args, dy)
     want = jitted_value_and_grads(jmm.moe_ffn)(args, dy)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -139,8 +152,14 @@ def stats_function(mesh_name: str, **options):
         y, stats = moe_ffn_ep(*args, return_stats=True, **options)
         return y, stats.expert_counts, stats.pairs_received[None], stats.pairs_dropped[None]
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts),
-                                 out_specs=(tokens, devices, devices, devices)))
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(tokens, tokens, tokens, experts, experts),
+            out_specs=(tokens, devices, devices, devices),
+        )
+    )
 
 
 def expected_capacity(ids: np.ndarray, mesh: Mesh, pair_capacity: int):
@@ -187,8 +206,9 @@ def check_capacity(mesh_name, routing, capacity_factor, **options):
     if capacity_factor is not None:
         assert dropped.sum() > 0, "test case must overflow"
 
-    _, expert_counts, received, got_dropped = stats_function(mesh_name, capacity_factor=capacity_factor,
-                                                             **options)(*args)
+    _, expert_counts, received, got_dropped = stats_function(mesh_name, capacity_factor=capacity_factor, **options)(
+        *args
+    )
     np.testing.assert_array_equal(np.asarray(expert_counts).reshape(mesh.size, -1), counts)
     np.testing.assert_array_equal(np.asarray(received), counts.sum(1))
     np.testing.assert_array_equal(np.asarray(got_dropped), dropped)
@@ -196,13 +216,25 @@ def check_capacity(mesh_name, routing, capacity_factor, **options):
 
     # Dropped pairs behave as out-of-range ids: zero output, zero gradient.
     reference_args = (args[0], args[1], jnp.where(kept, args[2], -1), args[3], args[4])
-    assert_matches_reference(ep_value_and_grads(mesh_name, capacity_factor=capacity_factor, **options), args, dy,
-                             reference_args=reference_args)
+    assert_matches_reference(
+        ep_value_and_grads(mesh_name, capacity_factor=capacity_factor, **options),
+        args,
+        dy,
+        reference_args=reference_args,
+    )
 
 
-@pytest.mark.parametrize("mesh_name,routing,capacity_factor", [
-    ("ep4", "zipf", 0.5), ("ep4", "all_to_one", 1.0), ("data2xep4", "zipf", 0.75), ("ep8", "uniform", 0.3),
-    ("ep2", "uniform", None), ("ep1", "zipf", 0.5)])
+@pytest.mark.parametrize(
+    "mesh_name,routing,capacity_factor",
+    [
+        ("ep4", "zipf", 0.5),
+        ("ep4", "all_to_one", 1.0),
+        ("data2xep4", "zipf", 0.75),
+        ("ep8", "uniform", 0.3),
+        ("ep2", "uniform", None),
+        ("ep1", "zipf", 0.5),
+    ],
+)
 def test_capacity_drops_are_counted_exactly(mesh_name, routing, capacity_factor):
     check_capacity(mesh_name, routing, capacity_factor, transport="xla")
 
@@ -212,14 +244,14 @@ def test_bitwise_deterministic():
     first = ep_value_and_grads("ep8")(args, dy)
     fresh = jax.jit(functools.partial(value_and_grads, ep_function(make_mesh("ep8"))))  # a fresh trace and compile
     for again in (ep_value_and_grads("ep8")(args, dy), fresh(args, dy)):
-        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def check_named_sharding(mesh: Mesh):
     args, dy = make_problem("named", TOKENS, "uniform")
     specs = (P(mesh.axis_names),) * 3 + (P("expert"),) * 2
-    sharded = tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(args, specs))
+    sharded = tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(args, specs, strict=True))
     dy_sharded = jax.device_put(dy, NamedSharding(mesh, P(mesh.axis_names)))
     fn = jitted_value_and_grads(ep_function(mesh))
     y, grads = fn(sharded, dy_sharded)
@@ -244,8 +276,12 @@ def test_under_checkpoint():
     outside = jitted_value_and_grads(jax.checkpoint(ep_function(make_mesh("data2xep4"))))
     assert_matches_reference(outside, args, dy)
     tokens, experts = P("expert"), P("expert")
-    inside = jax.shard_map(jax.checkpoint(lambda *a: moe_ffn_ep(*a)), mesh=make_mesh("ep4"),
-                           in_specs=(tokens,) * 3 + (experts,) * 2, out_specs=tokens)
+    inside = jax.shard_map(
+        jax.checkpoint(lambda *a: moe_ffn_ep(*a)),
+        mesh=make_mesh("ep4"),
+        in_specs=(tokens,) * 3 + (experts,) * 2,
+        out_specs=tokens,
+    )
     assert_matches_reference(jitted_value_and_grads(inside), args, dy)
 
 
@@ -266,8 +302,11 @@ def test_public_export_and_stats_are_the_counted_values(mesh_name, routing):
         return y, stats.expert_counts, stats.pairs_received[None], stats.pairs_dropped[None]
 
     tokens, devices = P(mesh.axis_names), P(mesh.axis_names)
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(tokens,) * 3 + (P("expert"),) * 2,
-                               out_specs=(tokens, devices, devices, devices)))
+    fn = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(tokens,) * 3 + (P("expert"),) * 2, out_specs=(tokens, devices, devices, devices)
+        )
+    )
     _, counts, received, dropped = fn(*args)
     [stats] = seen
     assert isinstance(stats, EPStats)
@@ -284,15 +323,16 @@ def test_public_export_and_stats_are_the_counted_values(mesh_name, routing):
     np.testing.assert_array_equal(np.asarray(received), want.sum(1))
     np.testing.assert_array_equal(np.asarray(dropped), 0)
     if routing == "all_to_one":  # only the last K experts (the last shards) of each row receive anything
-        assert np.all(want.reshape(rows, EXPERTS)[:, :EXPERTS - TOP_K] == 0) and want.sum() == TOKENS * TOP_K
+        assert np.all(want.reshape(rows, EXPERTS)[:, : EXPERTS - TOP_K] == 0) and want.sum() == TOKENS * TOP_K
 
 
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                               axis_name, axis_index_groups=None):
+def emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, axis_index_groups=None
+):
     """`jax.lax.ragged_all_to_all` built from `all_to_all` (XLA:CPU lacks the op), for the ragged path's logic."""
     ep = jax.lax.axis_size(axis_name)
     rows = jnp.arange(operand.shape[0])
-    live = rows[None, :] < send_sizes[:, None]                                       # [ep, n]
+    live = rows[None, :] < send_sizes[:, None]  # [ep, n]
     source = operand.at[input_offsets[:, None] + rows[None, :]].get(mode="fill", fill_value=0)
     blocks = jnp.where(live.reshape(live.shape + (1,) * (operand.ndim - 1)), source, 0)
     received = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)
@@ -339,7 +379,9 @@ def test_ragged_probe_on_cpu_and_the_default_transport():
     with pytest.raises(ValueError, match="transport='ragged'.*GPU"):
         jax.jit(ep_function(make_mesh("ep2"), transport="ragged"))(*args)
     default = ep_value_and_grads("ep2")(args, dy)  # transport="xla" by default
-    for a, b in zip(jax.tree.leaves(default), jax.tree.leaves(ep_value_and_grads("ep2", transport="xla")(args, dy))):
+    for a, b in zip(
+        jax.tree.leaves(default), jax.tree.leaves(ep_value_and_grads("ep2", transport="xla")(args, dy)), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert_matches_reference(ep_value_and_grads("ep2"), args, dy)
 
@@ -355,20 +397,23 @@ def call_on_ep4(args, **options):
     return jax.jit(ep_function(make_mesh("ep4"), **options))(*args)
 
 
-@pytest.mark.parametrize("options,error,match", [
-    ({"transport": "nccl"}, ValueError, "transport must be"),
-    ({"transport": "auto"}, ValueError, "transport must be"),
-    ({"capacity_factor": 0}, ValueError, "capacity_factor must be a finite number > 0"),
-    ({"capacity_factor": -1.5}, ValueError, "capacity_factor must be a finite number > 0"),
-    ({"capacity_factor": float("nan")}, ValueError, "capacity_factor must be a finite number > 0"),
-    ({"capacity_factor": float("inf")}, ValueError, "capacity_factor must be a finite number > 0"),
-    ({"capacity_factor": "1.0"}, TypeError, "capacity_factor must be None or a positive number"),
-    ({"num_experts": 16.0}, TypeError, "num_experts must be None or an int"),
-    ({"num_experts": 18}, ValueError, "num_experts=18 is not divisible by the expert-axis size 4"),
-    ({"num_experts": 32}, ValueError, r"leading dimension num_experts / axis size = 32 / 4 = 8, got 4"),
-    ({"axis_name": "experts"}, ValueError, "axis_name 'experts' is not bound"),
-    ({"axis_name": ("expert",)}, TypeError, "axis_name must be a mesh axis name"),
-])
+@pytest.mark.parametrize(
+    "options,error,match",
+    [
+        ({"transport": "nccl"}, ValueError, "transport must be"),
+        ({"transport": "auto"}, ValueError, "transport must be"),
+        ({"capacity_factor": 0}, ValueError, "capacity_factor must be a finite number > 0"),
+        ({"capacity_factor": -1.5}, ValueError, "capacity_factor must be a finite number > 0"),
+        ({"capacity_factor": float("nan")}, ValueError, "capacity_factor must be a finite number > 0"),
+        ({"capacity_factor": float("inf")}, ValueError, "capacity_factor must be a finite number > 0"),
+        ({"capacity_factor": "1.0"}, TypeError, "capacity_factor must be None or a positive number"),
+        ({"num_experts": 16.0}, TypeError, "num_experts must be None or an int"),
+        ({"num_experts": 18}, ValueError, "num_experts=18 is not divisible by the expert-axis size 4"),
+        ({"num_experts": 32}, ValueError, r"leading dimension num_experts / axis size = 32 / 4 = 8, got 4"),
+        ({"axis_name": "experts"}, ValueError, "axis_name 'experts' is not bound"),
+        ({"axis_name": ("expert",)}, TypeError, "axis_name must be a mesh axis name"),
+    ],
+)
 def test_bad_options(options, error, match):
     args, _ = make_problem("bad", TOKENS, "uniform")
     with pytest.raises(error, match=match):
@@ -401,13 +446,11 @@ def test_under_vmap_over_the_expert_axis(shards):
     """`jax.vmap(axis_name=...)` over shards (how the nvlink transport is emulated on one GPU) gives the
     same result as shard_map over that many devices, forward and gradients."""
     args, dy = make_problem(("vmap", shards), TOKENS, "zipf")
-    split = lambda a: a.reshape((shards, -1) + a.shape[1:])
     emulated = jax.vmap(functools.partial(moe_ffn_ep, axis_name="expert", transport="xla"), axis_name="expert")
-    y, grads = jitted_value_and_grads(emulated)(tuple(split(a) for a in args), split(dy))
+    y, grads = jitted_value_and_grads(emulated)(tuple(split_shards(a, shards) for a in args), split_shards(dy, shards))
     y_mesh, grads_mesh = ep_value_and_grads(f"ep{shards}", transport="xla")(args, dy)
-    merge = lambda a: a.reshape((-1,) + a.shape[2:])
-    for name, got, want in zip(("y", "dx", "d_weights", "d_w_gate_up", "d_w_down"), (y, *grads), (y_mesh, *grads_mesh)):
-        np.testing.assert_array_equal(np.asarray(merge(got)), np.asarray(want), err_msg=name)
+    for name, got, want in zip(OUTPUT_NAMES, (y, *grads), (y_mesh, *grads_mesh), strict=True):
+        np.testing.assert_array_equal(np.asarray(merge_shards(got)), np.asarray(want), err_msg=name)
 
 
 @pytest.mark.parametrize("routing", ["uniform", "zipf", "empty_experts"])
@@ -418,6 +461,7 @@ def test_uncompacted_plan_keeps_each_token_at_its_index(routing):
     destination's block)."""
     from jax_megamoe.parallel.plan import make_plan
     from jax_megamoe.parallel.rows import combine_rows, dispatch_rows, sum_blocks
+
     ep, tokens = 4, 24
     rng = seeded_rng("uncompacted", routing)
     _, ids = make_routing(rng, tokens, EXPERTS, TOP_K, routing)

@@ -54,8 +54,11 @@ def free_port() -> int:
 def worker_env(process_id: int, platform: str, gpus: list[str]) -> dict[str, str]:
     """The parent's environment, with one device per worker and no forced host-device count (conftest's)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0")
-    flags = [flag for flag in shlex.split(env.get("XLA_FLAGS", ""))
-             if not flag.startswith("--xla_force_host_platform_device_count")]
+    flags = [
+        flag
+        for flag in shlex.split(env.get("XLA_FLAGS", ""))
+        if not flag.startswith("--xla_force_host_platform_device_count")
+    ]
     env["XLA_FLAGS"] = " ".join(flags)
     if platform == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
@@ -72,10 +75,25 @@ def run_workers(tmp_path: Path, platform: str, transports: str, gpus: Sequence[s
     procs = []
     for process_id, log in enumerate(logs):
         with open(log, "w") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), "--process-id", str(process_id), "--num-processes", str(NUM_PROCESSES),
-                 "--coordinator", coordinator, "--transports", transports],
-                stdout=out, stderr=subprocess.STDOUT, env=worker_env(process_id, platform, list(gpus))))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(WORKER),
+                        "--process-id",
+                        str(process_id),
+                        "--num-processes",
+                        str(NUM_PROCESSES),
+                        "--coordinator",
+                        coordinator,
+                        "--transports",
+                        transports,
+                    ],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=worker_env(process_id, platform, list(gpus)),
+                )
+            )
     deadline = time.monotonic() + WORKER_TIMEOUT_S
     # Poll all workers: if one dies, the other would wait on its collectives until the deadline.
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -88,8 +106,10 @@ def run_workers(tmp_path: Path, platform: str, transports: str, gpus: Sequence[s
         procs[i].kill()
         procs[i].wait()
     outputs = [log.read_text() for log in logs]
-    report = "\n".join(f"--- worker {i} (rc={p.returncode}) ---\n{text[-6000:]}"
-                       for i, (p, text) in enumerate(zip(procs, outputs)))
+    report = "\n".join(
+        f"--- worker {i} (rc={p.returncode}) ---\n{text[-6000:]}"
+        for i, (p, text) in enumerate(zip(procs, outputs, strict=True))
+    )
     assert not hung, f"workers {hung} killed: {reason}\n{report}"
     assert all(p.returncode == 0 for p in procs), f"a worker failed\n{report}"
     print(report)  # the per-shard errors, shown for passing tests with pytest -rA
@@ -102,8 +122,9 @@ def assert_all_checked(outputs: list[str], transports: str) -> None:
     expected_lines = len(transports.split(",")) * 2 * 3 * 5 + 1
     for process_id, text in enumerate(outputs):
         passed = [line for line in text.splitlines() if line.startswith(f"ok   process {process_id} ")]
-        assert len(passed) == expected_lines, (f"worker {process_id}: {len(passed)} checks passed, expected "
-                                               f"{expected_lines}\n{text[-6000:]}")
+        assert len(passed) == expected_lines, (
+            f"worker {process_id}: {len(passed)} checks passed, expected {expected_lines}\n{text[-6000:]}"
+        )
 
 
 def test_two_cpu_processes_match_reference(tmp_path):

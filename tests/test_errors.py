@@ -13,14 +13,18 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from moe_cases import Case, make_problem, value_and_grads
 
 import jax_megamoe as jmm
-from moe_cases import Case, make_problem, value_and_grads
 
 CASE = Case(6, 8, 4, 4, 2)
 ARG_NAMES = ("x", "weights", "experts", "w_gate_up", "w_down")
-NOT_ARRAYS = {"list": lambda a: np.asarray(a).tolist(), "None": lambda a: None, "float": lambda a: 1.5,
-              "int": lambda a: 3}
+NOT_ARRAYS = {
+    "list": lambda a: np.asarray(a).tolist(),
+    "None": lambda a: None,
+    "float": lambda a: 1.5,
+    "int": lambda a: 3,
+}
 
 
 def problem():
@@ -95,11 +99,14 @@ def test_cuda_on_a_cpu_machine_fails_at_trace_time(jit):
     assert "No FFI handler" not in str(err.value)
 
 
-@pytest.mark.parametrize("implementation, error, match", [
-    ("tpu", ValueError, r"implementation must be one of \('auto', 'cpu', 'cuda', 'reference'\), got 'tpu'"),
-    ("CPU", ValueError, "implementation must be one of"),
-    (None, (TypeError, ValueError), "implementation"),
-])
+@pytest.mark.parametrize(
+    "implementation, error, match",
+    [
+        ("tpu", ValueError, r"implementation must be one of \('auto', 'cpu', 'cuda', 'reference'\), got 'tpu'"),
+        ("CPU", ValueError, "implementation must be one of"),
+        (None, (TypeError, ValueError), "implementation"),
+    ],
+)
 def test_unknown_implementation(implementation, error, match):
     with pytest.raises(error, match=match):
         jmm.moe_ffn(*problem(), implementation=implementation)
@@ -128,12 +135,15 @@ def test_ragged_transport_on_cpu_is_a_clear_error():
     assert "No FFI handler" not in str(err.value)
 
 
-@pytest.mark.parametrize("transport, error, match", [
-    ("nccl", ValueError, r"transport must be"),
-    ("auto", ValueError, r"transport must be"),
-    ("nvlink", (TypeError, ValueError), r"NvlinkTransport"),    # the nvlink transport is an object, not a name
-    (object(), (TypeError, ValueError), r"transport must be"),
-])
+@pytest.mark.parametrize(
+    "transport, error, match",
+    [
+        ("nccl", ValueError, r"transport must be"),
+        ("auto", ValueError, r"transport must be"),
+        ("nvlink", (TypeError, ValueError), r"NvlinkTransport"),  # the nvlink transport is an object, not a name
+        (object(), (TypeError, ValueError), r"transport must be"),
+    ],
+)
 def test_unknown_transport(transport, error, match):
     with pytest.raises(error, match=match):
         ep_call(ep_problem(), transport=transport)
@@ -148,4 +158,3 @@ def test_old_ep_keywords_are_gone(old):
 def test_cuda_implementation_under_moe_ffn_ep_on_cpu_fails_at_trace_time():
     with pytest.raises(ValueError, match="implementation='cuda'"):
         ep_call(ep_problem(), implementation="cuda")
-

@@ -16,11 +16,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from moe_cases import (
+    OUTPUT_NAMES,
+    TOLERANCE,
+    Case,
+    make_problem,
+    reference_value_and_grads,
+    rel_error,
+    seeded_rng,
+    value_and_grads,
+)
 
 import jax_megamoe as jmm
 from jax_megamoe.ops.gemm_config import GemmConfig, GemmTiles
-from moe_cases import (OUTPUT_NAMES, TOLERANCE, Case, make_problem, reference_value_and_grads, rel_error,
-                       value_and_grads)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,8 +40,10 @@ TILES = tuple(GemmTiles)
 # None (the heuristic), each tiles on every row-grouped GEMM, then GEMM-by-GEMM mixes of all of them.
 CONFIGS = {"heuristic": None}
 CONFIGS |= {t.name: GemmConfig(t, t, t, t) for t in TILES}
-CONFIGS |= {f"mix{shift}": GemmConfig(*(TILES[(g + shift) % len(TILES)] for g in range(len(GEMMS))))
-            for shift in range(1, len(TILES))}
+CONFIGS |= {
+    f"mix{shift}": GemmConfig(*(TILES[(g + shift) % len(TILES)] for g in range(len(GEMMS))))
+    for shift in range(1, len(TILES))
+}
 
 ROW_TILE_EDGES = (63, 64, 65, 0, 127, 128, 129, 1, 255, 256, 257)
 # name: (case, explicit rows per expert or None)
@@ -48,7 +58,7 @@ CASES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def problem_and_reference(case_name):
     """The case's bf16 problem `(args, dy)` and its float32 reference outputs (computed once per case)."""
     case, rows = CASES[case_name]
@@ -56,7 +66,7 @@ def problem_and_reference(case_name):
     if rows is not None:
         assert sum(rows) == case.tokens
         ids = np.repeat(np.arange(case.experts), rows)
-        experts = np.random.default_rng(5).permutation(ids)[:, None].astype(np.int32)
+        experts = seeded_rng("row tile edges").permutation(ids)[:, None].astype(np.int32)
     args, dy = make_problem(case, jnp.bfloat16, seed=("gemm tiles", case_name), experts=experts)
     return args, dy, reference_value_and_grads(args, dy)
 
@@ -72,7 +82,7 @@ def cuda_value_and_grads(args, dy, gemm_config):
 def test_tiles_match_reference(case_name, config_name):
     args, dy, want = problem_and_reference(case_name)
     got = jax.block_until_ready(cuda_value_and_grads(args, dy, CONFIGS[config_name]))
-    for name, g, w in zip(OUTPUT_NAMES, got, want):
+    for name, g, w in zip(OUTPUT_NAMES, got, want, strict=True):
         g = np.asarray(g.astype(jnp.float32))
         assert np.all(np.isfinite(g)), f"{config_name}, {name}: non-finite values (unwritten or NaN output)"
         err = rel_error(g, w)

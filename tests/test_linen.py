@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from moe_cases import normal
 
 from jax_megamoe import linen as jmlinen
 from jax_megamoe import nn as jmnn
-from moe_cases import normal
 
 H, I, E, K = 16, 8, 4, 2
 
@@ -85,10 +85,13 @@ def test_expert_parallel_under_a_mesh_matches_one_device():
     assert int(aux.dropped_pairs) == 0
 
 
-@pytest.mark.parametrize("transport, match", [
-    ("ragged", "transport='ragged'"),      # XLA:CPU has no ragged_all_to_all
-    ("nccl", "transport must be"),
-])
+@pytest.mark.parametrize(
+    "transport, match",
+    [
+        ("ragged", "transport='ragged'"),  # XLA:CPU has no ragged_all_to_all
+        ("nccl", "transport must be"),
+    ],
+)
 def test_ep_transport_errors_surface_through_the_layer(transport, match):
     """moe_ffn_ep's own messages for a transport that cannot run reach the caller."""
     module = jmlinen.MoE(I, 8, K, expert_axis="expert", transport=transport)

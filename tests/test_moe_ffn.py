@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from moe_cases import Case, make_problem, rel_error, value_and_grads
 
 import jax_megamoe as jmm
 from jax_megamoe import reference
 from jax_megamoe.ops import moe as moe_ops
 from jax_megamoe.ops.moe import moe_layout
-from moe_cases import Case, make_problem, rel_error, value_and_grads
 
 _cpu = functools.partial(jmm.moe_ffn, implementation="cpu")
 
@@ -32,7 +32,7 @@ def test_checkpointed_backward_recomputes_only_the_gate_up_call():
     # A training step under jax.checkpoint: y goes on (returned), the backward recomputes the forward. Only
     # moe_gate_up is recomputed (the backward needs gate_up alone): JAX drops the recomputed moe_down. Counted in
     # the lowered program: XLA's CPU compiler then merges the recomputation with the forward (it drops the
-    # optimisation barrier), its GPU compiler keeps both (benchmarks/RESULTS.md times them).
+    # optimisation barrier), its GPU compiler keeps both (benchmarks/bench_moe.py's remat variant times them).
     case = Case(16, 16, 8, 4, 2)
     (x, weights, experts, w_gate_up, w_down), _ = make_problem(case, jnp.float32, seed="remat counts")
     cotangent = jnp.ones((16, 16), jnp.float32)
@@ -41,6 +41,7 @@ def test_checkpointed_backward_recomputes_only_the_gate_up_call():
         def step(x, weights, w_gate_up, w_down):
             y, vjp = jax.vjp(lambda a, b, c, d: fn(a, b, experts, c, d), x, weights, w_gate_up, w_down)
             return y, vjp(cotangent)
+
         text = jax.jit(step).lower(x, weights, w_gate_up, w_down).as_text()
         return {op: text.count(f"custom_call @jmm_cpu_moe_{op}(") for op in ("gate_up", "down", "backward")}
 
@@ -59,14 +60,22 @@ def test_checkpoint_policy_saving_the_named_residuals_recomputes_nothing():
         def run(x, weights, w_gate_up, w_down):
             y, vjp = jax.vjp(lambda a, b, c, d: fn(a, b, experts, c, d), x, weights, w_gate_up, w_down)
             return y, vjp(cotangent)
+
         return jax.jit(run)
 
     saved = step(jax.checkpoint(_cpu, policy=policy))
     text = saved.lower(x, weights, w_gate_up, w_down).as_text()
-    assert {op: text.count(f"custom_call @jmm_cpu_moe_{op}(") for op in ("layout", "gate_up", "down", "backward")} \
-        == {"layout": 1, "gate_up": 1, "down": 1, "backward": 1}
-    for got, want in zip(jax.tree.leaves(saved(x, weights, w_gate_up, w_down)),
-                         jax.tree.leaves(step(_cpu)(x, weights, w_gate_up, w_down)), strict=True):
+    assert {op: text.count(f"custom_call @jmm_cpu_moe_{op}(") for op in ("layout", "gate_up", "down", "backward")} == {
+        "layout": 1,
+        "gate_up": 1,
+        "down": 1,
+        "backward": 1,
+    }
+    for got, want in zip(
+        jax.tree.leaves(saved(x, weights, w_gate_up, w_down)),
+        jax.tree.leaves(step(_cpu)(x, weights, w_gate_up, w_down)),
+        strict=True,
+    ):
         np.testing.assert_array_equal(got, want)
 
 
@@ -78,8 +87,9 @@ def test_inside_shard_map_each_device_runs_local_op():
     def local(x, weights, experts, w_gate_up, w_down):
         return jmm.moe_ffn(x, weights, experts, w_gate_up, w_down, implementation="cpu")
 
-    sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data"), P("data"), P(), P()),
-                                    out_specs=P("data")))
+    sharded = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data"), P("data"), P(), P()), out_specs=P("data"))
+    )
 
     def loss(fn, x, w_gate_up):
         return jnp.sum(fn(x, weights, experts, w_gate_up, w_down) ** 2)
@@ -88,12 +98,13 @@ def test_inside_shard_map_each_device_runs_local_op():
     assert rel_error(y, reference.moe_ffn(x, weights, experts, w_gate_up, w_down)) <= 1e-5
     g = jax.grad(lambda x, w: loss(sharded, x, w), argnums=(0, 1))(x, w_gate_up)
     g_ref = jax.grad(lambda x, w: loss(reference.moe_ffn, x, w), argnums=(0, 1))(x, w_gate_up)
-    for a, b in zip(g, g_ref):
+    for a, b in zip(g, g_ref, strict=True):
         assert rel_error(a, b) <= 1e-5
 
 
 def test_auto_on_cpu_uses_the_cpu_kernels():
     from jax_megamoe.ops.moe import resolve_implementation
+
     assert resolve_implementation("auto") == "cpu"
     assert resolve_implementation("reference") == "reference"
     with pytest.raises(ValueError, match="implementation='cuda'"):
@@ -103,4 +114,3 @@ def test_auto_on_cpu_uses_the_cpu_kernels():
     assert all(f"@jmm_cpu_moe_{op}(" in text for op in ("layout", "gate_up", "down", "backward"))
     for a, b in zip(value_and_grads(jmm.moe_ffn, args, dy), value_and_grads(_cpu, args, dy), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-

@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from moe_cases import Case, make_problem, seeded_rng, value_and_grads
 
 import jax_megamoe as jmm
 from jax_megamoe import _ffi
 from jax_megamoe.ops import moe as moe_ops
-from moe_cases import Case, make_problem, seeded_rng, value_and_grads
 
 pytestmark = [
     pytest.mark.gpu,
@@ -91,8 +91,13 @@ GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_grap
 def _run_graph_script(tmp_path, name, xla_flags):
     out, dump = tmp_path / f"{name}.npz", tmp_path / f"{name}_dump"
     env = dict(os.environ, XLA_FLAGS=f"{xla_flags} --xla_dump_to={dump} --xla_dump_hlo_as_text")
-    proc = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, str(out), str(Path(__file__).parent)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _GRAPH_SCRIPT, str(out), str(Path(__file__).parent)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return np.load(out), sorted(dump.glob("*after_optimizations.txt"))
 

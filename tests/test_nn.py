@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from moe_cases import normal, rel_error
 
 import jax_megamoe as jmm
 from jax_megamoe import nn as jmnn
 from jax_megamoe import reference
-from moe_cases import normal, rel_error
 
 H, I, E, K = 16, 12, 6, 2
 
@@ -25,8 +25,9 @@ def expected(layer, x, dtype=jnp.float32):
     tokens = x.reshape(-1, H)
     logits = tokens.astype(jnp.float32) @ layer.router.kernel[...]
     weights, experts = reference.route(logits, K, True)
-    y = reference.moe_ffn(tokens.astype(dtype), weights, experts, layer.w_gate_up[...].astype(dtype),
-                          layer.w_down[...].astype(dtype))
+    y = reference.moe_ffn(
+        tokens.astype(dtype), weights, experts, layer.w_gate_up[...].astype(dtype), layer.w_down[...].astype(dtype)
+    )
     return y.reshape(x.shape), logits, experts
 
 
@@ -115,14 +116,15 @@ def test_jit_and_remat():
     def loss_and_grad(layer, x):
         def loss(layer):
             y, aux = nnx.remat(lambda m, x: m(x))(layer, x)
-            return jnp.mean(y ** 2) + 0.01 * aux.load_balancing_loss
+            return jnp.mean(y**2) + 0.01 * aux.load_balancing_loss
+
         return nnx.value_and_grad(loss)(layer)
 
     value, grads = loss_and_grad(layer, x)
 
     def eager_loss(layer):
         y, aux = layer(x)
-        return jnp.mean(y ** 2) + 0.01 * aux.load_balancing_loss
+        return jnp.mean(y**2) + 0.01 * aux.load_balancing_loss
 
     want_value, want_grads = nnx.value_and_grad(eager_loss)(layer)
     np.testing.assert_allclose(value, want_value, rtol=1e-5)
@@ -172,23 +174,29 @@ def test_parameters_are_created_sharded_under_a_mesh():
     assert layer.w_gate_up[...].sharding.spec == jax.sharding.PartitionSpec("expert", None, None)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(top_k=E + 1), "top_k"),
-    (dict(hidden_size=0), "hidden_size"),
-    (dict(capacity_factor=0.0), "capacity_factor"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(top_k=E + 1), "top_k"),
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(capacity_factor=0.0), "capacity_factor"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     args = dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K) | kwargs
     with pytest.raises(ValueError, match=match):
         jmnn.MoE(**args, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("shape, expert_axis, capacity_factor", [
-    ((2, 4), "expert", None),
-    ((1, 8), "expert", None),
-    ((2, 4), "expert", 8.0),
-    ((8, 1), None, None),
-])
+@pytest.mark.parametrize(
+    "shape, expert_axis, capacity_factor",
+    [
+        ((2, 4), "expert", None),
+        ((1, 8), "expert", None),
+        ((2, 4), "expert", 8.0),
+        ((8, 1), None, None),
+    ],
+)
 def test_under_a_mesh_matches_one_device(shape, expert_axis, capacity_factor):
     """Under `jax.set_mesh` the layer runs per shard (expert-parallel with `expert_axis`); same result."""
     mesh = jax.make_mesh(shape, ("data", "expert"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
@@ -238,10 +246,13 @@ def two_device_expert_mesh(devices):
     return jax.sharding.Mesh(np.array(devices[:2]), ("expert",), axis_types=(jax.sharding.AxisType.Explicit,))
 
 
-@pytest.mark.parametrize("transport, error, match", [
-    ("ragged", ValueError, "transport='ragged'"),    # XLA:CPU has no ragged_all_to_all
-    ("nccl", ValueError, "transport must be"),
-])
+@pytest.mark.parametrize(
+    "transport, error, match",
+    [
+        ("ragged", ValueError, "transport='ragged'"),  # XLA:CPU has no ragged_all_to_all
+        ("nccl", ValueError, "transport must be"),
+    ],
+)
 def test_ep_transport_errors_surface_through_the_layer(transport, error, match):
     """moe_ffn_ep's own messages for a transport that cannot run reach the caller; the transport is a static
     attribute, not state."""
@@ -278,12 +289,15 @@ def test_two_gpus_nvlink_layer_equals_xla_layer(dtype):
         return jnp.sum(jnp.sin(y.astype(jnp.float32))) + aux.load_balancing_loss, (y, aux)
 
     results = {}
-    with jax.set_mesh(mesh), jmm.NvlinkWorkspace(mesh, "expert", max_tokens=tokens // 2, hidden=hidden, top_k=K,
-                                                  dtype=dtype) as workspace:
+    with (
+        jax.set_mesh(mesh),
+        jmm.NvlinkWorkspace(mesh, "expert", max_tokens=tokens // 2, hidden=hidden, top_k=K, dtype=dtype) as workspace,
+    ):
         x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P("expert")))
         for name, transport in (("xla", "xla"), ("nvlink", jmm.NvlinkTransport(workspace))):
-            layer = jmnn.MoE(hidden, inter, experts, K, expert_axis="expert", transport=transport, dtype=dtype,
-                             rngs=nnx.Rngs(0))
+            layer = jmnn.MoE(
+                hidden, inter, experts, K, expert_axis="expert", transport=transport, dtype=dtype, rngs=nnx.Rngs(0)
+            )
             assert set(nnx.state(layer)) == {"router", "w_gate_up", "w_down"}
             (_, outputs), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, x)
             results[name] = jax.device_get((outputs, grads))

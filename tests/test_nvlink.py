@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from moe_cases import Case, make_problem, seeded_rng, split_shards, value_and_grads
 
 import jax_megamoe as jmm
 from jax_megamoe import _ffi, _targets
@@ -29,7 +30,6 @@ from jax_megamoe.ops.moe import moe_layout
 from jax_megamoe.parallel import ep as ep_module
 from jax_megamoe.parallel.nvlink import exchange, fused, workspace
 from jax_megamoe.parallel.nvlink.transport import NvlinkTransport
-from moe_cases import Case, make_problem, seeded_rng, split_shards, value_and_grads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,9 +71,18 @@ def test_workspace_rejects_unknown_axis():
         jmm.NvlinkWorkspace(mesh, "expert", max_tokens=8, hidden=16, top_k=2)
 
 
-@pytest.mark.parametrize("name, value", [("timeout_ms", 0), ("timeout_ms", -5), ("timeout_ms", 1.5),
-                                         ("blocks_per_peer", 0), ("blocks_per_peer", 1025), ("blocks_per_peer", "16"),
-                                         ("blocks_per_peer", True)])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("timeout_ms", 0),
+        ("timeout_ms", -5),
+        ("timeout_ms", 1.5),
+        ("blocks_per_peer", 0),
+        ("blocks_per_peer", 1025),
+        ("blocks_per_peer", "16"),
+        ("blocks_per_peer", True),
+    ],
+)
 def test_timeout_and_blocks_per_peer_are_checked_arguments(monkeypatch, name, value):
     monkeypatch.setattr(workspace, "_ordinal", lambda device: 0)  # as on a GPU: the arguments are checked first
     monkeypatch.setattr(workspace, "_cuda_extension", _FakeExtension)
@@ -97,8 +106,15 @@ class _FakeExtension:
         self.created, self.attached, self.destroyed = [], [], []
 
     def nvlink_create(self, groups, emulated, block_bytes, timeout_ms, blocks_per_peer):
-        self.created.append(dict(groups=groups, emulated=emulated, block_bytes=block_bytes, timeout_ms=timeout_ms,
-                                 blocks_per_peer=blocks_per_peer))
+        self.created.append(
+            dict(
+                groups=groups,
+                emulated=emulated,
+                block_bytes=block_bytes,
+                timeout_ms=timeout_ms,
+                blocks_per_peer=blocks_per_peer,
+            )
+        )
         return 7
 
     def nvlink_destroy(self, workspace_id):
@@ -112,8 +128,9 @@ class _FakeExtension:
 
 
 @pytest.mark.parametrize("other_process", [False, True])
-@pytest.mark.parametrize("asked, expected", [({}, (10_000, 64)), ({"timeout_ms": 500, "blocks_per_peer": 16},
-                                                                   (500, 16))])
+@pytest.mark.parametrize(
+    "asked, expected", [({}, (10_000, 64)), ({"timeout_ms": 500, "blocks_per_peer": 16}, (500, 16))]
+)
 def test_timeout_and_blocks_per_peer_reach_the_extension(monkeypatch, other_process, asked, expected):
     """The workspace's arguments (not an environment variable) reach nvlink_create, within one process and with
     one process per GPU (CUDA IPC) alike; defaults 10 s and 64."""
@@ -155,6 +172,7 @@ class _FakeStore:
 
 def test_ipc_handles_are_swapped_under_global_group_names(monkeypatch):
     from jax._src import distributed
+
     host = socket.gethostname().encode()
     # This process holds rank 1 of global group 3 (its only group); rank 0 belongs to another process.
     # Binary handles may contain the separator: only the first newline ends the host name.
@@ -169,6 +187,7 @@ def test_ipc_handles_are_swapped_under_global_group_names(monkeypatch):
 
 def test_ipc_peer_on_another_host_is_refused(monkeypatch):
     from jax._src import distributed
+
     store = _FakeStore({"jax_megamoe/nvlink/1/0/0": b"elsewhere-node\nhandles"})
     monkeypatch.setattr(distributed.global_state, "client", store)
     ext = _FakeExtension([b"mine"])
@@ -179,6 +198,7 @@ def test_ipc_peer_on_another_host_is_refused(monkeypatch):
 
 def test_ipc_needs_jax_distributed(monkeypatch):
     from jax._src import distributed
+
     monkeypatch.setattr(distributed.global_state, "client", None)
     with pytest.raises(ValueError, match="jax.distributed.initialize"):
         workspace._exchange_handles(_FakeExtension([b"x"]), 1, [[workspace.REMOTE, 0]], [0], 1)
@@ -204,14 +224,17 @@ def test_the_transport_takes_a_workspace_and_is_hashable_by_identity():
     transport.check(2)
 
 
-@pytest.mark.parametrize("implementation, dtype, hidden, inter, reason", [
-    ("cuda", jnp.bfloat16, 128, 64, None),
-    ("cuda", jnp.float32, 128, 64, "bfloat16"),           # float32 runs moe_ffn's SIMT path
-    ("cuda", jnp.bfloat16, 132, 64, "multiples of 8"),    # H not a multiple of 8: no tensor cores
-    ("cuda", jnp.bfloat16, 128, 36, "multiples of 8"),    # I not a multiple of 8
-    ("reference", jnp.bfloat16, 128, 64, "CUDA kernels"),
-    ("cpu", jnp.bfloat16, 128, 64, "CUDA kernels"),
-])
+@pytest.mark.parametrize(
+    "implementation, dtype, hidden, inter, reason",
+    [
+        ("cuda", jnp.bfloat16, 128, 64, None),
+        ("cuda", jnp.float32, 128, 64, "bfloat16"),  # float32 runs moe_ffn's SIMT path
+        ("cuda", jnp.bfloat16, 132, 64, "multiples of 8"),  # H not a multiple of 8: no tensor cores
+        ("cuda", jnp.bfloat16, 128, 36, "multiples of 8"),  # I not a multiple of 8
+        ("reference", jnp.bfloat16, 128, 64, "CUDA kernels"),
+        ("cpu", jnp.bfloat16, 128, 64, "CUDA kernels"),
+    ],
+)
 def test_the_fused_path_applies_only_to_the_cuda_tensor_core_path(implementation, dtype, hidden, inter, reason):
     why = jmm.NvlinkTransport(stand_in_workspace(2)).unsupported(implementation, dtype, hidden, inter)
     assert (why is None) if reason is None else (reason in why), why
@@ -236,15 +259,23 @@ def test_falling_back_to_xla_warns_once_naming_why(monkeypatch):
     ranks = 2
     args, dy = make_problem(Case(2 * 16, 16, 8, 8, 2, "zipf"), jnp.float32, seed="fallback")
     args, dy = tuple(split_shards(a, ranks) for a in args), split_shards(dy, ranks)
-    nvlink = jax.jit(functools.partial(value_and_grads, emulated_ep(
-        ranks, transport=jmm.NvlinkTransport(stand_in_workspace(ranks)), implementation="cpu")))
+    nvlink = jax.jit(
+        functools.partial(
+            value_and_grads,
+            emulated_ep(ranks, transport=jmm.NvlinkTransport(stand_in_workspace(ranks)), implementation="cpu"),
+        )
+    )
     xla = jax.jit(functools.partial(value_and_grads, emulated_ep(ranks, transport="xla", implementation="cpu")))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         text = nvlink.lower(args, dy).as_text()
         got = nvlink(args, dy)
-        again = jax.jit(functools.partial(value_and_grads, emulated_ep(
-            ranks, transport=jmm.NvlinkTransport(stand_in_workspace(ranks)), implementation="cpu")))(args, dy)
+        again = jax.jit(
+            functools.partial(
+                value_and_grads,
+                emulated_ep(ranks, transport=jmm.NvlinkTransport(stand_in_workspace(ranks)), implementation="cpu"),
+            )
+        )(args, dy)
     fell_back = [w for w in caught if issubclass(w.category, UserWarning)]
     assert len(fell_back) == 1, [str(w.message) for w in fell_back]
     message = str(fell_back[0].message)
@@ -270,9 +301,9 @@ def test_fine_layout_has_the_plain_expert_layouts_row_order(ep):
     local_experts, capacity, top_k = 5, 7, 3
     rng = seeded_rng("fine layout", ep)
     recv_ids = rng.integers(0, local_experts, (ep, capacity, top_k)).astype(np.int32)
-    recv_ids[rng.random(recv_ids.shape) < 0.3] = -1     # empty slots and unrouted columns
-    recv_ids[-1, capacity // 2:] = -1                    # a partly filled block
-    recv_ids[recv_ids == 2] = 4                          # an expert with no pair
+    recv_ids[rng.random(recv_ids.shape) < 0.3] = -1  # empty slots and unrouted columns
+    recv_ids[-1, capacity // 2 :] = -1  # a partly filled block
+    recv_ids[recv_ids == 2] = 4  # an expert with no pair
     keys = fused.fine_keys(jnp.asarray(recv_ids))
     np.testing.assert_array_equal(np.asarray(keys), fine_keys_model(recv_ids))
 
@@ -317,10 +348,12 @@ def cuda_lowering(monkeypatch):
         def workspace_bytes(*sizes):
             asked.append((name, *sizes))
             return FUSED_WORKSPACE_BYTES if name.startswith("jmm_cuda_nvlink_moe_") else 256
+
         return workspace_bytes
 
-    ext = types.SimpleNamespace(with_cuda=True, **{t.workspace_query: query(t.name) for t in _targets.all_targets()
-                                                   if t.workspace_query})
+    ext = types.SimpleNamespace(
+        with_cuda=True, **{t.workspace_query: query(t.name) for t in _targets.all_targets() if t.workspace_query}
+    )
     monkeypatch.setattr(_ffi, "extension", lambda: ext)
     cuda = lambda implementation, arrays=(): "cuda"  # noqa: E731 - as on a GPU
     monkeypatch.setattr(moe_ops, "resolve_implementation", cuda)
@@ -334,16 +367,21 @@ def lower_for_cuda(fn, *shapes) -> str:
 
 
 RANKS, TOKENS, HIDDEN, INTER, EXPERTS, TOP_K = 2, 8, 16, 8, 4, 2
-EP_SHAPES = (((RANKS, TOKENS, HIDDEN), jnp.bfloat16), ((RANKS, TOKENS, TOP_K), jnp.float32),
-             ((RANKS, TOKENS, TOP_K), jnp.int32), ((RANKS, EXPERTS // RANKS, HIDDEN, 2 * INTER), jnp.bfloat16),
-             ((RANKS, EXPERTS // RANKS, INTER, HIDDEN), jnp.bfloat16))
+EP_SHAPES = (
+    ((RANKS, TOKENS, HIDDEN), jnp.bfloat16),
+    ((RANKS, TOKENS, TOP_K), jnp.float32),
+    ((RANKS, TOKENS, TOP_K), jnp.int32),
+    ((RANKS, EXPERTS // RANKS, HIDDEN, 2 * INTER), jnp.bfloat16),
+    ((RANKS, EXPERTS // RANKS, INTER, HIDDEN), jnp.bfloat16),
+)
 
 
 def ep_step(checkpoint=None, **options):
     """Forward and backward of emulated `moe_ffn_ep` on the nvlink transport, y returned as a training step
     uses it; `checkpoint`: None, or the policy of a jax.checkpoint around the layer ("none": no policy)."""
-    per_shard = functools.partial(jmm.moe_ffn_ep, axis_name="expert",
-                                  transport=jmm.NvlinkTransport(stand_in_workspace(RANKS)), **options)
+    per_shard = functools.partial(
+        jmm.moe_ffn_ep, axis_name="expert", transport=jmm.NvlinkTransport(stand_in_workspace(RANKS)), **options
+    )
 
     def step(x, weights, ids, w_gate_up, w_down):
         layer = jax.vmap(per_shard, axis_name="expert")
@@ -356,10 +394,13 @@ def ep_step(checkpoint=None, **options):
     return step
 
 
-@pytest.mark.parametrize("capacity_factor, blocks", [
-    (None, "1x8"),    # dropless: x itself is every destination's block
-    (0.5, "2x4"),     # C = 4 < T: compacted send blocks
-])
+@pytest.mark.parametrize(
+    "capacity_factor, blocks",
+    [
+        (None, "1x8"),  # dropless: x itself is every destination's block
+        (0.5, "2x4"),  # C = 4 < T: compacted send blocks
+    ],
+)
 def test_moe_ffn_ep_lowers_to_the_fused_calls(cuda_lowering, capacity_factor, blocks):
     """`moe_ffn_ep`'s nvlink path, bf16 on the CUDA implementation: one call of each fused target (gate_up and
     down forward, backward), the plain exchange only for the ids and weights out and the weights' cotangent back
@@ -377,21 +418,36 @@ def test_moe_ffn_ep_lowers_to_the_fused_calls(cuda_lowering, capacity_factor, bl
     rows, pairs, groups = RANKS * capacity, RANKS * capacity * TOP_K, local * RANKS
     r = f"{RANKS}x"
     [(operands, results)] = custom_call_types(text, "jmm_cuda_nvlink_moe_gate_up")
-    assert operands == [f"{r}{blocks}x{HIDDEN}xbf16", f"{r}{local}x{HIDDEN}x{2 * INTER}xbf16", f"{r}{pairs}xi32",
-                        f"{r}{groups + 1}xi32"]
-    assert results == [f"{r}{RANKS}x{capacity}x{HIDDEN}xbf16", f"{r}{pairs}x{2 * INTER}xbf16",
-                       f"{r}{FUSED_WORKSPACE_BYTES}xui8"]
+    assert operands == [
+        f"{r}{blocks}x{HIDDEN}xbf16",
+        f"{r}{local}x{HIDDEN}x{2 * INTER}xbf16",
+        f"{r}{pairs}xi32",
+        f"{r}{groups + 1}xi32",
+    ]
+    assert results == [
+        f"{r}{RANKS}x{capacity}x{HIDDEN}xbf16",
+        f"{r}{pairs}x{2 * INTER}xbf16",
+        f"{r}{FUSED_WORKSPACE_BYTES}xui8",
+    ]
     [(operands, results)] = custom_call_types(text, "jmm_cuda_nvlink_moe_down")
-    assert operands == [f"{r}{pairs}x{2 * INTER}xbf16", f"{r}{rows}x{TOP_K}xf32", f"{r}{local}x{INTER}x{HIDDEN}xbf16",
-                        f"{r}{pairs}xi32", f"{r}{groups + 1}xi32", f"{r}{local + 1}xi32"]
+    assert operands == [
+        f"{r}{pairs}x{2 * INTER}xbf16",
+        f"{r}{rows}x{TOP_K}xf32",
+        f"{r}{local}x{INTER}x{HIDDEN}xbf16",
+        f"{r}{pairs}xi32",
+        f"{r}{groups + 1}xi32",
+        f"{r}{local + 1}xi32",
+    ]
     assert results == [f"{r}{blocks}x{HIDDEN}xbf16", f"{r}{FUSED_WORKSPACE_BYTES}xui8"]
     [(operands, results)] = custom_call_types(text, "jmm_cuda_nvlink_moe_backward")
     assert operands[:2] == [f"{r}{blocks}x{HIDDEN}xbf16", f"{r}{RANKS}x{capacity}x{HIDDEN}xbf16"]
     assert results[0] == f"{r}{blocks}x{HIDDEN}xbf16" and results[-1] == f"{r}{FUSED_WORKSPACE_BYTES}xui8"
     assert results[4] == f"{r}{pairs}x{2 * INTER}xbf16"  # dz, written over the saved gate_up (operand 5)
     [backward] = call_lines(text, "jmm_cuda_nvlink_moe_backward")
-    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [4], operand_index = 5" \
+    assert (
+        "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [4], operand_index = 5"
         in backward
+    )
     assert dict(_targets.NVLINK_MOE_BACKWARD.aliases) == {5: 4}
     # The workspace id is every fused call's attribute; the backward's row GEMMs take the heuristic's tiles.
     for target in NVLINK_CALLS:
@@ -413,24 +469,36 @@ def GemmConfigOf(capacity):  # noqa: N802 - reads as the config of the received 
 
 
 def nvlink_call_counts(text: str) -> dict[str, int]:
-    return {t.removeprefix("jmm_cuda_"): len(custom_call_types(text, t))
-            for t in (*NVLINK_CALLS, "jmm_cuda_nvlink_exchange", "jmm_cuda_moe_layout")}
+    return {
+        t.removeprefix("jmm_cuda_"): len(custom_call_types(text, t))
+        for t in (*NVLINK_CALLS, "jmm_cuda_nvlink_exchange", "jmm_cuda_moe_layout")
+    }
 
 
 def test_under_checkpoint_saving_the_named_residuals_nothing_is_recomputed(cuda_lowering):
     """jax.checkpoint with save_only_these_names("moe_layout", "moe_gate_up", "moe_rows"): the lowered program
     runs each nvlink call once (nothing of the exchanges or the experts recomputed), as without jax.checkpoint;
     with no policy the backward's recomputation runs the exchanges of the ids and weights, the layout and the
-    gate_up call again, never the down call. (XLA:GPU keeps both copies; tests/test_nvlink_gpu.py counts them in
-    the program compiled on a GPU.)"""
+    gate_up call again, never the down call. (tests/test_nvlink_gpu.py counts the calls again in the program
+    lowered and compiled on a GPU, and compares the gradients.)"""
     plain = nvlink_call_counts(lower_for_cuda(ep_step(), *EP_SHAPES))
-    assert plain == {"nvlink_moe_gate_up": 1, "nvlink_moe_down": 1, "nvlink_moe_backward": 1, "nvlink_exchange": 3,
-                     "moe_layout": 1}
+    assert plain == {
+        "nvlink_moe_gate_up": 1,
+        "nvlink_moe_down": 1,
+        "nvlink_moe_backward": 1,
+        "nvlink_exchange": 3,
+        "moe_layout": 1,
+    }
     policy = jax.checkpoint_policies.save_only_these_names("moe_layout", "moe_gate_up", "moe_rows")
     assert nvlink_call_counts(lower_for_cuda(ep_step(checkpoint=policy), *EP_SHAPES)) == plain
     recomputed = nvlink_call_counts(lower_for_cuda(ep_step(checkpoint="none"), *EP_SHAPES))
-    assert recomputed == {"nvlink_moe_gate_up": 2, "nvlink_moe_down": 1, "nvlink_moe_backward": 1,
-                          "nvlink_exchange": 5, "moe_layout": 2}
+    assert recomputed == {
+        "nvlink_moe_gate_up": 2,
+        "nvlink_moe_down": 1,
+        "nvlink_moe_backward": 1,
+        "nvlink_exchange": 5,
+        "moe_layout": 2,
+    }
 
 
 def test_every_kernel_file_registers_its_module():

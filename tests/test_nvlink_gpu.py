@@ -32,12 +32,21 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from moe_cases import (
+    OUTPUT_NAMES,
+    Case,
+    make_problem,
+    merge_shards,
+    reference_value_and_grads,
+    rel_error,
+    seeded_rng,
+    split_shards,
+    value_and_grads,
+)
 
 import jax_megamoe as jmm
 from jax_megamoe.parallel import ep as ep_module
 from jax_megamoe.parallel.nvlink import exchange
-from moe_cases import (OUTPUT_NAMES, Case, make_problem, merge_shards, reference_value_and_grads, rel_error,
-                       seeded_rng, split_shards, value_and_grads)
 
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason="needs an NVIDIA GPU")]
@@ -69,8 +78,9 @@ def test_emulated_exchange_matches_definition(ranks, dtype, width, blocks_per_pe
     capacity = 37
     rng = seeded_rng("exchange", ranks, width)
     fill = -1 if dtype == jnp.int32 else 0
-    with jmm.NvlinkWorkspace.emulated(ranks, max_tokens=capacity, hidden=width, top_k=1, dtype=dtype,
-                                      blocks_per_peer=blocks_per_peer) as ws:
+    with jmm.NvlinkWorkspace.emulated(
+        ranks, max_tokens=capacity, hidden=width, top_k=1, dtype=dtype, blocks_per_peer=blocks_per_peer
+    ) as ws:
         fn = jax.jit(jax.vmap(lambda b, s, r: exchange.exchange(b, s, r, ws, fill), axis_name="shards"))
         full = np.full((ranks, ranks), capacity, np.int32)
         poison = jnp.full((ranks, ranks, capacity, width), 7, dtype)  # every staging row written once
@@ -85,8 +95,9 @@ def test_emulated_exchange_matches_definition(ranks, dtype, width, blocks_per_pe
 
 def make_shards(seed, ranks, tokens, hidden, inter, experts, top_k, dtype, routing):
     """A global problem split into `ranks` shards: tokens [R, T, ...], experts [R, E/R, ...]."""
-    args, dy = make_problem(Case(ranks * tokens, hidden, inter, experts, top_k, routing), dtype,
-                            seed=("nvlink gpu", seed))
+    args, dy = make_problem(
+        Case(ranks * tokens, hidden, inter, experts, top_k, routing), dtype, seed=("nvlink gpu", seed)
+    )
     return tuple(split_shards(a, ranks) for a in args), split_shards(dy, ranks)
 
 
@@ -94,7 +105,7 @@ def assert_close_to_reference(results, args, dy):
     """Compares sharded results with the float32 reference on the gathered problem."""
     expected = reference_value_and_grads(tuple(merge_shards(a) for a in args), merge_shards(dy))
     tolerance = 1e-2 if args[0].dtype == jnp.bfloat16 else 3e-4
-    for name, got, want in zip(OUTPUT_NAMES, results, expected):
+    for name, got, want in zip(OUTPUT_NAMES, results, expected, strict=True):
         err = rel_error(merge_shards(got), want)
         assert err <= tolerance, f"{name}: relative error {err:.2e} > {tolerance}"
 
@@ -113,8 +124,9 @@ def emulated_nvlink(ranks, args, dy, runs=1, **options):
     """`(fused, results)` of emulated `moe_ffn_ep` on the nvlink transport: which fused calls the lowered
     program makes, and `runs` results of `value_and_grads`."""
     x, _, ids, _, _ = args
-    with jmm.NvlinkWorkspace.emulated(ranks, max_tokens=x.shape[1], hidden=x.shape[2], top_k=ids.shape[2],
-                                      dtype=x.dtype) as ws:
+    with jmm.NvlinkWorkspace.emulated(
+        ranks, max_tokens=x.shape[1], hidden=x.shape[2], top_k=ids.shape[2], dtype=x.dtype
+    ) as ws:
         fn = jax.jit(functools.partial(value_and_grads, emulated_ep(jmm.NvlinkTransport(ws), **options)))
         return fused_calls(fn, args, dy), [jax.block_until_ready(fn(args, dy)) for _ in range(runs)]
 
@@ -145,26 +157,49 @@ def check_nvlink_equals_xla(seed, ranks, routing, tokens, hidden, inter, experts
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 @pytest.mark.parametrize("routing", ["uniform", "zipf", "all_to_one"])
 def test_emulated_nvlink_equals_xla(ranks, routing, layout):
-    check_nvlink_equals_xla(ranks + len(routing), ranks, routing, tokens=96, hidden=128, inter=64, experts=32,
-                            top_k=4, capacity_factor=LAYOUTS[layout](ranks, 4))
+    check_nvlink_equals_xla(
+        ranks + len(routing),
+        ranks,
+        routing,
+        tokens=96,
+        hidden=128,
+        inter=64,
+        experts=32,
+        top_k=4,
+        capacity_factor=LAYOUTS[layout](ranks, 4),
+    )
 
 
-@pytest.mark.parametrize("ranks, routing, experts, top_k, capacity_factor", [
-    (4, "uniform", 32, 1, None),           # K = 1: one column per row
-    (4, "empty_experts", 32, 4, None),     # empty (expert, source) groups, empty experts and empty shards
-    (8, "zipf", 16, 4, 1.0),               # K > E_local (rows carry summed per-expert columns), pairs dropped
-])
+@pytest.mark.parametrize(
+    "ranks, routing, experts, top_k, capacity_factor",
+    [
+        (4, "uniform", 32, 1, None),  # K = 1: one column per row
+        (4, "empty_experts", 32, 4, None),  # empty (expert, source) groups, empty experts and empty shards
+        (8, "zipf", 16, 4, 1.0),  # K > E_local (rows carry summed per-expert columns), pairs dropped
+    ],
+)
 def test_emulated_nvlink_edge_cases(ranks, routing, experts, top_k, capacity_factor):
-    check_nvlink_equals_xla(7 * ranks + top_k, ranks, routing, tokens=96, hidden=128, inter=64, experts=experts,
-                            top_k=top_k, capacity_factor=capacity_factor)
+    check_nvlink_equals_xla(
+        7 * ranks + top_k,
+        ranks,
+        routing,
+        tokens=96,
+        hidden=128,
+        inter=64,
+        experts=experts,
+        top_k=top_k,
+        capacity_factor=capacity_factor,
+    )
 
 
 def test_emulated_nvlink_sees_each_calls_own_rows():
     """One workspace, successive calls on different problems: a call that read a push slot or a group counter
     left by the call before would differ from xla (the calls above repeat one problem, which would hide it)."""
     ranks, tokens, hidden, inter, experts, top_k = 4, 96, 128, 64, 32, 4
-    problems = [make_shards(seed, ranks, tokens, hidden, inter, experts, top_k, jnp.bfloat16, routing)
-                for seed, routing in [(21, "uniform"), (22, "all_to_one"), (23, "zipf")]]
+    problems = [
+        make_shards(seed, ranks, tokens, hidden, inter, experts, top_k, jnp.bfloat16, routing)
+        for seed, routing in [(21, "uniform"), (22, "all_to_one"), (23, "zipf")]
+    ]
     xla = jax.jit(functools.partial(value_and_grads, emulated_ep("xla")))
     with jmm.NvlinkWorkspace.emulated(ranks, max_tokens=tokens, hidden=hidden, top_k=top_k) as ws:
         ours = jax.jit(functools.partial(value_and_grads, emulated_ep(jmm.NvlinkTransport(ws))))
@@ -173,7 +208,9 @@ def test_emulated_nvlink_sees_each_calls_own_rows():
             assert_bitwise_equal(jax.block_until_ready(ours(args, dy)), xla(args, dy))
 
 
-@pytest.mark.parametrize("dtype, hidden, reason", [(jnp.float32, 128, "bfloat16"), (jnp.bfloat16, 132, "multiples of 8")])
+@pytest.mark.parametrize(
+    "dtype, hidden, reason", [(jnp.float32, 128, "bfloat16"), (jnp.bfloat16, 132, "multiples of 8")]
+)
 def test_where_the_fused_path_cannot_apply_xla_runs_with_one_warning(monkeypatch, dtype, hidden, reason):
     """float32 (no tensor cores) or H not a multiple of 8: moe_ffn_ep warns once naming why and runs the xla
     transport, bit for bit, with no fused call in the program."""
@@ -190,28 +227,42 @@ def test_where_the_fused_path_cannot_apply_xla_runs_with_one_warning(monkeypatch
     assert_bitwise_equal(second, first)
 
 
-def compiled_fused_counts(fn, *args) -> dict[str, int]:
-    text = fn.lower(*args).compile().as_text()
-    return {target: text.count(f'custom_call_target="{target}"') for target in FUSED_CALLS}
+def fused_counts(fn, *args) -> tuple[dict[str, int], dict[str, int]]:
+    """How many calls of each fused target the lowered and the compiled program of jitted `fn` make."""
+    lowered = fn.lower(*args)
+    text, compiled = lowered.as_text(), lowered.compile().as_text()
+    return (
+        {target: text.count(f"@{target}(") for target in FUSED_CALLS},
+        {target: compiled.count(f'custom_call_target="{target}"') for target in FUSED_CALLS},
+    )
 
 
 def test_checkpoint_saving_the_named_residuals_recomputes_no_fused_call():
-    """Under jax.checkpoint with save_only_these_names("moe_layout", "moe_gate_up", "moe_rows") the program
-    compiled on the GPU runs each fused call once, as without jax.checkpoint; with no policy it runs the gate_up
-    call twice (the recomputation) and the others once; all three give the plain gradients bit for bit."""
+    """Under jax.checkpoint with save_only_these_names("moe_layout", "moe_gate_up", "moe_rows") the program,
+    lowered and compiled on the GPU, runs each fused call once, as without jax.checkpoint; with no policy the
+    lowered program runs the gate_up call twice (the recomputation) and the others once, and the compiled one
+    keeps one down and one backward call; all three give the plain gradients bit for bit."""
     ranks, tokens, hidden, inter, experts, top_k = 2, 96, 128, 64, 32, 4
     args, dy = make_shards(31, ranks, tokens, hidden, inter, experts, top_k, jnp.bfloat16, "zipf")
     policy = jax.checkpoint_policies.save_only_these_names("moe_layout", "moe_gate_up", "moe_rows")
     with jmm.NvlinkWorkspace.emulated(ranks, max_tokens=tokens, hidden=hidden, top_k=top_k) as ws:
         layer = emulated_ep(jmm.NvlinkTransport(ws))
-        steps = {name: jax.jit(functools.partial(value_and_grads, fn)) for name, fn in
-                 (("plain", layer), ("saved", jax.checkpoint(layer, policy=policy)),
-                  ("recomputed", jax.checkpoint(layer)))}
-        counts = {name: compiled_fused_counts(step, args, dy) for name, step in steps.items()}
+        steps = {
+            name: jax.jit(functools.partial(value_and_grads, fn))
+            for name, fn in (
+                ("plain", layer),
+                ("saved", jax.checkpoint(layer, policy=policy)),
+                ("recomputed", jax.checkpoint(layer)),
+            )
+        }
+        counts = {name: fused_counts(step, args, dy) for name, step in steps.items()}
         results = {name: jax.block_until_ready(step(args, dy)) for name, step in steps.items()}
     once = dict.fromkeys(FUSED_CALLS, 1)
-    assert counts["plain"] == once and counts["saved"] == once, counts
-    assert counts["recomputed"] == once | {"jmm_cuda_nvlink_moe_gate_up": 2}, counts
+    for name in ("plain", "saved"):
+        assert counts[name] == (once, once), (name, counts[name])
+    lowered, compiled = counts["recomputed"]
+    assert lowered == once | {"jmm_cuda_nvlink_moe_gate_up": 2}, lowered
+    assert compiled["jmm_cuda_nvlink_moe_down"] == compiled["jmm_cuda_nvlink_moe_backward"] == 1, compiled
     assert_bitwise_equal(results["saved"], results["plain"])
     assert_bitwise_equal(results["recomputed"], results["plain"])
 
@@ -226,8 +277,7 @@ def test_workspace_too_small_is_reported():
 def two_gpu_ep(**options):
     mesh = Mesh(np.array(GPUS[:2]), ("expert",))
     spec = P("expert")
-    fn = jax.shard_map(functools.partial(jmm.moe_ffn_ep, **options), mesh=mesh, in_specs=(spec,) * 5,
-                       out_specs=spec)
+    fn = jax.shard_map(functools.partial(jmm.moe_ffn_ep, **options), mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)
     return mesh, fn
 
 
@@ -246,8 +296,11 @@ def test_two_gpus_nvlink_equals_xla_transport(routing, dtype, layout):
     mesh, xla_fn = two_gpu_ep(transport="xla", capacity_factor=capacity_factor)
     xla = jax.block_until_ready(jax.jit(functools.partial(value_and_grads, xla_fn))(args, dy))
     with jmm.NvlinkWorkspace(mesh, "expert", max_tokens=tokens, hidden=hidden, top_k=top_k, dtype=dtype) as ws:
-        ours = jax.jit(functools.partial(value_and_grads, two_gpu_ep(transport=jmm.NvlinkTransport(ws),
-                                                                     capacity_factor=capacity_factor)[1]))
+        ours = jax.jit(
+            functools.partial(
+                value_and_grads, two_gpu_ep(transport=jmm.NvlinkTransport(ws), capacity_factor=capacity_factor)[1]
+            )
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # float32's fallback (its warning: the test above)
             fused = fused_calls(ours, args, dy)

@@ -20,11 +20,21 @@ import jax.numpy as jnp
 import jax.test_util
 import numpy as np
 import pytest
+from moe_cases import (
+    OUTPUT_NAMES,
+    TOLERANCE,
+    Case,
+    dropped,
+    dropped_token,
+    make_problem,
+    reference_value_and_grads,
+    rel_error,
+    value_and_grads,
+    without_dropped,
+)
 
 import jax_megamoe as jmm
 from jax_megamoe import reference
-from moe_cases import (OUTPUT_NAMES, TOLERANCE, Case, dropped, dropped_token, make_problem,
-                       reference_value_and_grads, rel_error, value_and_grads, without_dropped)
 
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")])
@@ -35,28 +45,28 @@ KERNELS = ["cpu", CUDA]  # the implementations with kernels of their own (aliasi
 CASES = [
     Case(16, 24, 12, 8, 2),
     Case(16, 24, 12, 8, 2, "zipf"),
-    Case(1, 16, 8, 4, 2),                      # T = 1
-    Case(12, 16, 8, 6, 1),                     # K = 1
-    Case(7, 16, 8, 4, 4),                      # K = E
-    Case(9, 16, 8, 1, 1),                      # E = 1
+    Case(1, 16, 8, 4, 2),  # T = 1
+    Case(12, 16, 8, 6, 1),  # K = 1
+    Case(7, 16, 8, 4, 4),  # K = E
+    Case(9, 16, 8, 1, 1),  # E = 1
     Case(20, 16, 8, 8, 2, "empty_experts"),
     Case(15, 16, 8, 5, 1, "one_expert"),
-    Case(14, 16, 8, 6, 1, "all_to_one"),       # every token on one expert
-    Case(11, 13, 7, 5, 3),                     # H, I not multiples of 8
+    Case(14, 16, 8, 6, 1, "all_to_one"),  # every token on one expert
+    Case(11, 13, 7, 5, 3),  # H, I not multiples of 8
     Case(10, 16, 8, 6, 2, "out_of_range"),
 ]
 # The CUDA kernels also: moderate sizes, and their tile, vector-width and edge paths.
 CUDA_CASES = [
     Case(256, 128, 64, 16, 4),
     Case(256, 128, 64, 16, 4, "zipf"),
-    Case(1, 64, 32, 8, 2),                     # T = 1
-    Case(64, 64, 32, 8, 1),                    # K = 1
-    Case(32, 64, 32, 4, 4),                    # K = E
-    Case(32, 64, 32, 1, 1),                    # E = 1
-    Case(37, 20, 12, 5, 2),                    # H, I not multiples of 8
-    Case(19, 33, 7, 3, 3),                     # odd everything, K = E
+    Case(1, 64, 32, 8, 2),  # T = 1
+    Case(64, 64, 32, 8, 1),  # K = 1
+    Case(32, 64, 32, 4, 4),  # K = E
+    Case(32, 64, 32, 1, 1),  # E = 1
+    Case(37, 20, 12, 5, 2),  # H, I not multiples of 8
+    Case(19, 33, 7, 3, 3),  # odd everything, K = E
     Case(64, 128, 64, 16, 2, "empty_experts"),
-    Case(300, 128, 64, 8, 1, "all_to_one"),    # all tokens on one expert
+    Case(300, 128, 64, 8, 1, "all_to_one"),  # all tokens on one expert
     Case(48, 64, 32, 8, 3, "out_of_range"),
     # Every path of the SwiGLU backward kernel (one warp per row): I = 13 is the scalar path for both dtypes,
     # I = 24 is 16-byte vectors (3 per bf16 row, 6 per float32 row), I = 2056 has more than 256 vectors per row
@@ -122,7 +132,7 @@ def test_matches_reference(implementation, case, dtype):
     got = jax.block_until_ready(jitted_value_and_grads(implementation)(args, dy))
     tol = TOLERANCE[jnp.dtype(dtype).name]
     primals = (dy, args[0], args[1], args[3], args[4])  # y has dy's shape and dtype (x's)
-    for i, (name, g, w, primal) in enumerate(zip(OUTPUT_NAMES, got, want, primals)):
+    for i, (name, g, w, primal) in enumerate(zip(OUTPUT_NAMES, got, want, primals, strict=True)):
         assert g.shape == primal.shape and g.dtype == primal.dtype, (name, g.shape, g.dtype)
         assert_close(name, g, w, tol if i == 0 else grad_tolerance(implementation, dtype))
     if case.routing == "out_of_range":
@@ -151,7 +161,7 @@ def test_int64_ids_outside_the_range_are_dropped(implementation, dtype):
         narrow = (args[0], args[1], without_dropped(ids, case.experts), *args[3:])
         fn = jax.jit(functools.partial(value_and_grads, implementation_fn(implementation)))
         got, want = fn(wide, dy), fn(narrow, dy)
-    for name, g, w in zip(OUTPUT_NAMES, got, want):
+    for name, g, w in zip(OUTPUT_NAMES, got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
     assert np.all(np.asarray(got[0][5].astype(jnp.float32)) == 0)  # the token whose ids were all E
 
@@ -169,7 +179,7 @@ def test_bitwise_deterministic(implementation, dtype):
     args, dy = make_problem(DETERMINISM_CASES[implementation], dtype, seed="determinism")
     fn = jitted_value_and_grads(implementation)
     first, second = fn(args, dy), fn(args, dy)
-    for name, a, b in zip(OUTPUT_NAMES, first, second):
+    for name, a, b in zip(OUTPUT_NAMES, first, second, strict=True):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8), err_msg=name)
 
 
@@ -182,7 +192,7 @@ def test_jit_and_checkpoint_match_eager(implementation):
     eager = value_and_grads(fn, args, dy)
     jitted = jax.jit(functools.partial(value_and_grads, fn))(args, dy)
     remat = jax.jit(functools.partial(value_and_grads, jax.checkpoint(fn)))(args, dy)
-    for name, e, j, r in zip(OUTPUT_NAMES, eager, jitted, remat):
+    for name, e, j, r in zip(OUTPUT_NAMES, eager, jitted, remat, strict=True):
         np.testing.assert_allclose(j, e, rtol=1e-6, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(r, e, rtol=1e-6, atol=1e-6, err_msg=name)
         if implementation != "reference":
@@ -195,7 +205,7 @@ def test_bf16_checkpoint_is_bitwise_the_plain_gradient(implementation):
     fn = implementation_fn(implementation)
     plain = jax.jit(functools.partial(value_and_grads, fn))(args, dy)
     remat = jax.jit(functools.partial(value_and_grads, jax.checkpoint(fn)))(args, dy)
-    for name, a, b in zip(OUTPUT_NAMES, plain, remat):
+    for name, a, b in zip(OUTPUT_NAMES, plain, remat, strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
 
 
@@ -232,7 +242,6 @@ def test_check_grads_float64(implementation, case):
         def fn(x, weights, w_gate_up, w_down):
             return jmm.moe_ffn(x, weights, experts, w_gate_up, w_down, implementation=implementation)
 
-        jax.test_util.check_grads(fn, (x, weights, w_gate_up, w_down), order=1, modes=("rev",),
-                                  atol=1e-7, rtol=1e-7)
+        jax.test_util.check_grads(fn, (x, weights, w_gate_up, w_down), order=1, modes=("rev",), atol=1e-7, rtol=1e-7)
         y = fn(x, weights, w_gate_up, w_down)
         assert rel_error(y, reference.moe_ffn(x, weights, experts, w_gate_up, w_down)) <= TOLERANCE["float64"]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from moe_cases import seeded_rng
 from safetensors.torch import save_file
 
 import jax_megamoe as jmm
@@ -16,10 +17,22 @@ from jax_megamoe.models import qwen3_moe
 
 transformers = pytest.importorskip("transformers")
 
-HF_CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                 norm_topk_prob=True, mlp_only_layers=[1], initializer_range=0.3,
-                 rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+HF_CONFIG = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    mlp_only_layers=[1],
+    initializer_range=0.3,
+    rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+)
 
 
 def hf_model(seed=0, **overrides):
@@ -34,7 +47,7 @@ def hf_model(seed=0, **overrides):
 
 
 def token_ids(seed=0, shape=(2, 13)):
-    return np.random.default_rng(seed).integers(0, HF_CONFIG["vocab_size"], shape)
+    return seeded_rng("token ids", seed).integers(0, HF_CONFIG["vocab_size"], shape)
 
 
 def hf_logits(model, ids):
@@ -129,7 +142,7 @@ def test_remat_matches(save_moe):
     policy = jax.checkpoint_policies.save_only_these_names("moe_layout", "moe_gate_up") if save_moe else None
     plain = qwen3_moe.Qwen3MoeForCausalLM(config, rngs=nnx.Rngs(0))
     remat = qwen3_moe.Qwen3MoeForCausalLM(config, remat=True, remat_policy=policy, rngs=nnx.Rngs(0))
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)))
+    ids = jnp.asarray(seeded_rng("remat ids").integers(0, 256, (2, 16)))
 
     def loss(model):
         logits, aux = model(ids)
@@ -144,11 +157,12 @@ def test_remat_recomputes_only_the_experts_gate_up_projections():
     # Under nnx.remat each decoder layer's backward recomputes its forward, but of the MoE only moe_gate_up: the
     # expert backward needs gate_up alone, and the recomputed moe_down (the layer's MoE output) is dropped.
     config = qwen3_moe.tiny()
-    ids = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 16)))
+    ids = jnp.asarray(seeded_rng("remat counts ids").integers(0, 256, (2, 16)))
 
     def calls(remat, remat_policy=None):
-        model = qwen3_moe.Qwen3MoeForCausalLM(config, remat=remat, remat_policy=remat_policy, implementation="cpu",
-                                              rngs=nnx.Rngs(0))
+        model = qwen3_moe.Qwen3MoeForCausalLM(
+            config, remat=remat, remat_policy=remat_policy, implementation="cpu", rngs=nnx.Rngs(0)
+        )
         graph, state = nnx.split(model)
 
         def loss(state):
@@ -169,23 +183,34 @@ def test_remat_recomputes_only_the_experts_gate_up_projections():
 
 
 def test_config_from_dict_and_presets():
-    config = qwen3_moe.Qwen3MoeConfig.from_dict({"num_local_experts": 16, "rope_parameters": {"rope_theta": 7.0},
-                                                 "torch_dtype": "bfloat16", "num_attention_heads": 8,
-                                                 "hidden_size": 256, "head_dim": None})
+    config = qwen3_moe.Qwen3MoeConfig.from_dict(
+        {
+            "num_local_experts": 16,
+            "rope_parameters": {"rope_theta": 7.0},
+            "torch_dtype": "bfloat16",
+            "num_attention_heads": 8,
+            "hidden_size": 256,
+            "head_dim": None,
+        }
+    )
     assert (config.num_experts, config.rope_theta, config.head_dim) == (16, 7.0, 32)
     assert qwen3_moe.Qwen3MoeConfig.from_dict(qwen3_moe.qwen3_30b_a3b().to_dict()) == qwen3_moe.qwen3_30b_a3b()
     big = qwen3_moe.qwen3_235b_a22b()
     assert (big.hidden_size, big.moe_intermediate_size, big.num_hidden_layers) == (4096, 1536, 94)
-    hf = transformers.Qwen3MoeConfig(**{k: v for k, v in qwen3_moe.tiny().to_dict().items()
-                                        if k not in ("architectures", "model_type")})
+    hf = transformers.Qwen3MoeConfig(
+        **{k: v for k, v in qwen3_moe.tiny().to_dict().items() if k not in ("architectures", "model_type")}
+    )
     assert (hf.num_experts, hf.rope_parameters["rope_theta"]) == (8, 10000.0)
 
 
-@pytest.mark.parametrize("values, match", [
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"num_attention_heads": 6, "num_key_value_heads": 4}, "multiple"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE"),
-])
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"num_attention_heads": 6, "num_key_value_heads": 4}, "multiple"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE"),
+    ],
+)
 def test_config_rejects_unsupported(values, match):
     with pytest.raises(ValueError, match=match):
         qwen3_moe.Qwen3MoeConfig.from_dict(values)
@@ -201,8 +226,9 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
 
 def test_implementation_and_transport_reach_every_moe_layer():
     config = qwen3_moe.tiny()
-    model = qwen3_moe.Qwen3MoeForCausalLM(config, implementation="reference", transport="ragged",
-                                          expert_axis="expert", rngs=nnx.Rngs(0))
+    model = qwen3_moe.Qwen3MoeForCausalLM(
+        config, implementation="reference", transport="ragged", expert_axis="expert", rngs=nnx.Rngs(0)
+    )
     moe_layers = [layer.mlp for layer in model.layers if layer.is_moe]
     assert moe_layers
     assert {(m.implementation, m.transport, m.expert_axis) for m in moe_layers} == {("reference", "ragged", "expert")}

@@ -8,9 +8,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from moe_cases import Case, make_problem, rel_error
 
 from jax_megamoe import reference
-from moe_cases import Case, make_problem, rel_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from moe_training.baseline import ragged_dot_ffn  # noqa: E402  (the example's package; path set above)
@@ -27,5 +27,5 @@ def test_matches_reference_forward_and_gradients(case):
     got = jax.value_and_grad(lambda *a: loss(ragged_dot_ffn, *a), argnums=(0, 1, 2, 3))(*args)
     want = jax.value_and_grad(lambda *a: loss(reference.moe_ffn, *a), argnums=(0, 1, 2, 3))(*args)
     assert rel_error(got[0], want[0]) <= 1e-5
-    for name, g, w in zip(("x", "weights", "w_gate_up", "w_down"), got[1], want[1]):
+    for name, g, w in zip(("x", "weights", "w_gate_up", "w_down"), got[1], want[1], strict=True):
         assert rel_error(g, w) <= 1e-5, name

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from moe_cases import seeded_rng
 
 import jax_megamoe as jmm
 from jax_megamoe import reference
-from moe_cases import seeded_rng
 
 
 def _numpy_route(logits, top_k, norm):
@@ -72,7 +72,10 @@ def test_route_gradient_matches_the_reference(top_k, norm):
     rng = seeded_rng("route grad", top_k, norm)
     logits = rng.standard_normal((8, 6)).astype(np.float32)
     coeff = rng.standard_normal((8, top_k)).astype(np.float32)
-    loss = lambda route: lambda l: jnp.sum(route(l, top_k, norm)[0] * coeff)
+
+    def loss(route):
+        return lambda l: jnp.sum(route(l, top_k, norm)[0] * coeff)
+
     grad = jax.grad(loss(jmm.route))(jnp.asarray(logits))
     np.testing.assert_allclose(grad, jax.grad(loss(reference.route))(jnp.asarray(logits)), rtol=1e-6, atol=1e-7)
     want = _numpy_route_gradient(logits.astype(np.float64), coeff.astype(np.float64), top_k, norm)
@@ -102,16 +105,19 @@ def test_load_balancing_loss_matches_formula():
 def test_router_z_loss():
     logits = seeded_rng("z").standard_normal((12, 5)).astype(np.float32)
     lse = np.log(np.exp(logits).sum(-1))
-    np.testing.assert_allclose(jmm.router_z_loss(jnp.asarray(logits)), np.mean(lse ** 2), rtol=1e-5)
+    np.testing.assert_allclose(jmm.router_z_loss(jnp.asarray(logits)), np.mean(lse**2), rtol=1e-5)
 
 
-@pytest.mark.parametrize("logits, top_k, error, match", [
-    (np.zeros((4,)), 1, ValueError, "router_logits must have rank 2"),
-    (np.zeros((4, 3), np.int32), 1, TypeError, "router_logits must be a floating dtype"),
-    (np.zeros((4, 3)), 4, ValueError, r"top_k must be in \[1, E=3\], got 4"),
-    (np.zeros((4, 3)), 0, ValueError, "top_k must be in"),
-    (np.zeros((4, 3)), 1.0, TypeError, "top_k must be a Python int"),
-])
+@pytest.mark.parametrize(
+    "logits, top_k, error, match",
+    [
+        (np.zeros((4,)), 1, ValueError, "router_logits must have rank 2"),
+        (np.zeros((4, 3), np.int32), 1, TypeError, "router_logits must be a floating dtype"),
+        (np.zeros((4, 3)), 4, ValueError, r"top_k must be in \[1, E=3\], got 4"),
+        (np.zeros((4, 3)), 0, ValueError, "top_k must be in"),
+        (np.zeros((4, 3)), 1.0, TypeError, "top_k must be a Python int"),
+    ],
+)
 def test_route_bad_inputs(logits, top_k, error, match):
     with pytest.raises(error, match=match):
         jmm.route(jnp.asarray(logits), top_k)

@@ -17,16 +17,23 @@ PY_SOURCES = sorted((ROOT / "jax_megamoe").rglob("*.py"))
 TARGETS = _targets.all_targets()
 # The contract (issue 23): every target's literal name and platform.
 CONTRACT = {
-    "jmm_cpu_moe_layout": "cpu", "jmm_cpu_moe_gate_up": "cpu", "jmm_cpu_moe_down": "cpu",
+    "jmm_cpu_moe_layout": "cpu",
+    "jmm_cpu_moe_gate_up": "cpu",
+    "jmm_cpu_moe_down": "cpu",
     "jmm_cpu_moe_backward": "cpu",
-    "jmm_cuda_moe_layout": "CUDA", "jmm_cuda_moe_gate_up": "CUDA", "jmm_cuda_moe_down": "CUDA",
+    "jmm_cuda_moe_layout": "CUDA",
+    "jmm_cuda_moe_gate_up": "CUDA",
+    "jmm_cuda_moe_down": "CUDA",
     "jmm_cuda_moe_backward": "CUDA",
-    "jmm_cuda_nvlink_exchange": "CUDA", "jmm_cuda_nvlink_moe_gate_up": "CUDA", "jmm_cuda_nvlink_moe_down": "CUDA",
+    "jmm_cuda_nvlink_exchange": "CUDA",
+    "jmm_cuda_nvlink_moe_gate_up": "CUDA",
+    "jmm_cuda_nvlink_moe_down": "CUDA",
     "jmm_cuda_nvlink_moe_backward": "CUDA",
 }
 # The CUDA GEMM targets' tile attributes, each taking only the ones it uses.
 TILE_ATTRIBUTES = {
-    "jmm_cuda_moe_gate_up": {"fwd_gate_up_tiles"}, "jmm_cuda_moe_down": {"fwd_down_tiles"},
+    "jmm_cuda_moe_gate_up": {"fwd_gate_up_tiles"},
+    "jmm_cuda_moe_down": {"fwd_down_tiles"},
     "jmm_cuda_moe_backward": {"bwd_down_tiles", "bwd_gate_up_tiles"},
     "jmm_cuda_nvlink_moe_backward": {"bwd_down_tiles", "bwd_gate_up_tiles"},
 }
@@ -47,8 +54,10 @@ def test_each_target_is_declared_once_with_the_contracts_name_and_platform():
 def test_the_extension_registers_exactly_the_declared_targets_of_its_platforms():
     registered = set(_ffi.extension().registrations())
     declared = {t.name for t in TARGETS if t.platform in built_platforms()}
-    assert registered == declared, (f"registered, not declared: {sorted(registered - declared)}; "
-                                    f"declared, not registered: {sorted(declared - registered)}")
+    assert registered == declared, (
+        f"registered, not declared: {sorted(registered - declared)}; "
+        f"declared, not registered: {sorted(declared - registered)}"
+    )
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
@@ -70,8 +79,12 @@ def test_the_literal_stands_once_in_the_python_table(target):
 def test_no_target_name_is_built_from_parts():
     """No f-string or concatenation builds a target name (grep would not follow it)."""
     pattern = re.compile(r"""f["']jmm_|["']jmm_["']\s*\+|["']jmm_\{|["']jmm_(cpu|cuda)_["']""")
-    offenders = [f"{p.relative_to(ROOT)}:{n}" for p in PY_SOURCES for n, line in
-                 enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    offenders = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in PY_SOURCES
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert offenders == []
 
 
@@ -105,8 +118,16 @@ def test_no_library_code_reads_the_environment():
     environment variables read at trace or run time."""
     py = re.compile(r"os\.environ|os\.getenv|getenv\(")
     cxx = re.compile(r"\bgetenv\s*\(|secure_getenv")
-    offenders = [f"{p.relative_to(ROOT)}:{n}" for p in PY_SOURCES for n, line in
-                 enumerate(p.read_text().splitlines(), 1) if py.search(line)]
-    offenders += [f"{p.relative_to(ROOT)}:{n}" for p in CXX_SOURCES for n, line in
-                  enumerate(p.read_text(errors="replace").splitlines(), 1) if cxx.search(line)]
+    offenders = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in PY_SOURCES
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if py.search(line)
+    ]
+    offenders += [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in CXX_SOURCES
+        for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if cxx.search(line)
+    ]
     assert offenders == []

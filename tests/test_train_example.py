@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from moe_cases import seeded_rng
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_qwen3_moe.py"
 SMALL = ["--batch", "8", "--seq", "32", "--eval-every", "3", "--eval-batches", "1", "--corpus-bytes", "200000"]
@@ -17,8 +18,9 @@ SMALL = ["--batch", "8", "--seq", "32", "--eval-every", "3", "--eval-batches", "
 
 def run(*args, check=True):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, str(SCRIPT), *SMALL, *args], capture_output=True, text=True, env=env,
-                            timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), *SMALL, *args], capture_output=True, text=True, env=env, timeout=600
+    )
     if check and result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
@@ -49,27 +51,33 @@ def read_metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
-def first_step_losses(tokens: np.ndarray, batch: int, seq: int, seed: int = 0) -> tuple[float, float]:
-    """`(lm_loss, load_balancing_loss)` of step 1 recomputed here, independently of the example's code: the
-    train split is the stream without its last 5% (at least seq + 1 tokens), batch 1 is `batch` windows of
-    seq + 1 tokens at starts drawn by default_rng([seed, 1]), and the tiny model starts from nnx.Rngs(seed)
-    (float32, one device, the reference experts)."""
-    import jax
+def first_step_losses(streams: list[np.ndarray], batch: int, seq: int, seed: int = 0) -> list[tuple[float, float]]:
+    """`(lm_loss, load_balancing_loss)` of step 1 on each token stream, recomputed here independently of the
+    example's code: the train split is the stream without its last 5% (at least seq + 1 tokens), batch 1 is
+    `batch` windows of seq + 1 tokens at starts drawn by default_rng([seed, 1]), and the tiny model starts from
+    nnx.Rngs(seed) (float32, one device, the reference experts)."""
     import jax.numpy as jnp
     import optax
     from flax import nnx
 
     from jax_megamoe.models import qwen3_moe
 
-    held_out = max(int(len(tokens) * 0.05), seq + 1)
-    train = tokens[:-held_out]
-    starts = np.random.default_rng([seed, 1]).integers(0, len(train) - seq - 1, size=batch)
-    windows = jnp.asarray(np.stack([train[s:s + seq + 1] for s in starts]).astype(np.int32))
-    model = qwen3_moe.Qwen3MoeForCausalLM(qwen3_moe.tiny(), dtype=jnp.float32, param_dtype=jnp.float32,
-                                          implementation="reference", rngs=nnx.Rngs(seed))
-    logits, aux = model(windows[:, :-1])
-    lm = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), windows[:, 1:]).mean()
-    return float(lm), float(aux.load_balancing_loss)
+    def first_batch(tokens):
+        held_out = max(int(len(tokens) * 0.05), seq + 1)
+        train = tokens[:-held_out]
+        starts = np.random.default_rng([seed, 1]).integers(0, len(train) - seq - 1, size=batch)
+        return jnp.asarray(np.stack([train[s : s + seq + 1] for s in starts]).astype(np.int32))
+
+    @nnx.jit
+    def losses(model, windows):
+        logits, aux = model(windows[:, :-1])
+        lm = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), windows[:, 1:]).mean()
+        return lm, aux.load_balancing_loss
+
+    model = qwen3_moe.Qwen3MoeForCausalLM(
+        qwen3_moe.tiny(), dtype=jnp.float32, param_dtype=jnp.float32, implementation="reference", rngs=nnx.Rngs(seed)
+    )
+    return [tuple(float(v) for v in losses(model, first_batch(tokens))) for tokens in streams]
 
 
 def test_token_file_expert_only_mesh_and_remat_saving_the_moe(tmp_path):
@@ -77,39 +85,55 @@ def test_token_file_expert_only_mesh_and_remat_saving_the_moe(tmp_path):
     step's losses are those of the file's first batch recomputed here (so the example read the file's tokens,
     split and windowed them as documented, and its expert-parallel, rematerialised model computes the plain
     model's loss), and the run's mesh is the one asked for."""
-    tokens = np.random.default_rng(0).integers(0, 200, 20000).astype(np.uint16)
+    tokens = seeded_rng("token file").integers(0, 200, 20000).astype(np.uint16)
     tokens.tofile(tmp_path / "tokens.bin")
-    run("--steps", "1", "--data", str(tmp_path / "tokens.bin"), "--mesh-expert", "8", "--dtype", "float32",
-        "--remat", "--remat-save-moe", "--out-dir", str(tmp_path / "out"))
+    run(
+        "--steps",
+        "1",
+        "--data",
+        str(tmp_path / "tokens.bin"),
+        "--mesh-expert",
+        "8",
+        "--dtype",
+        "float32",
+        "--remat",
+        "--remat-save-moe",
+        "--out-dir",
+        str(tmp_path / "out"),
+    )
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["mesh"] == {"data": 1, "expert": 8}
     [record] = read_metrics(tmp_path / "out")
     assert record["step"] == 1 and record["dropped_pairs"] == 0
-    lm, balance = first_step_losses(np.fromfile(tmp_path / "tokens.bin", np.uint16), batch=8, seq=32)
+    # Another stream gives another loss: the match below is not a property of the model alone.
+    other_stream = seeded_rng("another stream").integers(0, 200, 20000).astype(np.uint16)
+    (lm, balance), (other, _) = first_step_losses(
+        [np.fromfile(tmp_path / "tokens.bin", np.uint16), other_stream], batch=8, seq=32
+    )
     np.testing.assert_allclose(record["lm_loss"], lm, rtol=1e-5)
     np.testing.assert_allclose(record["load_balancing_loss"], balance, rtol=1e-5)
     aux_coef = summary["config"]["router_aux_loss_coef"]
     np.testing.assert_allclose(record["loss"], lm + aux_coef * balance, rtol=1e-5)
     assert summary["first_loss"] == record["lm_loss"]
-    # Another stream gives another loss: the match above is not a property of the model alone.
-    other, _ = first_step_losses(np.random.default_rng(1).integers(0, 200, 20000).astype(np.uint16), batch=8,
-                                 seq=32)
     assert abs(other - lm) > 1e-4
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--data", "/no/such/file.npy"], "no such file"),
-    (["--mesh-expert", "3"], "must use all 8 devices"),
-    (["--batch", "12"], "divisible by the 8 devices"),
-    (["--resume"], "--resume needs --ckpt-dir"),
-    (["--remat-save-moe"], "--remat-save-moe needs --remat"),
-    (["--steps", "0"], "--steps must be >= 1"),
-    (["--transport", "nvlink"], "--transport nvlink"),  # no GPUs here: the nvlink transport cannot run
-    (["--transport", "auto"], "invalid choice"),
-    (["--implementation", "tpu"], "invalid choice"),
-    (["--backend", "cpu"], "unrecognized arguments: --backend"),   # the old flags are gone
-    (["--ep-backend", "xla"], "unrecognized arguments: --ep-backend"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--data", "/no/such/file.npy"], "no such file"),
+        (["--mesh-expert", "3"], "must use all 8 devices"),
+        (["--batch", "12"], "divisible by the 8 devices"),
+        (["--resume"], "--resume needs --ckpt-dir"),
+        (["--remat-save-moe"], "--remat-save-moe needs --remat"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--transport", "nvlink"], "--transport nvlink"),  # no GPUs here: the nvlink transport cannot run
+        (["--transport", "auto"], "invalid choice"),
+        (["--implementation", "tpu"], "invalid choice"),
+        (["--backend", "cpu"], "unrecognized arguments: --backend"),  # the old flags are gone
+        (["--ep-backend", "xla"], "unrecognized arguments: --ep-backend"),
+    ],
+)
 def test_bad_flags_get_clear_errors(args, message):
     result = run(*args, check=False)
     assert result.returncode == 2

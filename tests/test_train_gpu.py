@@ -32,8 +32,17 @@ def visible_gpus() -> list[str]:
 def train(out_dir: Path, *args, gpus: int = 1) -> list[dict]:
     """Runs the script on the first `gpus` visible GPUs, all on the expert axis; returns its metrics."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join((visible_gpus() or ["0"])[:gpus]))
-    command = [sys.executable, str(SCRIPT), "--mesh-data", "1", "--mesh-expert", str(gpus), "--out-dir", str(out_dir),
-               *args]
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--mesh-data",
+        "1",
+        "--mesh-expert",
+        str(gpus),
+        "--out-dir",
+        str(out_dir),
+        *args,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     summary = json.loads((out_dir / "summary.json").read_text())
@@ -60,10 +69,25 @@ def test_cuda_loss_curve_matches_reference_implementation(tmp_path):
 
 @pytest.mark.alone  # tens of GiB: beside other test processes it could run out of memory
 def test_qwen3_30b_a3b_width_preset_trains(tmp_path):
-    """The CUDA implementation trains the 30B-width model. The ragged_dot baseline cannot on one H200: it asks for 64-66 GiB
-    in one allocation (benchmarks/RESULTS.md, 2026-11-29 16:05 and 2026-11-30 05:39)."""
-    records = train(tmp_path / "cuda", "--preset", "qwen3-30b-a3b-4layer", "--implementation", "cuda", "--steps", "8",
-                    "--batch", "1", "--seq", "2048", "--eval-every", "8", "--eval-batches", "1")
+    """The CUDA implementation trains the 30B-width model. The ragged_dot baseline cannot on one H200: it asks for
+    64-66 GiB in one allocation (measured 2026-11-29 and 2026-11-30)."""
+    records = train(
+        tmp_path / "cuda",
+        "--preset",
+        "qwen3-30b-a3b-4layer",
+        "--implementation",
+        "cuda",
+        "--steps",
+        "8",
+        "--batch",
+        "1",
+        "--seq",
+        "2048",
+        "--eval-every",
+        "8",
+        "--eval-batches",
+        "1",
+    )
     losses = lm_losses(records)
     assert np.all(np.isfinite(losses))
     assert losses[-1] < losses[0]
@@ -80,5 +104,8 @@ def test_nvlink_transport_trains_like_xla(tmp_path):
     assert json.loads((tmp_path / "nvlink" / "summary.json").read_text())["transport"] == "nvlink"
     assert lm_losses(nvlink)[-5:].mean() < lm_losses(nvlink)[:5].mean()
     np.testing.assert_allclose(lm_losses(nvlink), lm_losses(xla), rtol=1e-2)
-    np.testing.assert_allclose([r["eval_loss"] for r in nvlink if "eval_loss" in r],
-                               [r["eval_loss"] for r in xla if "eval_loss" in r], rtol=1e-2)
+    np.testing.assert_allclose(
+        [r["eval_loss"] for r in nvlink if "eval_loss" in r],
+        [r["eval_loss"] for r in xla if "eval_loss" in r],
+        rtol=1e-2,
+    )

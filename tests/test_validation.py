@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from moe_cases import normal
 
 import jax_megamoe as jmm
-from moe_cases import normal
 
 T, H, I, E, K = 6, 8, 4, 4, 2
 
@@ -31,17 +31,32 @@ BAD_INPUTS = [
     (dict(w_gate_up=jnp.ones((H, 2 * I))), ValueError, r"w_gate_up must have rank 3 \(\[E, H, 2I\]\)"),
     (dict(w_down=jnp.ones((I, H))), ValueError, r"w_down must have rank 3 \(\[E, I, H\]\)"),
     (dict(w_gate_up=jnp.ones((E, H, 2 * I + 1))), ValueError, "must be even"),
-    (dict(w_gate_up=jnp.ones((E, H + 1, 2 * I))), ValueError, r"w_gate_up must have shape \[E, H, 2I\] = \(4, 8, 8\), got \(4, 9, 8\)"),
-    (dict(w_down=jnp.ones((E + 1, I, H))), ValueError, r"w_down must have shape \[E, I, H\] = \(4, 4, 8\), got \(5, 4, 8\)"),
+    (
+        dict(w_gate_up=jnp.ones((E, H + 1, 2 * I))),
+        ValueError,
+        r"w_gate_up must have shape \[E, H, 2I\] = \(4, 8, 8\), got \(4, 9, 8\)",
+    ),
+    (
+        dict(w_down=jnp.ones((E + 1, I, H))),
+        ValueError,
+        r"w_down must have shape \[E, I, H\] = \(4, 4, 8\), got \(5, 4, 8\)",
+    ),
     (dict(w_down=jnp.ones((E, I + 1, H))), ValueError, "w_down must have shape"),
     (dict(weights=jnp.ones((T, K + 1))), ValueError, r"weights must have shape \[T, K\] = \(6, 2\), got \(6, 3\)"),
     (dict(experts=jnp.zeros((T + 1, K), jnp.int32)), ValueError, r"experts must have shape \[T, K\]"),
-    (dict(experts=jnp.zeros((T, K), jnp.float32)), TypeError, "experts must hold integer expert ids, got dtype float32"),
+    (
+        dict(experts=jnp.zeros((T, K), jnp.float32)),
+        TypeError,
+        "experts must hold integer expert ids, got dtype float32",
+    ),
     (dict(x=jnp.ones((T, H), jnp.int32)), TypeError, "x must be a floating dtype"),
     (dict(weights=jnp.ones((T, K), jnp.int32)), TypeError, "weights must be a floating dtype"),
     (dict(x=jnp.ones((T, H), jnp.bfloat16)), TypeError, "x, w_gate_up and w_down must share one dtype"),
-    (dict(weights=jnp.ones((T, E + 1)), experts=jnp.zeros((T, E + 1), jnp.int32)), ValueError,
-     r"top_k must be in \[1, E=4\], got 5"),
+    (
+        dict(weights=jnp.ones((T, E + 1)), experts=jnp.zeros((T, E + 1), jnp.int32)),
+        ValueError,
+        r"top_k must be in \[1, E=4\], got 5",
+    ),
 ]
 
 
