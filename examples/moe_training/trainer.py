@@ -154,7 +154,7 @@ def make_steps(graphdef, tx, aux_coef: float, z_coef: float, state_shardings, ba
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         stats = {"loss": loss, "lm_loss": lm, "load_balancing_loss": aux.load_balancing_loss,
                  "router_z_loss": aux.router_z_loss, "dropped_pairs": aux.dropped_pairs,
-                 "grad_norm": optax.global_norm(grads)}
+                 "grad_norm": optax.tree.norm(grads)}
         return TrainState(optax.apply_updates(state.params, updates), opt_state), stats
 
     eval_step = jax.jit(lambda params, tokens: lm_loss(params, tokens)[0],
