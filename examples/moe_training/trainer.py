@@ -207,6 +207,18 @@ def shard_bytes(abstract, shardings) -> int:
     return sum(jax.tree.leaves(jax.tree.map(nbytes, abstract, shardings)))
 
 
+def memory_analysis(compiled) -> dict:
+    """XLA's per-device memory analysis of a compiled step, in bytes, with the total the device must hold:
+    arguments + outputs - aliased (donated state reused for the outputs) + temporaries + generated code."""
+    analysis = compiled.memory_analysis()
+    fields = {"arguments": analysis.argument_size_in_bytes, "outputs": analysis.output_size_in_bytes,
+              "aliased": analysis.alias_size_in_bytes, "temporaries": analysis.temp_size_in_bytes,
+              "generated_code": analysis.generated_code_size_in_bytes}
+    fields["total"] = (fields["arguments"] + fields["outputs"] - fields["aliased"] + fields["temporaries"]
+                       + fields["generated_code"])
+    return fields
+
+
 def memory_plan(args, config) -> dict:
     """`--dry-run`: compiles the train step for the mesh and preset from shapes alone (`jax.eval_shape`,
     `ShapeDtypeStruct`s carrying the rules' shardings, `jit(...).lower(...).compile()`), nothing allocated, and
@@ -226,12 +238,8 @@ def memory_plan(args, config) -> dict:
         lowered_s = time.perf_counter() - began
         compiled = lowered.compile()
         compile_s = time.perf_counter() - began - lowered_s
-    analysis = compiled.memory_analysis()
-    fields = {"arguments": analysis.argument_size_in_bytes, "outputs": analysis.output_size_in_bytes,
-              "aliased": analysis.alias_size_in_bytes, "temporaries": analysis.temp_size_in_bytes,
-              "generated_code": analysis.generated_code_size_in_bytes}
-    total = (fields["arguments"] + fields["outputs"] - fields["aliased"] + fields["temporaries"]
-             + fields["generated_code"])
+    fields = memory_analysis(compiled)
+    total = fields.pop("total")
     device = jax.devices()[0]
     return {
         "preset": args.preset, "layers": config.num_hidden_layers, "scan_layers": args.scan_layers,
@@ -302,6 +310,17 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
         if is_main:
             print(describe_run(config, args, mesh, params, flops_per_step / tokens_per_step, start), flush=True)
 
+        # Compiled ahead of the loop: its time and XLA's memory plan go into summary.json, beside the measured
+        # step times and peak memory.
+        began = time.perf_counter()
+        first = global_batch(data.batch_at(train_tokens, start + 1, args.batch, args.seq, args.seed), batch_sharding)
+        train_step = train_step.lower(state, first).compile()
+        compile_s = time.perf_counter() - began
+        planned = memory_analysis(train_step)
+        if is_main:
+            print(f"train step compiled in {compile_s:.1f} s; XLA's memory plan: {planned['total'] / GB:.2f} GB per "
+                  f"device", flush=True)
+
         step_times, last_eval = [], None
         bar = tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps, disable=not is_main,
                    dynamic_ncols=True)
@@ -333,6 +352,7 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
         return {}
     log.close()
     summary = summarize(args, config, log.path, step_times, tokens_per_step, flops_per_step, peak)
+    summary.update(compile_s=compile_s, planned_memory_bytes=planned)
     metrics.plot_loss_curves({implementation_label(args): metrics.read_metrics(log.path)},
                              os.path.join(args.out_dir, "loss_curve.png"))
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
@@ -373,7 +393,8 @@ def summarize(args, config, metrics_path, step_times, tokens_per_step, flops_per
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     return {
         "preset": args.preset, "implementation": args.implementation, "transport": args.transport, "dtype": args.dtype,
-        "steps": args.steps, "batch": args.batch, "seq": args.seq,
+        "steps": args.steps, "batch": args.batch, "seq": args.seq, "layers": config.num_hidden_layers,
+        "scan_layers": args.scan_layers, "fsdp": args.fsdp, "remat": args.remat, "remat_save_moe": args.remat_save_moe,
         "mesh": {"data": args.mesh_data, "expert": args.mesh_expert},
         "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
         "median_step_time_s": median,
