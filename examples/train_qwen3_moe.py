@@ -100,6 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     mesh.add_argument("--fsdp", action="store_true",
                       help="shard the parameters and optimizer state over the data axis as well (FSDP; each layer "
                            "gathered inside the step); default: only the experts are sharded, over expert")
+    mesh.add_argument("--fsdp-over-expert", action="store_true",
+                      help="with --fsdp, shard the non-expert matrices over every device (data x expert), not data "
+                           "alone: less memory for more gather traffic over the expert axis (inside a host)")
     mesh.add_argument("--host-devices", type=int, default=8,
                       help="CPU devices to emulate when JAX runs on the host (sets XLA_FLAGS before JAX starts)")
     mesh.add_argument("--coordinator-address", help="jax.distributed coordinator host:port for a manual "
@@ -143,6 +146,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--resume needs --ckpt-dir")
     if args.remat_save_moe and not args.remat:
         parser.error("--remat-save-moe needs --remat")
+    if args.fsdp_over_expert and not args.fsdp:
+        parser.error("--fsdp-over-expert needs --fsdp")
     manual = (args.num_processes, args.process_id)
     if any(v is not None for v in manual) and None in manual:
         parser.error("--num-processes and --process-id go together")

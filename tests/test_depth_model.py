@@ -100,7 +100,7 @@ def test_scanned_program_does_not_grow_with_depth():
     assert abs(program_size(16) - program_size(2)) < 0.01 * program_size(2)
 
 
-MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
+MESHES = [(1, 8, False), (2, 4, False), (4, 2, False), (8, 1, False), (2, 4, True)]
 
 
 @pytest.fixture(scope="module")
@@ -110,13 +110,18 @@ def one_device_reference():
     return graphdef, state, jax.jit(loss_and_grads, static_argnums=0)(graphdef, state, ids())
 
 
-@pytest.mark.parametrize("shape", MESHES, ids=[f"data{d}x_expert{e}" for d, e in MESHES])
-def test_fsdp_expert_parallel_matches_one_device(shape, one_device_reference):
+@pytest.mark.parametrize("data, expert, over_expert", MESHES,
+                         ids=[f"data{d}x_expert{e}" + ("_fsdp_over_expert" if o else "") for d, e, o in MESHES])
+def test_fsdp_expert_parallel_matches_one_device(data, expert, over_expert, one_device_reference):
     graphdef, state, (want_loss, want_grads, want_counts) = one_device_reference
+    shape = (data, expert)
     mesh = jax.make_mesh(shape, ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    shardings = sharding.tree_shardings(state, mesh, fsdp=True)
+    shardings = sharding.tree_shardings(state, mesh, fsdp=True, fsdp_over_expert=over_expert)
     specs = {k: v.get_value().spec for k, v in nnx.to_flat_state(shardings)}
-    if shape[0] > 1:  # FSDP: matrices over data, experts over expert (when it has more than one device)
+    if over_expert:  # the non-expert matrices over every device
+        assert specs[("layer_runs", 0, "self_attn", "k_proj", "kernel")] == P(None, ("data", "expert"), None)
+        assert specs[("embed_tokens", "embedding")] == P(("data", "expert"), None)
+    elif shape[0] > 1:  # FSDP: matrices over data, experts over expert (when it has more than one device)
         assert specs[("layer_runs", 0, "self_attn", "k_proj", "kernel")] == P(None, "data", None)
         assert specs[("layer_runs", 0, "mlp", "down_proj", "kernel")] == P(None, "data", None)
         assert specs[("layer_runs", 1, "mlp", "w_gate_up")] == P(None, "expert" if shape[1] > 1 else None, "data",
@@ -147,6 +152,10 @@ def test_sharding_rules():
         None, "data", None)
     assert spec(("layer_runs", 0, "input_layernorm", "scale"), (48, 2048), mesh, fsdp=True) == P(None, None)
     assert spec(("embed_tokens", "embedding"), (151936, 2048), {"data": 3}, fsdp=True) == P(None, None)  # 3 divides neither
+    assert spec(("lm_head", "kernel"), (2048, 151936), mesh, fsdp=True, fsdp_over_expert=True) == P(
+        None, ("data", "expert"))
+    assert spec(("layer_runs", 0, "mlp", "w_down"), (48, 128, 768, 2048), mesh, fsdp=True, fsdp_over_expert=True) == P(
+        None, "expert", None, "data")
     # The optimizer's moments take their parameter's sharding; step counts stay whole.
     params = {"lm_head": {"kernel": jax.ShapeDtypeStruct((64, 96), jnp.float32)}}
     import optax

@@ -87,7 +87,8 @@ def abstract_state(config, args, mesh, tx, workspace: NvlinkWorkspace | None = N
     create, expert_axis = create_model_fn(config, args, workspace)
     graphdef, params = nnx.split(nnx.eval_shape(create))
     state = TrainState(params, jax.eval_shape(tx.init, params))
-    shardings = sharding.tree_shardings(state, mesh, fsdp=args.fsdp, expert_axis=expert_axis)
+    shardings = sharding.tree_shardings(state, mesh, fsdp=args.fsdp, expert_axis=expert_axis,
+                                        fsdp_over_expert=args.fsdp_over_expert)
     return graphdef, create, state, shardings
 
 
@@ -244,6 +245,7 @@ def memory_plan(args, config) -> dict:
     return {
         "preset": args.preset, "layers": config.num_hidden_layers, "scan_layers": args.scan_layers,
         "mesh": {"data": args.mesh_data, "expert": args.mesh_expert}, "fsdp": args.fsdp,
+        "fsdp_over_expert": args.fsdp_over_expert,
         "batch": args.batch, "seq": args.seq, "tokens_per_device": args.batch * args.seq // mesh.size,
         "dtype": args.dtype, "remat": args.remat, "remat_save_moe": args.remat_save_moe,
         "attention_impl": args.attention_impl, "implementation": implementation_label(args),
@@ -266,7 +268,8 @@ def format_memory_plan(plan: dict) -> str:
     kind = (f"ESTIMATE on {plan['device_kind']} host devices standing in for GPUs (XLA:CPU's memory analysis)"
             if plan["estimate"] else f"compiled for {plan['device_kind']}")
     lines = [f"memory plan: {plan['preset']} ({plan['layers']} layers, {plan['parameters'] / 1e9:.2f}B parameters), "
-             f"mesh data={mesh['data']} x expert={mesh['expert']}, FSDP {'on' if plan['fsdp'] else 'off'}, "
+             f"mesh data={mesh['data']} x expert={mesh['expert']}, FSDP "
+             f"{('over data x expert' if plan['fsdp_over_expert'] else 'over data') if plan['fsdp'] else 'off'}, "
              f"{plan['tokens_per_device']:,} tokens per device ({plan['batch']} x {plan['seq']} global), "
              f"{plan['dtype']} compute, remat {'on' if plan['remat'] else 'off'}"
              f"{' saving the MoE residuals' if plan['remat_save_moe'] else ''}, attention "

@@ -311,7 +311,8 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, mesh=None,
-                    expert_axis: str | None = None, fsdp: bool = True, **model_kwargs) -> Qwen3MoeForCausalLM:
+                    expert_axis: str | None = None, fsdp: bool = True, fsdp_over_expert: bool = False,
+                    **model_kwargs) -> Qwen3MoeForCausalLM:
     """Loads a Hugging Face Qwen3-MoE checkpoint directory (`config.json` + safetensors).
 
     Reads a single `model.safetensors` or a sharded `model.safetensors.index.json`, with experts stored
@@ -326,6 +327,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
       dtype: compute dtype. param_dtype: storage dtype (default: `dtype`).
       mesh: optional `jax.sharding.Mesh`. expert_axis: mesh axis of the experts.
       fsdp: with `mesh`, shard the parameters over its "data" axis as well (ignored without one).
+      fsdp_over_expert: with `fsdp`, shard the non-expert matrices over "data" x `expert_axis` (every device).
       **model_kwargs: other `Qwen3MoeForCausalLM` arguments (implementation, remat, scan_layers, ...).
     """
     config = Qwen3MoeConfig.from_json(path)
@@ -335,7 +337,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     abstract = nnx.eval_shape(lambda: Qwen3MoeForCausalLM(config, dtype=dtype, param_dtype=param_dtype,
                                                           expert_axis=expert_axis, rngs=nnx.Rngs(0), **model_kwargs))
     graphdef, state = nnx.split(abstract)
-    specs = (dict(nnx.to_flat_state(sharding.tree_specs(state, mesh, fsdp=fsdp, expert_axis=expert_axis)))
+    specs = (dict(nnx.to_flat_state(sharding.tree_specs(state, mesh, fsdp=fsdp, expert_axis=expert_axis,
+                                                          fsdp_over_expert=fsdp_over_expert)))
              if mesh is not None else {})
     with hf_checkpoint.SafetensorsReader(path) as reader:
         for key, variable in nnx.to_flat_state(state):

@@ -5,7 +5,8 @@ One rule, by parameter name and shape (docs/models.md has it as a table):
 - the experts (`w_gate_up [E, H, 2I]`, `w_down [E, I, H]`) over `expert` on E;
 - with FSDP, every matrix over `data` as well: the expert weights along the larger of their two other
   dimensions, the rest along their largest dimension, in both cases only where the dimension divides by the
-  `data` axis size (else that matrix stays whole over `data`);
+  `data` axis size (else that matrix stays whole over `data`); with `fsdp_over_expert` the non-expert matrices
+  over `data` x `expert` (every device) instead, where their dimension divides by both;
 - vectors (norm scales) and scalars whole on every device;
 - a scanned stack's leading layer axis never sharded (each step of the scan slices one layer).
 
@@ -43,7 +44,7 @@ def _axis_size(mesh_shape, axis) -> int:
 
 
 def param_spec(names: tuple, shape: tuple, mesh_shape, *, fsdp: bool, data_axis: str = "data",
-               expert_axis: str | None = "expert") -> P:
+               expert_axis: str | None = "expert", fsdp_over_expert: bool = False) -> P:
     """The `PartitionSpec` of parameter `names` (its path, e.g. `("layer_runs", 0, "mlp", "w_gate_up")`) with
     `shape` on a mesh of `mesh_shape` (`{axis: size}`); also right for the parameter's optimizer moments, whose
     paths end with the parameter's."""
@@ -54,15 +55,19 @@ def param_spec(names: tuple, shape: tuple, mesh_shape, *, fsdp: bool, data_axis:
     if len(free) < 2:
         return P(*spec)
     experts = _axis_size(mesh_shape, expert_axis)
-    if names and names[-1] in EXPERT_LEAVES:
+    is_expert = bool(names) and names[-1] in EXPERT_LEAVES
+    if is_expert:
         if experts > 1 and shape[free[0]] % experts == 0:
             spec[free[0]] = expert_axis
         free.pop(0)
+    if not fsdp:
+        return P(*spec)
     data = _axis_size(mesh_shape, data_axis)
-    if fsdp and data > 1:
-        divisible = [d for d in free if shape[d] % data == 0]
-        if divisible:
-            spec[max(divisible, key=lambda d: shape[d])] = data_axis
+    both = data * experts
+    if fsdp_over_expert and not is_expert and experts > 1 and any(shape[d] % both == 0 for d in free):
+        spec[max((d for d in free if shape[d] % both == 0), key=lambda d: shape[d])] = (data_axis, expert_axis)
+    elif data > 1 and any(shape[d] % data == 0 for d in free):
+        spec[max((d for d in free if shape[d] % data == 0), key=lambda d: shape[d])] = data_axis
     return P(*spec)
 
 
@@ -74,14 +79,15 @@ def compute_spec(names: tuple, ndim: int, mesh, expert_axis: str | None) -> P:
     return P(*(None,) * ndim)
 
 
-def tree_specs(tree, mesh, *, fsdp: bool, data_axis: str = "data", expert_axis: str | None = "expert"):
+def tree_specs(tree, mesh, *, fsdp: bool, data_axis: str = "data", expert_axis: str | None = "expert",
+               fsdp_over_expert: bool = False):
     """`param_spec` for every array leaf of `tree` (parameters, an optimizer state, or a train state holding
     both; concrete or abstract), as a tree of `PartitionSpec`s of the same structure."""
     mesh_shape = dict(mesh.shape)
 
     def spec(path, leaf):
         return param_spec(path_names(path), tuple(getattr(leaf, "shape", ())), mesh_shape, fsdp=fsdp,
-                          data_axis=data_axis, expert_axis=expert_axis)
+                          data_axis=data_axis, expert_axis=expert_axis, fsdp_over_expert=fsdp_over_expert)
 
     return jax.tree_util.tree_map_with_path(spec, tree)
 
