@@ -85,7 +85,7 @@ def test_stacks_load_per_layer_onto_an_fsdp_mesh_reading_slices(hf, layout, monk
 
 
 def test_scanned_model_saves_per_layer_for_transformers(hf, tmp_path):
-    model, root, ids, want = hf
+    _, root, ids, want = hf
     ours = qwen3_moe.from_pretrained(root / "per_expert")
     assert ours.scan_layers
     qwen3_moe.save_pretrained(ours, tmp_path, max_shard_bytes=40_000)

@@ -55,9 +55,9 @@ def flat_values(state):
 
 def assert_trees_close(got: dict, want: dict, rtol=1e-5):
     assert got.keys() == want.keys()
-    for key in want:
-        scale = np.max(np.abs(want[key])) or 1.0  # relative to the tensor's scale: gradients cross zero
-        np.testing.assert_allclose(got[key], want[key], rtol=rtol, atol=rtol * scale, err_msg=str(key))
+    for key, value in want.items():
+        scale = np.max(np.abs(value)) or 1.0  # relative to the tensor's scale: gradients cross zero
+        np.testing.assert_allclose(got[key], value, rtol=rtol, atol=rtol * scale, err_msg=str(key))
 
 
 def test_layer_runs_and_stacked_shapes():

@@ -46,7 +46,8 @@ def test_dry_run_prints_the_memory_plan_without_training(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--layers", "3", "--mesh-expert", "4",
                              "--fsdp", "--remat", "--remat-save-moe", "--batch", "8", "--seq", "64", "--dry-run",
-                             "--out-dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=420)
+                             "--out-dir", str(tmp_path)], check=False, capture_output=True, text=True, env=env,
+                            timeout=420)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "ESTIMATE on cpu host devices" in result.stdout
     for field in ("arguments", "outputs", "temporaries", "generated_code", "total"):

@@ -267,13 +267,13 @@ def format_memory_plan(plan: dict) -> str:
     mesh = plan["mesh"]
     kind = (f"ESTIMATE on {plan['device_kind']} host devices standing in for GPUs (XLA:CPU's memory analysis)"
             if plan["estimate"] else f"compiled for {plan['device_kind']}")
-    lines = [f"memory plan: {plan['preset']} ({plan['layers']} layers, {plan['parameters'] / 1e9:.2f}B parameters), "
-             f"mesh data={mesh['data']} x expert={mesh['expert']}, FSDP "
-             f"{('over data x expert' if plan['fsdp_over_expert'] else 'over data') if plan['fsdp'] else 'off'}, "
+    fsdp = ("over data x expert" if plan["fsdp_over_expert"] else "over data") if plan["fsdp"] else "off"
+    lines = [(f"memory plan: {plan['preset']} ({plan['layers']} layers, {plan['parameters'] / 1e9:.2f}B parameters), "
+             f"mesh data={mesh['data']} x expert={mesh['expert']}, FSDP {fsdp}, "
              f"{plan['tokens_per_device']:,} tokens per device ({plan['batch']} x {plan['seq']} global), "
              f"{plan['dtype']} compute, remat {'on' if plan['remat'] else 'off'}"
              f"{' saving the MoE residuals' if plan['remat_save_moe'] else ''}, attention "
-             f"{plan['attention_impl'] or 'default'}, experts {plan['implementation']}",
+             f"{plan['attention_impl'] or 'default'}, experts {plan['implementation']}"),
              f"  {kind}",
              "  per device, GB (1e9 bytes):"]
     for name in ("arguments", "outputs", "aliased", "temporaries", "generated_code"):

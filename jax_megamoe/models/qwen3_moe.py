@@ -17,8 +17,8 @@ from jax_megamoe.models import hf_checkpoint, sharding
 from jax_megamoe.models.qwen3_moe_config import Qwen3MoeConfig, qwen3_30b_a3b, qwen3_235b_a22b, tiny
 from jax_megamoe.nn import MoE, MoEAux, active_mesh
 
-__all__ = ["Qwen3MoeConfig", "Qwen3MoeForCausalLM", "from_pretrained", "save_pretrained", "qwen3_30b_a3b",
-           "qwen3_235b_a22b", "tiny"]
+__all__ = ["Qwen3MoeConfig", "Qwen3MoeForCausalLM", "chunked_attention", "from_pretrained", "layer_runs",
+           "qwen3_30b_a3b", "qwen3_235b_a22b", "save_pretrained", "tiny"]
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
