@@ -6,6 +6,13 @@ when there is one, else on 8 host CPU devices (a 2 x 4 mesh), in a few minutes:
     python examples/train_qwen3_moe.py
     python examples/train_qwen3_moe.py --preset qwen3-30b-a3b-4layer --batch 4 --seq 4096   # one H200
 
+The real models at full depth, FSDP over `data`, experts over `expert`; `--dry-run` prints the per-device
+memory plan from XLA's memory analysis of the compiled step without allocating anything (on a CPU-only
+machine host devices stand in for the GPUs and the figures are estimates):
+
+    python examples/train_qwen3_moe.py --preset qwen3-30b-a3b --mesh-expert 8 --fsdp --remat --remat-save-moe \
+        --dry-run --host-devices 8
+
 Writes metrics.jsonl, loss_curve.png and summary.json to --out-dir; --ckpt-dir/--resume checkpoint with
 orbax. Under SLURM / Open MPI / JAX_COORDINATOR_ADDRESS it calls `jax.distributed.initialize()` first.
 `--help` lists every flag. Docs: docs/models.md.
@@ -15,14 +22,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 
-PRESETS = {  # name -> training defaults; the model configs are built after JAX starts
+PRESETS = {  # name -> training defaults; the model configs are built after JAX starts (model_config)
     "tiny": dict(batch=16, seq=128, steps=300, lr=3e-3, warmup=20, eval_every=50, eval_batches=4),
     "qwen3-30b-a3b-4layer": dict(batch=4, seq=4096, steps=300, lr=3e-4, warmup=30, eval_every=100,
                                  eval_batches=2),
+    # The published models at full depth; batch None: 4 sequences per device (16,384 tokens at seq 4096).
+    "qwen3-30b-a3b": dict(batch=None, seq=4096, steps=1000, lr=3e-4, warmup=100, eval_every=200, eval_batches=2),
+    "qwen3-235b-a22b": dict(batch=None, seq=4096, steps=1000, lr=1.5e-4, warmup=100, eval_every=200,
+                            eval_batches=2),
 }
+SEQUENCES_PER_DEVICE = 4  # the full-depth presets' batch: this many sequences per device
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -37,14 +50,21 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def _preset_default(key: str) -> str:
-    return "default from --preset: " + ", ".join(f"{name} {values[key]}" for name, values in PRESETS.items())
+    values = ", ".join(f"{name} {preset[key] if preset[key] is not None else f'{SEQUENCES_PER_DEVICE} per device'}"
+                       for name, preset in PRESETS.items())
+    return "default from --preset: " + values
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
     model = parser.add_argument_group("model")
     model.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                       help="tiny: byte-level 2-layer model; qwen3-30b-a3b-4layer: Qwen3-30B-A3B widths, 4 layers")
+                       help="tiny: byte-level 2-layer model; qwen3-30b-a3b-4layer: Qwen3-30B-A3B widths, 4 layers; "
+                            "qwen3-30b-a3b, qwen3-235b-a22b: the published models, full depth")
+    model.add_argument("--layers", type=int, help="override the preset's number of decoder layers")
+    model.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                       help="run same-kind layers under nnx.scan (compile time independent of depth); "
+                            "--no-scan-layers unrolls them")
     model.add_argument("--implementation", choices=["auto", "cpu", "cuda", "reference", "ragged_dot"],
                        default="auto",
                        help="MoE expert kernels; ragged_dot is the pure-JAX sort + jax.lax.ragged_dot baseline")
@@ -55,8 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
     model.add_argument("--remat-save-moe", action="store_true",
                        help="with --remat, keep the experts' gate/up projections instead of recomputing them")
-    model.add_argument("--attention-impl", choices=["xla", "cudnn"], default=None,
-                       help="jax.nn.dot_product_attention implementation (default: JAX's choice)")
+    model.add_argument("--attention-impl", choices=["xla", "cudnn", "chunked"], default=None,
+                       help="jax.nn.dot_product_attention implementation, or chunked (pure JAX over query blocks, "
+                            "memory linear in --seq) (default: JAX's choice; with --dry-run on CPU: chunked, "
+                            "standing in for cuDNN's flash attention)")
     run = parser.add_argument_group("training")
     run.add_argument("--steps", type=int, help="total optimizer steps; " + _preset_default("steps"))
     run.add_argument("--batch", type=int, help="global batch size in sequences; " + _preset_default("batch"))
@@ -75,8 +97,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     mesh.add_argument("--mesh-expert", type=int,
                       help="expert-parallel mesh size (default: the largest divisor of the device count and "
                            "the expert count that leaves data parallelism >= 2 where possible)")
+    mesh.add_argument("--fsdp", action="store_true",
+                      help="shard the parameters and optimizer state over the data axis as well (FSDP; each layer "
+                           "gathered inside the step); default: only the experts are sharded, over expert")
+    mesh.add_argument("--fsdp-over-expert", action="store_true",
+                      help="with --fsdp, shard the non-expert matrices over every device (data x expert), not data "
+                           "alone: less memory for more gather traffic over the expert axis (inside a host)")
     mesh.add_argument("--host-devices", type=int, default=8,
                       help="CPU devices to emulate when JAX runs on the host (sets XLA_FLAGS before JAX starts)")
+    mesh.add_argument("--coordinator-address", help="jax.distributed coordinator host:port for a manual "
+                      "multi-process launch (also JAX_COORDINATOR_ADDRESS), with --num-processes and --process-id")
+    mesh.add_argument("--num-processes", type=int, help="processes of a manual multi-process launch")
+    mesh.add_argument("--process-id", type=int, help="this process's index in a manual multi-process launch")
     mesh.add_argument("--peak-tflops", type=float, help="per-device peak for MFU (default: known for H200)")
     io = parser.add_argument_group("data and outputs")
     io.add_argument("--data", help="token file (.npy, or raw .bin of --bin-dtype); default: stdlib bytes")
@@ -88,14 +120,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     io.add_argument("--ckpt-dir", help="orbax checkpoint directory (no checkpoints without it)")
     io.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints (the last always)")
     io.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    plan = parser.add_argument_group("memory plan")
+    plan.add_argument("--dry-run", action="store_true",
+                      help="compile the train step for the mesh and preset, print XLA's per-device memory analysis "
+                           "(estimates on host CPU devices) and exit; allocates nothing. Also written to "
+                           "--out-dir/memory_plan.json")
+    plan.add_argument("--memory-budget-gb", type=float, default=0.9 * 141,
+                      help="per-device memory the plan must fit in, GB (default: 90%% of an H200's 141 GB)")
     args = parser.parse_args(argv)
 
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.lr_decay_steps = args.lr_decay_steps or args.steps
-    for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "ckpt_every", "host_devices", "lr_decay_steps"):
-        if getattr(args, name) < 1:
+    for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "ckpt_every", "host_devices", "lr_decay_steps",
+                 "layers", "num_processes"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("mesh_data", "mesh_expert"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -106,6 +146,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--resume needs --ckpt-dir")
     if args.remat_save_moe and not args.remat:
         parser.error("--remat-save-moe needs --remat")
+    if args.fsdp_over_expert and not args.fsdp:
+        parser.error("--fsdp-over-expert needs --fsdp")
+    manual = (args.num_processes, args.process_id)
+    if any(v is not None for v in manual) and None in manual:
+        parser.error("--num-processes and --process-id go together")
+    if args.process_id is not None and not 0 <= args.process_id < args.num_processes:
+        parser.error(f"--process-id must be in [0, --num-processes), got {args.process_id}")
     args.fail = parser.error
     return args
 
@@ -118,22 +165,29 @@ def configure_jax_environment(host_devices: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={host_devices}".strip()
 
 
-def multi_process_launch() -> bool:
-    """Whether the environment launched several processes that must join one JAX job."""
+def multi_process_launch(args) -> bool:
+    """Whether this process is one of several that must join one JAX job (launched by hand with
+    --num-processes, or by SLURM / Open MPI / a JAX_COORDINATOR_ADDRESS environment)."""
     counts = (os.environ.get("SLURM_NTASKS"), os.environ.get("OMPI_COMM_WORLD_SIZE"))
-    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or any(c and int(c) > 1 for c in counts)
+    return (args.num_processes is not None or bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
+            or any(c and int(c) > 1 for c in counts))
 
 
-def model_config(preset: str):
+def model_config(preset: str, layers: int | None = None):
     from jax_megamoe.models import qwen3_moe
 
-    if preset == "tiny":
-        return qwen3_moe.tiny()
-    return dataclasses.replace(qwen3_moe.qwen3_30b_a3b(), num_hidden_layers=4)
+    config = {"tiny": qwen3_moe.tiny, "qwen3-30b-a3b-4layer": qwen3_moe.qwen3_30b_a3b,
+              "qwen3-30b-a3b": qwen3_moe.qwen3_30b_a3b, "qwen3-235b-a22b": qwen3_moe.qwen3_235b_a22b}[preset]()
+    if preset == "qwen3-30b-a3b-4layer":
+        config = dataclasses.replace(config, num_hidden_layers=4)
+    return dataclasses.replace(config, num_hidden_layers=layers) if layers else config
 
 
 def choose_mesh(args, num_devices: int, num_experts: int) -> None:
-    """Fills in --mesh-data / --mesh-expert and checks them against the devices, experts and batch."""
+    """Fills in --mesh-data / --mesh-expert (and a per-device preset batch) and checks them against the
+    devices, experts and batch."""
+    if args.batch is None:
+        args.batch = SEQUENCES_PER_DEVICE * num_devices
     if args.mesh_expert is None:
         if args.mesh_data is not None:
             args.mesh_expert = num_devices // args.mesh_data
@@ -157,15 +211,25 @@ def main(argv=None) -> None:
     configure_jax_environment(args.host_devices)
     import jax  # after XLA_FLAGS is set
 
-    if multi_process_launch():
-        jax.distributed.initialize()
+    if multi_process_launch(args):
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from moe_training import data, trainer
 
-    config = model_config(args.preset)
+    config = model_config(args.preset, args.layers)
     choose_mesh(args, jax.device_count(), config.num_experts)
     if args.aux_loss_coef is None:
         args.aux_loss_coef = config.router_aux_loss_coef
+    if args.dry_run:
+        if args.attention_impl is None and jax.default_backend() == "cpu":
+            args.attention_impl = "chunked"  # XLA:CPU's attention holds [S, S] scores; GPUs run flash attention
+        plan = trainer.memory_plan(args, config)
+        if jax.process_index() == 0:
+            os.makedirs(args.out_dir, exist_ok=True)
+            with open(os.path.join(args.out_dir, "memory_plan.json"), "w") as f:
+                json.dump(plan, f, indent=2)
+            print(trainer.format_memory_plan(plan), flush=True)
+        return
     if args.data:
         try:
             tokens = data.load_token_file(args.data, args.bin_dtype)

@@ -1,5 +1,7 @@
-"""The training loop: a `data` x `expert` mesh, sharded Qwen3-MoE parameters, a jitted AdamW step,
-periodic eval, orbax checkpoints, metrics. Called by examples/train_qwen3_moe.py after JAX is configured."""
+"""The training loop: a `data` x `expert` mesh, sharded Qwen3-MoE parameters (experts over `expert`; with
+`--fsdp` everything over `data` too), a jitted AdamW step, periodic eval, orbax checkpoints, metrics; and the
+memory plan (`--dry-run`: the step compiled for the mesh, nothing allocated). Called by
+examples/train_qwen3_moe.py after JAX is configured."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from jax_megamoe import NvlinkTransport, NvlinkWorkspace
+from jax_megamoe.losses import linear_cross_entropy
+from jax_megamoe.models import sharding
 from jax_megamoe.models.qwen3_moe import Qwen3MoeForCausalLM
 from jax_megamoe.ops.moe import GATE_UP_NAME, LAYOUT_NAME, resolve_implementation
 from moe_training import data, metrics
@@ -61,9 +65,8 @@ def remat_policy(args):
     return jax.checkpoint_policies.save_only_these_names(LAYOUT_NAME, GATE_UP_NAME) if args.remat_save_moe else None
 
 
-def build_model(config, args, mesh, workspace: NvlinkWorkspace | None = None):
-    """Creates the model with its parameters born sharded; returns `(graphdef, params)`. `workspace` is
-    the nvlink transport's (for `--transport nvlink`)."""
+def create_model_fn(config, args, workspace: NvlinkWorkspace | None = None):
+    """The model's constructor for `--preset` and the model flags (`workspace`: the nvlink transport's)."""
     implementation = ragged_dot_ffn if args.implementation == "ragged_dot" else args.implementation
     expert_axis = None if callable(implementation) else "expert"  # the baseline runs per data shard
     transport = NvlinkTransport(workspace) if workspace is not None else args.transport
@@ -71,13 +74,29 @@ def build_model(config, args, mesh, workspace: NvlinkWorkspace | None = None):
     def create():
         return Qwen3MoeForCausalLM(config, dtype=jnp.dtype(args.dtype), param_dtype=jnp.float32,
                                    implementation=implementation, expert_axis=expert_axis, transport=transport,
-                                   remat=args.remat, remat_policy=remat_policy(args),
-                                   attention_impl=args.attention_impl, rngs=nnx.Rngs(args.seed))
+                                   remat=args.remat, remat_policy=remat_policy(args), attention_impl=args.attention_impl,
+                                   scan_layers=args.scan_layers, rngs=nnx.Rngs(args.seed))
 
-    graphdef, abstract = nnx.split(nnx.eval_shape(create))
-    shardings = nnx.get_named_sharding(abstract, mesh)
-    params = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)()
-    return graphdef, params
+    return create, expert_axis
+
+
+def abstract_state(config, args, mesh, tx, workspace: NvlinkWorkspace | None = None):
+    """`(graphdef, create, abstract TrainState, its shardings)`: shapes only, nothing allocated. The shardings
+    are `jax_megamoe.models.sharding`'s rules (FSDP over `data` with `--fsdp`) for the parameters and,
+    through the same names, for AdamW's moments."""
+    create, expert_axis = create_model_fn(config, args, workspace)
+    graphdef, params = nnx.split(nnx.eval_shape(create))
+    state = TrainState(params, jax.eval_shape(tx.init, params))
+    shardings = sharding.tree_shardings(state, mesh, fsdp=args.fsdp, expert_axis=expert_axis,
+                                        fsdp_over_expert=args.fsdp_over_expert)
+    return graphdef, create, state, shardings
+
+
+def init_state(create, tx, shardings: TrainState) -> TrainState:
+    """The model and optimizer state, each array born in its shards (one jit with the rules' out_shardings;
+    created outside `jax.set_mesh`, so no layer constrains its own parameters on the way)."""
+    params = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings.params)()
+    return TrainState(params, jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
 
 
 def make_optimizer(args) -> optax.GradientTransformation:
@@ -85,21 +104,47 @@ def make_optimizer(args) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.lr_decay_steps, args.warmup + 1),
                                                   end_value=args.lr * 0.1)
 
-    def decay_mask(params):
-        return jax.tree.map(lambda p: p.ndim >= 2, params)
+    def decay_mask(params):  # a scanned stack's leading layer axis does not make a norm scale a matrix
+        return jax.tree_util.tree_map_with_path(
+            lambda path, p: p.ndim - (sharding.STACKED in sharding.path_names(path)) >= 2, params)
 
     return optax.chain(optax.clip_by_global_norm(args.grad_clip),
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay_mask))
 
 
+def cross_entropy(hidden, kernel, labels, mesh) -> jax.Array:
+    """Mean LM cross-entropy of `hidden [B, S, H] @ kernel [H, V]` against `labels [B, S]`, never forming the
+    `[B, S, V]` logits (`linear_cross_entropy`); under a multi-device mesh each device takes its own tokens
+    (shard_map over the batch axes) with the whole LM head, and the sums meet in one psum."""
+    count = labels.size
+
+    def local_sum(hidden, kernel, labels):
+        return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), kernel, labels.reshape(-1),
+                                    reduction="sum")
+
+    if mesh.size == 1:
+        return local_sum(hidden, kernel, labels) / count
+
+    def shard_sum(hidden, kernel, labels):
+        return jax.lax.psum(local_sum(hidden, kernel, labels), BATCH_AXES)
+
+    batch = P(BATCH_AXES)
+    # check_vma=False: linear_cross_entropy's scan starts its sums from fresh (device-invariant) zeros; the
+    # transpose then psums the LM head's gradient over the mesh, as an unmapped input's must be.
+    total = jax.shard_map(shard_sum, mesh=mesh, in_specs=(batch, P(), batch), out_specs=P(),
+                          check_vma=False)(hidden, kernel, labels)
+    return total / count
+
+
 def make_steps(graphdef, tx, aux_coef: float, z_coef: float, state_shardings, batch_sharding):
     """The jitted train step (donating its state; the state keeps its shardings step to step, so one
     compilation serves the whole run) and eval step."""
+    mesh = batch_sharding.mesh
 
     def lm_loss(params, tokens):
-        logits, aux = nnx.merge(graphdef, params)(tokens[:, :-1])
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
-        return loss, aux
+        model = nnx.merge(graphdef, params)
+        hidden, aux = model.hidden_states(tokens[:, :-1])
+        return cross_entropy(hidden, model.lm_head_kernel(), tokens[:, 1:], mesh), aux
 
     def loss_fn(params, tokens):
         loss, aux = lm_loss(params, tokens)
@@ -110,13 +155,11 @@ def make_steps(graphdef, tx, aux_coef: float, z_coef: float, state_shardings, ba
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         stats = {"loss": loss, "lm_loss": lm, "load_balancing_loss": aux.load_balancing_loss,
                  "router_z_loss": aux.router_z_loss, "dropped_pairs": aux.dropped_pairs,
-                 "grad_norm": optax.global_norm(grads)}
+                 "grad_norm": optax.tree.norm(grads)}
         return TrainState(optax.apply_updates(state.params, updates), opt_state), stats
 
-    @jax.jit
-    def eval_step(params, tokens):
-        return lm_loss(params, tokens)[0]
-
+    eval_step = jax.jit(lambda params, tokens: lm_loss(params, tokens)[0],
+                        in_shardings=(state_shardings.params, batch_sharding))
     train_step = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                          out_shardings=(state_shardings, None), donate_argnums=0)
     return train_step, eval_step
@@ -154,16 +197,107 @@ def peak_memory_bytes() -> int | None:
     return stats.get("peak_bytes_in_use") if stats else None
 
 
+GB = 1e9
+
+
+def shard_bytes(abstract, shardings) -> int:
+    """Bytes one device holds of the arrays `abstract` (shapes and dtypes) laid out by `shardings`."""
+    def nbytes(x, s):
+        return math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+
+    return sum(jax.tree.leaves(jax.tree.map(nbytes, abstract, shardings)))
+
+
+def memory_analysis(compiled) -> dict:
+    """XLA's per-device memory analysis of a compiled step, in bytes, with the total the device must hold:
+    arguments + outputs - aliased (donated state reused for the outputs) + temporaries + generated code."""
+    analysis = compiled.memory_analysis()
+    fields = {"arguments": analysis.argument_size_in_bytes, "outputs": analysis.output_size_in_bytes,
+              "aliased": analysis.alias_size_in_bytes, "temporaries": analysis.temp_size_in_bytes,
+              "generated_code": analysis.generated_code_size_in_bytes}
+    fields["total"] = (fields["arguments"] + fields["outputs"] - fields["aliased"] + fields["temporaries"]
+                       + fields["generated_code"])
+    return fields
+
+
+def memory_plan(args, config) -> dict:
+    """`--dry-run`: compiles the train step for the mesh and preset from shapes alone (`jax.eval_shape`,
+    `ShapeDtypeStruct`s carrying the rules' shardings, `jit(...).lower(...).compile()`), nothing allocated, and
+    returns XLA's per-device memory analysis with the parameter and optimizer-state shares. The figures are
+    the compiler's for this platform: on host CPU devices standing in for GPUs they are estimates."""
+    mesh = make_mesh(args.mesh_data, args.mesh_expert)
+    batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
+    workspace = open_workspace(args, config, mesh)
+    tx = make_optimizer(args)
+    graphdef, _, state, shardings = abstract_state(config, args, mesh, tx, workspace)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    tokens = jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32, sharding=batch_sharding)
+    with jax.set_mesh(mesh), (workspace or contextlib.nullcontext()):
+        train_step, _ = make_steps(graphdef, tx, args.aux_loss_coef, args.z_loss_coef, shardings, batch_sharding)
+        began = time.perf_counter()
+        lowered = train_step.lower(abstract, tokens)
+        lowered_s = time.perf_counter() - began
+        compiled = lowered.compile()
+        compile_s = time.perf_counter() - began - lowered_s
+    fields = memory_analysis(compiled)
+    total = fields.pop("total")
+    device = jax.devices()[0]
+    return {
+        "preset": args.preset, "layers": config.num_hidden_layers, "scan_layers": args.scan_layers,
+        "mesh": {"data": args.mesh_data, "expert": args.mesh_expert}, "fsdp": args.fsdp,
+        "fsdp_over_expert": args.fsdp_over_expert,
+        "batch": args.batch, "seq": args.seq, "tokens_per_device": args.batch * args.seq // mesh.size,
+        "dtype": args.dtype, "remat": args.remat, "remat_save_moe": args.remat_save_moe,
+        "attention_impl": args.attention_impl, "implementation": implementation_label(args),
+        "transport": args.transport, "platform": device.platform, "device_kind": device.device_kind,
+        "estimate": device.platform == "cpu",
+        "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
+        "per_device_bytes": {**fields, "total": total,
+                             "params": shard_bytes(state.params, shardings.params),
+                             "optimizer_state": shard_bytes(state.opt_state, shardings.opt_state)},
+        "budget_bytes": args.memory_budget_gb * GB, "fits": total <= args.memory_budget_gb * GB,
+        "lower_s": lowered_s, "compile_s": compile_s,
+        "program_bytes": len(lowered.as_text()),
+    }
+
+
+def format_memory_plan(plan: dict) -> str:
+    """The plan as a few lines for the terminal."""
+    sizes = plan["per_device_bytes"]
+    mesh = plan["mesh"]
+    kind = (f"ESTIMATE on {plan['device_kind']} host devices standing in for GPUs (XLA:CPU's memory analysis)"
+            if plan["estimate"] else f"compiled for {plan['device_kind']}")
+    fsdp = ("over data x expert" if plan["fsdp_over_expert"] else "over data") if plan["fsdp"] else "off"
+    lines = [(f"memory plan: {plan['preset']} ({plan['layers']} layers, {plan['parameters'] / 1e9:.2f}B parameters), "
+             f"mesh data={mesh['data']} x expert={mesh['expert']}, FSDP {fsdp}, "
+             f"{plan['tokens_per_device']:,} tokens per device ({plan['batch']} x {plan['seq']} global), "
+             f"{plan['dtype']} compute, remat {'on' if plan['remat'] else 'off'}"
+             f"{' saving the MoE residuals' if plan['remat_save_moe'] else ''}, attention "
+             f"{plan['attention_impl'] or 'default'}, experts {plan['implementation']}"),
+             f"  {kind}",
+             "  per device, GB (1e9 bytes):"]
+    for name in ("arguments", "outputs", "aliased", "temporaries", "generated_code"):
+        lines.append(f"    {name:<16}{sizes[name] / GB:10.3f}")
+    lines.append(f"    {'total':<16}{sizes['total'] / GB:10.3f}   (arguments + outputs - aliased + temporaries "
+                 "+ generated code)")
+    lines.append(f"    of which parameters {sizes['params'] / GB:.3f}, optimizer state "
+                 f"{sizes['optimizer_state'] / GB:.3f}")
+    verdict = "fits" if plan["fits"] else "does NOT fit"
+    lines.append(f"  {verdict} in {plan['budget_bytes'] / GB:.1f} GB; lowered in {plan['lower_s']:.1f} s, compiled "
+                 f"in {plan['compile_s']:.1f} s")
+    return "\n".join(lines)
+
+
 def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> dict:
     """Runs the training; writes metrics.jsonl, loss_curve.png and summary.json to `args.out_dir`."""
     mesh = make_mesh(args.mesh_data, args.mesh_expert)
     batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
     workspace = open_workspace(args, config, mesh)
+    tx = make_optimizer(args)
+    graphdef, create, _, state_shardings = abstract_state(config, args, mesh, tx, workspace)
+    state = init_state(create, tx, state_shardings)
+    params = state.params
     with jax.set_mesh(mesh), (workspace or contextlib.nullcontext()):  # the workspace is closed at the end
-        graphdef, params = build_model(config, args, mesh, workspace)
-        tx = make_optimizer(args)
-        state = TrainState(params, jax.jit(tx.init)(params))
-        state_shardings = jax.tree.map(lambda x: x.sharding, state)
         train_step, eval_step = make_steps(graphdef, tx, args.aux_loss_coef, args.z_loss_coef, state_shardings,
                                            batch_sharding)
         manager = (ocp.CheckpointManager(os.path.abspath(args.ckpt_dir), options=ocp.CheckpointManagerOptions(
@@ -178,6 +312,17 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
         log = metrics.MetricsLog(args.out_dir, fresh=start == 0) if is_main else None
         if is_main:
             print(describe_run(config, args, mesh, params, flops_per_step / tokens_per_step, start), flush=True)
+
+        # Compiled ahead of the loop: its time and XLA's memory plan go into summary.json, beside the measured
+        # step times and peak memory.
+        began = time.perf_counter()
+        first = global_batch(data.batch_at(train_tokens, start + 1, args.batch, args.seq, args.seed), batch_sharding)
+        train_step = train_step.lower(state, first).compile()
+        compile_s = time.perf_counter() - began
+        planned = memory_analysis(train_step)
+        if is_main:
+            print(f"train step compiled in {compile_s:.1f} s; XLA's memory plan: {planned['total'] / GB:.2f} GB per "
+                  f"device", flush=True)
 
         step_times, last_eval = [], None
         bar = tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps, disable=not is_main,
@@ -210,6 +355,7 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
         return {}
     log.close()
     summary = summarize(args, config, log.path, step_times, tokens_per_step, flops_per_step, peak)
+    summary.update(compile_s=compile_s, planned_memory_bytes=planned)
     metrics.plot_loss_curves({implementation_label(args): metrics.read_metrics(log.path)},
                              os.path.join(args.out_dir, "loss_curve.png"))
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
@@ -250,7 +396,8 @@ def summarize(args, config, metrics_path, step_times, tokens_per_step, flops_per
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     return {
         "preset": args.preset, "implementation": args.implementation, "transport": args.transport, "dtype": args.dtype,
-        "steps": args.steps, "batch": args.batch, "seq": args.seq,
+        "steps": args.steps, "batch": args.batch, "seq": args.seq, "layers": config.num_hidden_layers,
+        "scan_layers": args.scan_layers, "fsdp": args.fsdp, "remat": args.remat, "remat_save_moe": args.remat_save_moe,
         "mesh": {"data": args.mesh_data, "expert": args.mesh_expert},
         "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
         "median_step_time_s": median,

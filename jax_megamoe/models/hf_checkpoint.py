@@ -3,7 +3,11 @@
 Our parameter paths mirror transformers' module names, so one rule maps them: path `a.b.kernel` is HF
 `model.a.b.weight` transposed (torch Linear stores `[out, in]`), `.scale`/`.embedding` are `.weight` as is,
 `lm_head` has no `model.` prefix, the router `mlp.router` is HF's `mlp.gate`. The experts are the
-exception: ours are fused `w_gate_up [E, H, 2I]` / `w_down [E, I, H]`.
+exception: ours are fused `w_gate_up [E, H, 2I]` / `w_down [E, I, H]`. The scanned model's stacks
+`layer_runs.{r}.*` hold the HF layers of run r (`qwen3_moe.layer_runs`) on a leading layer axis.
+
+Every tensor can be read in part (`read_param` with an index of slices), so a sharded load reads from the
+files only the slices the local devices hold.
 """
 
 from __future__ import annotations
@@ -42,11 +46,20 @@ class SafetensorsReader:
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 
-    def get(self, name: str) -> np.ndarray:
-        """The tensor `name` as a numpy array; KeyError naming the tensor if absent."""
+    def get(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """The tensor `name` as a numpy array, or only its `index` (contiguous slices, one per dimension),
+        read from the file without the rest; KeyError naming the tensor if absent."""
         if name not in self._file_of:
             raise KeyError(f"tensor {name!r} not found in the checkpoint")
-        return self._handles[self._file_of[name]].get_tensor(name)
+        handle = self._handles[self._file_of[name]]
+        if index is None:
+            return handle.get_tensor(name)
+        return handle.get_slice(name)[index]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._file_of:
+            raise KeyError(f"tensor {name!r} not found in the checkpoint")
+        return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
 
     def __enter__(self):
         return self
@@ -67,29 +80,94 @@ def _experts_prefix(key: tuple) -> str:
     return "model." + ".".join(str(k) for k in key[:-1]) + ".experts"
 
 
-def load_param(reader: SafetensorsReader, key: tuple, config) -> np.ndarray:
-    """Our parameter `key` built from the checkpoint (per-expert or fused experts layout)."""
+def unstacked_keys(key: tuple, config) -> list[tuple] | None:
+    """The per-layer keys (`layers.{i}.*`) a scanned stack's parameter `layer_runs.{r}.*` holds, in order; None
+    for a parameter that is not stacked."""
+    if key[0] != "layer_runs":
+        return None
+    from jax_megamoe.models.qwen3_moe import layer_runs  # the model imports this module
+
+    first, count, _ = layer_runs(config)[int(key[1])]
+    return [("layers", first + j, *key[2:]) for j in range(count)]
+
+
+def param_shape(reader: SafetensorsReader, key: tuple, config) -> tuple[int, ...]:
+    """The shape our parameter `key` has in the checkpoint (read from the headers, no data)."""
+    layers = unstacked_keys(key, config)
+    if layers is not None:
+        return (len(layers), *param_shape(reader, layers[0], config))
     if key[-1] not in ("w_gate_up", "w_down"):
         name, transposed = hf_name(key)
-        value = reader.get(name)
-        return value.T if transposed else value
+        shape = reader.shape(name)
+        return shape[::-1] if transposed else shape
     prefix = _experts_prefix(key)
     fused = f"{prefix}.gate_up_proj" if key[-1] == "w_gate_up" else f"{prefix}.down_proj"
     if fused in reader:
-        return np.swapaxes(reader.get(fused), 1, 2)  # [E, 2I, H] -> [E, H, 2I]; [E, H, I] -> [E, I, H]
-    experts = range(config.num_experts)
+        experts, a, b = reader.shape(fused)
+        return experts, b, a
     if key[-1] == "w_down":
-        return np.stack([reader.get(f"{prefix}.{e}.down_proj.weight").T for e in experts])
-    return np.stack([np.concatenate([reader.get(f"{prefix}.{e}.gate_proj.weight"),
-                                     reader.get(f"{prefix}.{e}.up_proj.weight")]).T for e in experts])
+        hidden, inter = reader.shape(f"{prefix}.0.down_proj.weight")
+        return config.num_experts, inter, hidden
+    inter, hidden = reader.shape(f"{prefix}.0.gate_proj.weight")
+    return config.num_experts, hidden, 2 * inter
 
 
-def place(value: np.ndarray, mesh, spec) -> jax.Array:
-    """Puts a host array on the devices: sharded by `spec` over `mesh`, or on the default device."""
-    if mesh is None:
-        return jax.device_put(value)
-    sharding = jax.sharding.NamedSharding(mesh, spec)
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+def _bounds(index: tuple, shape: tuple) -> tuple[slice, ...]:
+    """`index` (slices, or fewer than the dimensions) as one explicit contiguous slice per dimension."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    bounds = []
+    for part, size in zip(index, shape, strict=True):
+        start, stop, step = part.indices(size)
+        if step != 1:
+            raise ValueError(f"only contiguous slices can be read, got {part}")
+        bounds.append(slice(start, stop))
+    return tuple(bounds)
+
+
+def read_param(reader: SafetensorsReader, key: tuple, config, index: tuple | None = None) -> np.ndarray:
+    """Our parameter `key` built from the checkpoint (per-expert or fused experts layout; stacked for the
+    scanned model's `layer_runs`), or only its `index` (slices of our layout), reading only that from the files."""
+    index = _bounds(index or (), param_shape(reader, key, config))
+    layers = unstacked_keys(key, config)
+    if layers is not None:
+        return np.stack([read_param(reader, layers[j], config, index[1:]) for j in range(*index[0].indices(len(layers)))])
+    if key[-1] not in ("w_gate_up", "w_down"):
+        name, transposed = hf_name(key)
+        return reader.get(name, index[::-1]).T if transposed else reader.get(name, index)
+    prefix = _experts_prefix(key)
+    fused = f"{prefix}.gate_up_proj" if key[-1] == "w_gate_up" else f"{prefix}.down_proj"
+    rows, a, b = index
+    if fused in reader:  # [E, 2I, H] -> [E, H, 2I]; [E, H, I] -> [E, I, H]
+        return np.swapaxes(reader.get(fused, (rows, b, a)), 1, 2)
+    experts = range(*rows.indices(config.num_experts))
+    if key[-1] == "w_down":
+        return np.stack([reader.get(f"{prefix}.{e}.down_proj.weight", (b, a)).T for e in experts])
+    inter = param_shape(reader, key, config)[-1] // 2
+    gate = slice(min(b.start, inter), min(b.stop, inter))
+    up = slice(max(b.start, inter) - inter, max(b.stop, inter) - inter)
+    return np.stack([np.concatenate([reader.get(f"{prefix}.{e}.gate_proj.weight", (gate, a)),
+                                     reader.get(f"{prefix}.{e}.up_proj.weight", (up, a))]).T for e in experts])
+
+
+def load_param(reader: SafetensorsReader, key: tuple, config) -> np.ndarray:
+    """Our whole parameter `key` built from the checkpoint."""
+    return read_param(reader, key, config)
+
+
+def load_sharded(reader: SafetensorsReader, key: tuple, config, shape: tuple, sharding, dtype) -> jax.Array:
+    """Parameter `key` as one global array with `sharding`, each local device's shard read straight from the
+    files (`read_param` with the shard's index), so no process holds more of the tensor than its devices do;
+    a slice several local devices share (replicated over some mesh axis) is read once."""
+    shards: dict[tuple, np.ndarray] = {}
+
+    def shard(index):
+        bounds = _bounds(index, shape)
+        span = tuple((b.start, b.stop) for b in bounds)
+        if span not in shards:
+            shards[span] = read_param(reader, key, config, bounds).astype(dtype)
+        return shards[span]
+
+    return jax.make_array_from_callback(shape, sharding, shard)
 
 
 def _to_host(value: jax.Array, dtype) -> np.ndarray:
@@ -100,20 +178,29 @@ def _to_host(value: jax.Array, dtype) -> np.ndarray:
 
 
 def to_hf_tensors(params: dict[tuple, jax.Array], config, dtype=None) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields `(HF name, array)` for our flat parameters, experts in transformers' per-expert layout."""
+    """Yields `(HF name, array)` for our flat parameters, experts in transformers' per-expert layout; a
+    scanned stack is brought to the host one layer at a time."""
     for key, value in params.items():
-        value = _to_host(value, dtype)
-        if key[-1] == "w_gate_up":
-            inter = value.shape[-1] // 2
-            for e in range(value.shape[0]):
-                yield f"{_experts_prefix(key)}.{e}.gate_proj.weight", np.ascontiguousarray(value[e, :, :inter].T)
-                yield f"{_experts_prefix(key)}.{e}.up_proj.weight", np.ascontiguousarray(value[e, :, inter:].T)
-        elif key[-1] == "w_down":
-            for e in range(value.shape[0]):
-                yield f"{_experts_prefix(key)}.{e}.down_proj.weight", np.ascontiguousarray(value[e].T)
+        layers = unstacked_keys(key, config)
+        if layers is None:
+            yield from _hf_tensors(key, _to_host(value, dtype))
         else:
-            name, transposed = hf_name(key)
-            yield name, np.ascontiguousarray(value.T if transposed else value)
+            for j, layer_key in enumerate(layers):
+                yield from _hf_tensors(layer_key, _to_host(value[j], dtype))
+
+
+def _hf_tensors(key: tuple, value: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    if key[-1] == "w_gate_up":
+        inter = value.shape[-1] // 2
+        for e in range(value.shape[0]):
+            yield f"{_experts_prefix(key)}.{e}.gate_proj.weight", np.ascontiguousarray(value[e, :, :inter].T)
+            yield f"{_experts_prefix(key)}.{e}.up_proj.weight", np.ascontiguousarray(value[e, :, inter:].T)
+    elif key[-1] == "w_down":
+        for e in range(value.shape[0]):
+            yield f"{_experts_prefix(key)}.{e}.down_proj.weight", np.ascontiguousarray(value[e].T)
+    else:
+        name, transposed = hf_name(key)
+        yield name, np.ascontiguousarray(value.T if transposed else value)
 
 
 def write(path: str | os.PathLike, config: dict, tensors: Iterator[tuple[str, np.ndarray]],

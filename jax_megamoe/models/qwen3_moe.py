@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_megamoe.models import hf_checkpoint
+from jax_megamoe.models import hf_checkpoint, sharding
 from jax_megamoe.models.qwen3_moe_config import Qwen3MoeConfig, qwen3_30b_a3b, qwen3_235b_a22b, tiny
-from jax_megamoe.nn import MoE, MoEAux
+from jax_megamoe.nn import MoE, MoEAux, active_mesh
 
-__all__ = ["Qwen3MoeConfig", "Qwen3MoeForCausalLM", "from_pretrained", "save_pretrained", "qwen3_30b_a3b",
-           "qwen3_235b_a22b", "tiny"]
+__all__ = ["Qwen3MoeConfig", "Qwen3MoeForCausalLM", "chunked_attention", "from_pretrained", "layer_runs",
+           "qwen3_30b_a3b", "qwen3_235b_a22b", "save_pretrained", "tiny"]
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -35,6 +35,34 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (x32 * cos[..., None, :] + rotated * sin[..., None, :]).astype(x.dtype)
+
+
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 512) -> jax.Array:
+    """Causal GQA attention `q [B, S, N, D]`, `k, v [B, S, Nkv, D]` -> `[B, S, N, D]`, over query blocks.
+
+    Each block's float32 scores `[B, N, block, S]` live only inside one step of a scan whose steps are
+    checkpointed (the backward recomputes them block by block), so memory grows as `S * block`, not `S^2`:
+    pure JAX, any platform. Numerically `jax.nn.dot_product_attention(..., is_causal=True)`'s XLA form
+    (float32 scores and softmax, the product with `v` in `v`'s dtype).
+    """
+    batch, seq, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    block = max(b for b in range(1, min(block, seq) + 1) if seq % b == 0)
+    blocks = seq // block
+    grouped = q.reshape(batch, blocks, block, kv_heads, heads // kv_heads, dim).swapaxes(0, 1)
+    precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None
+
+    @jax.checkpoint
+    def one_block(carry, inputs):
+        q_block, start = inputs
+        scores = jnp.einsum("bqhgd,bkhd->bhgqk", q_block, k, precision=precision,
+                            preferred_element_type=jnp.float32) * dim ** -0.5
+        causal = (start + jnp.arange(block))[:, None] >= jnp.arange(seq)[None, :]
+        probs = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(jnp.float32).min), axis=-1)
+        return carry, jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v)
+
+    _, out = jax.lax.scan(one_block, None, (grouped, jnp.arange(blocks) * block))
+    return out.swapaxes(0, 1).reshape(batch, seq, heads, dim)
 
 
 class Attention(nnx.Module):
@@ -61,7 +89,10 @@ class Attention(nnx.Module):
         q = apply_rope(self.q_norm(heads(self.q_proj(x))), cos, sin)
         k = apply_rope(self.k_norm(heads(self.k_proj(x))), cos, sin)
         v = heads(self.v_proj(x))
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention_impl)
+        if self.attention_impl == "chunked":
+            out = chunked_attention(q, k, v)
+        else:
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention_impl)
         return self.o_proj(out.reshape(batch, seq, -1))
 
 
@@ -109,13 +140,67 @@ class DecoderLayer(nnx.Module):
 
 
 def combine_aux(layer_aux: list[MoEAux], num_experts: int) -> MoEAux:
-    """Model-level aux: losses averaged over the MoE layers, counts stacked `[L_moe, E]`, drops summed."""
+    """Model-level aux from the sparse layers' aux in layer order, each with a leading layer axis (a scanned
+    run's `[n, ...]`, an unrolled layer's `[1, ...]`): losses averaged over the MoE layers, counts stacked
+    `[L_moe, E]`, drops summed."""
     if not layer_aux:
         zero = jnp.zeros((), jnp.float32)
         return MoEAux(zero, zero, jnp.zeros((0, num_experts), jnp.int32), jnp.zeros((), jnp.int32))
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layer_aux)
+    stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs), *layer_aux)
     return MoEAux(jnp.mean(stacked.load_balancing_loss), jnp.mean(stacked.router_z_loss), stacked.expert_counts,
                   jnp.sum(stacked.dropped_pairs))
+
+
+def layer_runs(config: Qwen3MoeConfig) -> tuple[tuple[int, int, bool], ...]:
+    """`(first layer, layers, is_moe)` of each run of consecutive decoder layers of one kind (sparse or dense),
+    in order: the scanned model's stacks. All-sparse models (the published Qwen3-MoE ones) are one run."""
+    runs: list[list] = []
+    for i in range(config.num_hidden_layers):
+        kind = config.is_moe_layer(i)
+        if runs and runs[-1][2] == kind:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1, kind])
+    return tuple(tuple(run) for run in runs)
+
+
+def stack_layers(layers) -> DecoderLayer:
+    """One `DecoderLayer` whose parameters are the given same-kind layers' stacked on a leading layer axis
+    (what `nnx.scan` iterates over); sharding names gain a leading None for that axis."""
+    graphdef = nnx.graphdef(layers[0])
+    if any(nnx.graphdef(layer) != graphdef for layer in layers[1:]):
+        raise ValueError("stack_layers needs layers of one kind (same structure and static attributes)")
+    stacked = jax.tree.map(lambda *values: jnp.stack(values), *(nnx.state(layer) for layer in layers))
+    for _, variable in nnx.to_flat_state(stacked):
+        names = variable.get_metadata("out_sharding", None)
+        if names is not None:
+            variable.set_metadata("out_sharding", (None, *names))
+    return nnx.merge(graphdef, stacked)
+
+
+# Parameters cast to the compute dtype before their per-layer gather: the ones the modules themselves cast
+# (the router and the norms compute in float32 / on their own dtype and are left as they are).
+_COMPUTE_DTYPE_LEAVES = ("kernel", "embedding", "w_gate_up", "w_down")
+
+
+def gathered(module: nnx.Module, dtype, expert_axis: str | None) -> nnx.Module:
+    """`module` with its parameters in their compute form: matrices cast to the compute dtype, then
+    constrained to `sharding.compute_spec`, which all-gathers FSDP shards (over `data`) here, one layer at a time,
+    inside the scan (and again in the backward, under remat). Without an active multi-device mesh only the
+    casts remain (the modules would do them anyway). Casting first gathers half the bytes in bf16."""
+    mesh = active_mesh()
+    graphdef, state = nnx.split(module)
+
+    def compute_form(path, value):
+        names = sharding.path_names(path)
+        if names[-1] in _COMPUTE_DTYPE_LEAVES and "router" not in names:
+            value = value.astype(dtype)
+        if mesh is not None:
+            value = jax.lax.with_sharding_constraint(value, sharding.compute_spec(names, value.ndim, mesh,
+                                                                                  expert_axis))
+        return value
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(compute_form, state))
 
 
 class Qwen3MoeForCausalLM(nnx.Module):
@@ -131,31 +216,47 @@ class Qwen3MoeForCausalLM(nnx.Module):
       remat_policy: with `remat`, a `jax.checkpoint_policies` policy of what to save instead; e.g.
         `save_only_these_names("moe_layout", "moe_gate_up")` keeps the experts' gate/up projections, so the MoE
         recomputes nothing (`jax_megamoe.moe_ffn`).
-      attention_impl: `jax.nn.dot_product_attention`'s `implementation` (None: XLA; "cudnn" on GPUs).
+      attention_impl: `jax.nn.dot_product_attention`'s `implementation` (None: XLA; "cudnn" on GPUs), or
+        "chunked" (`chunked_attention`: pure JAX, memory linear in the sequence).
+      scan_layers: run each run of consecutive same-kind layers (`layer_runs`) as one `nnx.scan` over its
+        stacked parameters (`layer_runs.{r}.*` with a leading layer axis), so the step's program and compile
+        time grow with the number of runs, not the depth. False: a Python loop over `layers.{i}` (unrolled),
+        for comparison. Both initialise the same parameters from the same `rngs`.
       rngs: parameter initialisation keys (HF's: normal(initializer_range), norms at one).
 
     `aux` is a `MoEAux`: load-balancing and z losses averaged over the sparse layers (HF pools the router
     logits of all layers before its load-balancing product instead), `expert_counts [L_moe, E]`,
     `dropped_pairs` summed.
+
+    Under an active multi-device mesh each layer's parameters are gathered into their compute sharding
+    (`gathered`) inside its step of the scan, so parameters sharded over `data` (FSDP,
+    `jax_megamoe.models.sharding`) are whole on a device one layer at a time.
     """
 
     def __init__(self, config: Qwen3MoeConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, implementation="auto",
                  expert_axis: str | None = None, transport="xla",
                  capacity_factor: float | None = None, remat: bool = False, remat_policy=None,
-                 attention_impl: str | None = None, rngs: nnx.Rngs):
+                 attention_impl: str | None = None, scan_layers: bool = True, rngs: nnx.Rngs):
         if remat_policy is not None and not remat:
             raise ValueError("remat_policy needs remat=True")
         self.config = config
+        self.dtype = dtype
+        self.expert_axis = expert_axis
         self.remat = remat
         self.remat_policy = remat_policy
+        self.scan_layers = scan_layers
         init = nnx.initializers.normal(config.initializer_range)
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                       embedding_init=init, rngs=rngs)
         moe_kwargs = dict(implementation=implementation, expert_axis=expert_axis, transport=transport,
                           capacity_factor=capacity_factor)
-        self.layers = nnx.List([
-            DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, attention_impl=attention_impl,
-                         moe_kwargs=moe_kwargs, rngs=rngs) for i in range(config.num_hidden_layers)])
+        layers = [DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, attention_impl=attention_impl,
+                               moe_kwargs=moe_kwargs, rngs=rngs) for i in range(config.num_hidden_layers)]
+        if scan_layers:
+            self.layer_runs = nnx.List([stack_layers(layers[first:first + count])
+                                        for first, count, _ in layer_runs(config)])
+        else:
+            self.layers = nnx.List(layers)
         self.norm = nnx.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, dtype=dtype,
                                 param_dtype=param_dtype, rngs=rngs)
         self.lm_head = None if config.tie_word_embeddings else nnx.Linear(
@@ -168,46 +269,66 @@ class Qwen3MoeForCausalLM(nnx.Module):
         `positions` (`[S]` or `[B, S]`) defaults to `0..S-1`.
         """
         x, aux = self.hidden_states(input_ids, positions)
-        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        return logits, aux
+        if self.lm_head is None:
+            return gathered(self.embed_tokens, self.dtype, None).attend(x), aux
+        return gathered(self.lm_head, self.dtype, None)(x), aux
 
     def lm_head_kernel(self) -> jax.Array:
         """The LM head as an `[H, vocab]` matrix in the compute dtype (the embedding table's transpose when
-        tied), for `jax_megamoe.losses.linear_cross_entropy(model.hidden_states(ids)[0], ...)`."""
+        tied), gathered whole (for `jax_megamoe.losses.linear_cross_entropy(model.hidden_states(ids)[0], ...)`)."""
         if self.lm_head is None:
-            return self.embed_tokens.embedding[...].T.astype(self.embed_tokens.dtype)
-        return self.lm_head.kernel[...].astype(self.lm_head.dtype)
+            return gathered(self.embed_tokens, self.dtype, None).embedding[...].T
+        return gathered(self.lm_head, self.dtype, None).kernel[...]
+
+    def _layer_fn(self):
+        dtype, expert_axis = self.dtype, self.expert_axis
+
+        def apply(layer, x, cos, sin):
+            return gathered(layer, dtype, expert_axis)(x, cos, sin)
+
+        return nnx.remat(apply, policy=self.remat_policy) if self.remat else apply
 
     def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, MoEAux]:
         """`(final normed hidden states [B, S, H], MoEAux)`: the model without its LM head."""
         if positions is None:
             positions = jnp.arange(input_ids.shape[-1])
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
-        x = self.embed_tokens(input_ids)
+        x = gathered(self.embed_tokens, self.dtype, None)(input_ids)
+        apply = self._layer_fn()
         layer_aux = []
-        run_layer = nnx.remat(DecoderLayer.__call__, policy=self.remat_policy) if self.remat else DecoderLayer.__call__
-        for layer in self.layers:
-            x, aux = run_layer(layer, x, cos, sin)
-            if aux is not None:
-                layer_aux.append(aux)
+        if self.scan_layers:
+            scan = nnx.scan(apply, in_axes=(0, nnx.Carry, None, None), out_axes=(nnx.Carry, 0))
+            for run in self.layer_runs:
+                x, aux = scan(run, x, cos, sin)
+                if aux is not None:
+                    layer_aux.append(aux)
+        else:
+            for layer in self.layers:
+                x, aux = apply(layer, x, cos, sin)
+                if aux is not None:
+                    layer_aux.append(jax.tree.map(lambda a: a[None], aux))
         return self.norm(x), combine_aux(layer_aux, self.config.num_experts)
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, mesh=None,
-                    expert_axis: str | None = None, **model_kwargs) -> Qwen3MoeForCausalLM:
+                    expert_axis: str | None = None, fsdp: bool = True, fsdp_over_expert: bool = False,
+                    **model_kwargs) -> Qwen3MoeForCausalLM:
     """Loads a Hugging Face Qwen3-MoE checkpoint directory (`config.json` + safetensors).
 
     Reads a single `model.safetensors` or a sharded `model.safetensors.index.json`, with experts stored
     per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`) or fused (`mlp.experts.gate_up_proj
-    [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`). With `mesh`, each parameter is placed directly with
-    its sharding (experts split over `expert_axis`, default "expert" when the mesh has that axis; the rest
-    replicated), one tensor at a time, so host memory stays near one tensor.
+    [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`). With `mesh`, every parameter is created directly in its
+    shards (`jax_megamoe.models.sharding`: experts over `expert_axis`, default "expert" when the mesh has that
+    axis; with `fsdp`, every matrix over "data" too), each process reading from the files only the slices its
+    devices hold, one tensor at a time: no host or device ever holds a replicated copy of the model.
 
     Args:
       path: checkpoint directory.
       dtype: compute dtype. param_dtype: storage dtype (default: `dtype`).
       mesh: optional `jax.sharding.Mesh`. expert_axis: mesh axis of the experts.
-      **model_kwargs: other `Qwen3MoeForCausalLM` arguments (implementation, remat, attention_impl, ...).
+      fsdp: with `mesh`, shard the parameters over its "data" axis as well (ignored without one).
+      fsdp_over_expert: with `fsdp`, shard the non-expert matrices over "data" x `expert_axis` (every device).
+      **model_kwargs: other `Qwen3MoeForCausalLM` arguments (implementation, remat, scan_layers, ...).
     """
     config = Qwen3MoeConfig.from_json(path)
     if mesh is not None and expert_axis is None and "expert" in mesh.axis_names:
@@ -216,15 +337,22 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     abstract = nnx.eval_shape(lambda: Qwen3MoeForCausalLM(config, dtype=dtype, param_dtype=param_dtype,
                                                           expert_axis=expert_axis, rngs=nnx.Rngs(0), **model_kwargs))
     graphdef, state = nnx.split(abstract)
-    specs = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
+    specs = (dict(nnx.to_flat_state(sharding.tree_specs(state, mesh, fsdp=fsdp, expert_axis=expert_axis,
+                                                          fsdp_over_expert=fsdp_over_expert)))
+             if mesh is not None else {})
     with hf_checkpoint.SafetensorsReader(path) as reader:
         for key, variable in nnx.to_flat_state(state):
-            value = hf_checkpoint.load_param(reader, key, config).astype(param_dtype)
             expected = variable.get_value().shape
-            if value.shape != expected:
-                raise ValueError(f"checkpoint tensor for {'.'.join(map(str, key))} has shape {value.shape}, "
+            shape = hf_checkpoint.param_shape(reader, key, config)
+            if shape != expected:
+                raise ValueError(f"checkpoint tensor for {'.'.join(map(str, key))} has shape {shape}, "
                                  f"the config implies {expected}")
-            variable.set_value(hf_checkpoint.place(value, mesh, specs[key].get_value()))
+            if mesh is None:
+                value = jax.device_put(hf_checkpoint.read_param(reader, key, config).astype(param_dtype))
+            else:
+                value = hf_checkpoint.load_sharded(reader, key, config, shape, jax.sharding.NamedSharding(
+                    mesh, specs[key].get_value()), param_dtype)
+            variable.set_value(value)
     return nnx.merge(graphdef, state)
 
 

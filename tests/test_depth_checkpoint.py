@@ -1,0 +1,151 @@
+"""Checkpoints of the scanned model: HF safetensors mapped per layer into the stacks (both expert layouts),
+loaded onto an FSDP x expert mesh slice by slice, saved back for transformers; an orbax train state saved on one
+mesh restores on another and continues with the same loss."""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import torch
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from safetensors.torch import save_file
+
+from jax_megamoe.models import hf_checkpoint, qwen3_moe
+
+transformers = pytest.importorskip("transformers")
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+# Four layers with a dense one (layer 1): stacks [0], [1], [2, 3].
+HF_CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                 norm_topk_prob=True, mlp_only_layers=[1], initializer_range=0.3,
+                 rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+MESH = ((2, 4), ("data", "expert"))
+
+
+def mesh_of(shape):
+    return jax.make_mesh(shape, ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """A random transformers model saved in both expert layouts: per expert (its save_pretrained) and fused."""
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**HF_CONFIG)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    root = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(root / "per_expert")
+    (root / "fused").mkdir()
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, root / "fused" / "model.safetensors", metadata={"format": "pt"})
+    model.config.to_json_file(root / "fused" / "config.json")
+    ids = np.random.default_rng(0).integers(0, HF_CONFIG["vocab_size"], (8, 6))
+    with torch.no_grad():
+        logits = model(torch.tensor(ids)).logits.numpy()
+    return model, root, ids, logits
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_stacks_load_per_layer_onto_an_fsdp_mesh_reading_slices(hf, layout, monkeypatch):
+    _, root, ids, want = hf
+    reads = []
+    get = hf_checkpoint.SafetensorsReader.get
+
+    def recording_get(self, name, index=None):
+        value = get(self, name, index)
+        reads.append((name, value.size, int(np.prod(self.shape(name)))))
+        return value
+
+    monkeypatch.setattr(hf_checkpoint.SafetensorsReader, "get", recording_get)
+    mesh = mesh_of(MESH[0])
+    model = qwen3_moe.from_pretrained(root / layout, mesh=mesh, implementation="cpu")
+    assert model.layer_runs[2].mlp.w_gate_up[...].shape == (2, 8, 32, 32)
+    assert model.layer_runs[2].mlp.w_gate_up[...].sharding.spec == P(None, "expert", "data", None)
+    assert model.embed_tokens.embedding[...].sharding.spec == P("data", None)
+    # Sharded tensors were read in slices: FSDP halves every matrix, the experts split four ways besides.
+    q_reads = [(size, total) for name, size, total in reads if name == "model.layers.3.self_attn.q_proj.weight"]
+    assert q_reads and all(size == total // 2 for size, total in q_reads)
+    if layout == "fused":
+        expert_reads = [(s, t) for n, s, t in reads if n == "model.layers.2.mlp.experts.gate_up_proj"]
+        assert expert_reads and all(size == total // 8 for size, total in expert_reads)
+    with jax.set_mesh(mesh):
+        tokens = jax.device_put(ids, NamedSharding(mesh, P(("data", "expert"))))
+        logits = nnx.jit(lambda m, x: m(x)[0])(model, tokens)
+    np.testing.assert_allclose(logits, want, atol=1e-4)
+
+
+def test_scanned_model_saves_per_layer_for_transformers(hf, tmp_path):
+    _, root, ids, want = hf
+    ours = qwen3_moe.from_pretrained(root / "per_expert")
+    assert ours.scan_layers
+    qwen3_moe.save_pretrained(ours, tmp_path, max_shard_bytes=40_000)
+    reloaded = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(reloaded(torch.tensor(ids)).logits.numpy(), want, atol=1e-5)
+    unrolled = qwen3_moe.from_pretrained(tmp_path, scan_layers=False)
+    np.testing.assert_allclose(unrolled(jnp.asarray(ids))[0], want, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def example():
+    sys.path.insert(0, str(EXAMPLES))
+    import train_qwen3_moe
+    from moe_training import trainer
+
+    return train_qwen3_moe, trainer
+
+
+def test_orbax_checkpoint_restores_on_another_mesh_with_the_same_loss(example, tmp_path):
+    script, trainer = example
+    config = qwen3_moe.Qwen3MoeConfig.from_dict(HF_CONFIG | {"num_hidden_layers": 2, "mlp_only_layers": []})
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, (3, 8, 17)).astype(np.int32)
+
+    def setup(shape):
+        args = script.parse_args(["--fsdp", "--dtype", "float32", "--implementation", "cpu", "--mesh-data",
+                                  str(shape[0]), "--mesh-expert", str(shape[1]), "--batch", "8", "--seq", "16",
+                                  "--lr", "1e-2", "--warmup", "1", "--steps", "3"])
+        args.aux_loss_coef = 0.01
+        mesh = trainer.make_mesh(*shape)
+        tx = trainer.make_optimizer(args)
+        graphdef, create, _, shardings = trainer.abstract_state(config, args, mesh, tx)
+        batch_sharding = NamedSharding(mesh, P(trainer.BATCH_AXES))
+        with jax.set_mesh(mesh):
+            step, _ = trainer.make_steps(graphdef, tx, args.aux_loss_coef, 0.0, shardings, batch_sharding)
+
+        def run(state, i):
+            with jax.set_mesh(mesh):
+                return step(state, trainer.global_batch(tokens[i], batch_sharding))
+
+        return create, tx, shardings, run
+
+    create, tx, shardings, run = setup((2, 4))
+    state = trainer.init_state(create, tx, shardings)
+    state, _ = run(state, 0)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(1, args=ocp.args.StandardSave(state))
+        manager.wait_until_finished()
+    state, stats = run(state, 1)
+    state, stats_a = run(state, 2)
+
+    # Restored into the other mesh's shardings: data 4 x expert 2, every array resharded on the way in.
+    _, _, shardings_b, run_b = setup((4, 2))
+    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings_b)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        restored = manager.restore(1, args=ocp.args.StandardRestore(target))
+    spec = restored.params["layer_runs"][0]["mlp"]["w_gate_up"].get_value().sharding.spec
+    assert spec == P(None, "expert", "data", None)
+    assert restored.params["layer_runs"][0]["mlp"]["w_gate_up"].get_value().sharding.mesh.shape["data"] == 4
+    restored, stats_b1 = run_b(restored, 1)
+    restored, stats_b = run_b(restored, 2)
+    np.testing.assert_allclose(stats_b1["loss"], stats["loss"], rtol=1e-5)
+    np.testing.assert_allclose(stats_b["loss"], stats_a["loss"], rtol=1e-5)
