@@ -287,7 +287,7 @@ def run_jax(name: str, args) -> dict:
 
     try:
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: create(implementation)))
-        params = jax.jit(lambda: nnx.state(create(implementation), nnx.Param))()
+        params = jax.jit(lambda: nnx.split(create(implementation))[1])()  # born on the device, not op by op
         opt_state = jax.jit(tx.init)(params)
         row["parameters"] = int(sum(x.size for x in jax.tree.leaves(params)))
         tokens, row["tokens_sha1"] = make_tokens(config.vocab_size, args.batch, args.seq, args.seed)
@@ -469,7 +469,7 @@ def run_matmul(args) -> dict:
         import jax
         import jax.numpy as jnp
         on_gpu = jax.default_backend() == "gpu"
-        size = args.matmul_size or (8192 if on_gpu else 1024)  # a CPU takes seconds per 8192^3
+        size = args.matmul_size or (8192 if on_gpu else 512)  # bf16 on a CPU: 8192^3 would take minutes
         keys = jax.random.split(jax.random.PRNGKey(0))
         a = jax.random.normal(keys[0], (size, size), jnp.bfloat16)
         b = jax.random.normal(keys[1], (size, size), jnp.bfloat16)
@@ -579,36 +579,40 @@ def plot(result: dict, path: str) -> None:
     ok = [r for r in result["stacks"] if r.get("status") == "ok"]
     if not ok:
         return
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(14, 0.6 * len(ok) + 2.2), sharey=True,
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(15, 0.6 * len(ok) + 2.6), sharey=True,
                                      gridspec_kw=dict(width_ratios=(3, 1)))
     ys = range(len(ok))
     parts = (("experts_ms", "experts", "tab:red"), ("optimizer_ms", "optimizer", "tab:orange"),
              ("lm_head_loss_ms", "LM head + loss", "tab:purple"), ("rest_ms", "rest", "tab:gray"))
     labelled = set()
     for y, r in zip(ys, ok):
-        if "breakdown" in r:
-            left = 0.0
-            for key, name, color in parts:
-                value = max(r["breakdown"][key], 0.0)
-                ax_t.barh(y, value, left=left, color=color, label=None if name in labelled else name)
-                labelled.add(name)
-                left += value
-        else:
-            ax_t.barh(y, r["median_step_ms"], color="tab:blue")
+        # The whole step, then the breakdown's parts over it (each a difference of medians: one that noise
+        # makes negative is drawn as nothing, and the parts then fall short of the step).
+        ax_t.barh(y, r["median_step_ms"], color="tab:blue", alpha=0.35 if "breakdown" in r else 1.0)
+        left = 0.0
+        for key, name, color in parts if "breakdown" in r else ():
+            value = max(r["breakdown"][key], 0.0)
+            ax_t.barh(y, value, left=left, height=0.5, color=color, label=None if name in labelled else name)
+            labelled.add(name)
+            left += value
         note = f" {r['median_step_ms']:.1f} ms, {r['tokens_per_s'] / 1e3:,.1f}k tok/s"
         if r.get("mfu") is not None:
             note += f", MFU {100 * r['mfu']:.0f}%"
-        ax_t.text(r["median_step_ms"], y, note, va="center", fontsize=8)
+        ax_t.text(max(r["median_step_ms"], left), y, note, va="center", fontsize=8)
         ax_m.barh(y, r.get("peak_memory_gib") or 0.0, color="tab:green")
     ax_t.set_yticks(list(ys), [r["label"] for r in ok])
     ax_t.invert_yaxis()
     ax_t.set_xlabel("median step time (ms)")
-    ax_t.set_xlim(0, 1.45 * max(r["median_step_ms"] for r in ok))
+    ax_t.set_xlim(0, 1.6 * max(r["median_step_ms"] for r in ok))
     ax_t.set_title(f"training step, {result['preset']} ({result['config']['num_hidden_layers']} layers), batch "
                    f"{result['batch']} x seq {result['seq']}, {result['matmul'].get('device', '')}")
     if labelled:
-        ax_t.legend(loc="lower right", fontsize=8)
+        ax_t.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(parts), fontsize=8, frameon=False)
     ax_m.set_xlabel("peak device memory (GiB)")
+    if all(r.get("peak_memory_gib") is None for r in ok):
+        ax_m.text(0.5, 0.5, "no memory statistics\non this platform", ha="center", va="center",
+                  transform=ax_m.transAxes)
+        ax_m.set_xticks([])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
