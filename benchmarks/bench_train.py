@@ -52,7 +52,8 @@ import sys
 import time
 
 STACKS = ("ours", "ours_lce", "ours_remat", "ours_lce_remat", "tokamax", "ragged_dot", "torch")
-DEFAULT_STACKS = ("ours", "ours_lce", "ours_lce_remat", "tokamax", "torch")
+# The peers run right after our first row, so that a run cut short still holds all three stacks.
+DEFAULT_STACKS = ("ours", "tokamax", "torch", "ours_lce", "ours_lce_remat")
 DEFAULT_BREAKDOWN = ("ours", "ours_lce")
 # Per preset: (layers, batch, seq, steps, warmup); the flags override each.
 PRESETS = {"qwen3-30b-a3b-4layer": (4, 4, 4096, 10, 3), "tiny": (2, 2, 32, 3, 1)}
@@ -512,13 +513,13 @@ def child_env() -> dict:
     return env
 
 
-def run_child(args, name: str) -> dict:
+def run_child(args, name: str, timeout: float) -> dict:
     """`child` in a subprocess of its own: its row, or a row saying how it ended."""
     try:
         proc = subprocess.run(child_command(args, name), capture_output=True, text=True, env=child_env(),
-                              timeout=args.child_timeout, check=False)
+                              timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        return dict(status=f"timed out after {args.child_timeout} s")
+        return dict(status=f"timed out after {timeout:.0f} s")
     found = [line for line in proc.stdout.splitlines() if line.startswith(ROW_TAG)]
     if found:
         return json.loads(found[-1][len(ROW_TAG):])
@@ -543,12 +544,13 @@ def fmt(value, spec: str, width: int) -> str:
 
 def table(result: dict) -> str:
     mm = result["matmul"]
-    lines = [f"{result['preset']}: {result['config']['num_hidden_layers']} layers, vocab {result['config']['vocab_size']}, "
-             f"batch {result['batch']} x seq {result['seq']} ({result['tokens_per_step']} tokens/step), "
-             f"{result['flops_per_step'] / 1e12:.1f} model TFLOP/step; median of {result['steps']} steps after "
-             f"{result['warmup']} warm-up",
-             f"bf16 matmul ({mm.get('size')}^3, {mm.get('library')}) in this run: "
-             + (f"{mm['tflops']:.1f} TF/s" if mm.get("status") == "ok" else mm.get("status", "?"))]
+    rate = f"{mm['tflops']:.3g} TF/s" if mm.get("status") == "ok" else mm.get("status", "?")
+    config = result["config"]
+    lines = [(f"{result['preset']}: {config['num_hidden_layers']} layers, vocab {config['vocab_size']}, "
+              f"batch {result['batch']} x seq {result['seq']} ({result['tokens_per_step']} tokens/step), "
+              f"{result['flops_per_step'] / 1e12:.3g} model TFLOP/step; median of {result['steps']} steps after "
+              f"{result['warmup']} warm-up"),
+             f"bf16 matmul ({mm.get('size')}^3, {mm.get('library')}) in this run: {rate}"]
     w = max(len(r["label"]) for r in result["stacks"]) + 2
     lines.append(f"{'stack':<{w}}{'step ms':>9}{'tok/s':>10}{'MFU':>7}{'peak GiB':>10}{'loss0':>8}"
                  f"{'experts':>9}{'optim':>8}{'head+CE':>9}{'rest':>8}  status")
@@ -644,6 +646,9 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--matmul-size", type=int, help="the matmul rate's size (8192 on GPUs, 1024 on CPUs)")
     parser.add_argument("--child-timeout", type=float, default=1500, help="seconds per stack's subprocess")
+    parser.add_argument("--time-budget", type=float,
+                        help="seconds for the whole run: a stack is stopped when it is spent, and the stacks not "
+                             "started yet are recorded as not run (the JSON, chart and table are still written)")
     parser.add_argument("--json", default="bench_train.json")
     parser.add_argument("--png", default="bench_train.png", help="bar chart ('' for none)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -666,10 +671,15 @@ def main(argv=None) -> dict | None:
                   flops_per_step=flops, config=config.to_dict(), optimizer=dict(
                       name="AdamW", lr=LEARNING_RATE, betas=BETAS, weight_decay=WEIGHT_DECAY),
                   aux_loss_coef=config.router_aux_loss_coef, argv=sys.argv, stacks=[])
-    began = time.perf_counter()
-    result["matmul"] = run_child(args, "matmul")
+    start = time.perf_counter()
+
+    def time_left() -> float:
+        spent = time.perf_counter() - start
+        return min(args.child_timeout, args.time_budget - spent if args.time_budget else math.inf)
+
+    result["matmul"] = run_child(args, "matmul", time_left())
     matmul_tflops = result["matmul"].get("tflops") if result["matmul"].get("status") == "ok" else None
-    print(f"[matmul: {result['matmul'].get('status')}, {time.perf_counter() - began:.0f} s]", flush=True)
+    print(f"[matmul: {result['matmul'].get('status')}, {time.perf_counter() - start:.0f} s]", flush=True)
 
     def save():  # after every stack, so a run cut short keeps its rows
         if args.json:
@@ -678,7 +688,10 @@ def main(argv=None) -> dict | None:
 
     for name in stacks:
         began = time.perf_counter()
-        row = dict(stack=name, label=stack_label(name, args.param_dtype), **run_child(args, name))
+        left = time_left()
+        outcome = (run_child(args, name, left) if left > 0 else
+                   dict(status=f"not run: the time budget of {args.time_budget:g} s was spent"))
+        row = dict(stack=name, label=stack_label(name, args.param_dtype), **outcome)
         row["wall_s"] = time.perf_counter() - began
         result["stacks"].append(with_rates(row, tokens_per_step, flops, matmul_tflops))
         print(f"[{name}: {row['status']}, {row['wall_s']:.0f} s]", flush=True)

@@ -141,3 +141,13 @@ def test_flops_count_the_lm_head_as_the_issue_does():
 def test_unknown_names_are_command_line_errors(flag, value):
     with pytest.raises(SystemExit, match="unknown"):
         bench_train.main(["--preset", "tiny", flag, value])
+
+
+def test_time_budget_stops_the_run_and_still_writes_the_json(tmp_path, capsys):
+    out = tmp_path / "budget.json"
+    result = bench_train.main(["--preset", "tiny", "--stacks", "ours,torch", "--time-budget", "0.5",
+                               "--json", str(out), "--png", ""])
+    assert result["matmul"]["status"].startswith("timed out")
+    assert [r["status"] for r in result["stacks"]] == ["not run: the time budget of 0.5 s was spent"] * 2
+    assert json.loads(out.read_text())["stacks"][1]["stack"] == "torch"
+    assert "not run" in capsys.readouterr().out
