@@ -148,6 +148,7 @@ def zero_experts(x, weights, experts, w_gate_up, w_down):
 def sorted_ragged_ffn(ragged_dot):
     """A pure-JAX expert path with moe_ffn's positional signature: sort the (token, k) pairs by expert, two
     grouped matmuls `ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])`, weighted scatter-add back."""
+    import jax
     import jax.numpy as jnp
 
     def ffn(x, weights, experts, w_gate_up, w_down):
@@ -159,7 +160,6 @@ def sorted_ragged_ffn(ragged_dot):
         sizes = jnp.bincount(jnp.where(valid, flat, 0), weights=valid.astype(jnp.int32),
                              length=num_experts).astype(jnp.int32)
         gate, up = jnp.split(ragged_dot(x[token_of_row], w_gate_up, sizes), 2, axis=-1)
-        import jax
         rows = ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)
         row_weights = jnp.where(valid, weights.reshape(-1), 0)[order].astype(jnp.float32)
         y = jnp.zeros(x.shape, jnp.float32).at[token_of_row].add(rows.astype(jnp.float32) * row_weights[:, None])
@@ -644,7 +644,7 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--peer-site", default=os.environ.get("JMM_PEER_SITE"),
                         help="folder of tokamax's packages, appended to sys.path in the tokamax child only")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--matmul-size", type=int, help="the matmul rate's size (8192 on GPUs, 1024 on CPUs)")
+    parser.add_argument("--matmul-size", type=int, help="the matmul rate's size (8192 on GPUs, 512 on CPUs)")
     parser.add_argument("--child-timeout", type=float, default=1500, help="seconds per stack's subprocess")
     parser.add_argument("--time-budget", type=float,
                         help="seconds for the whole run: a stack is stopped when it is spent, and the stacks not "
