@@ -57,13 +57,21 @@ def _round_up(n: int) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # The quantiser.
 
+def _div(a: jax.Array, b) -> jax.Array:
+    """The correctly rounded float32 `a / b`. XLA:CPU turns a division by a divisor that is invariant along the
+    loop (a constant, or a scale broadcast over a tile) into a multiplication by its reciprocal, one ulp off in
+    about half the cases; a divisor computed per element (`b + 0 * a`) keeps a true division."""
+    return a / (b + 0 * a)
+
+
 def _scale(amax: jax.Array) -> jax.Array:
-    return jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+    amax = amax.astype(jnp.float32)
+    return jnp.where(amax > 0, _div(amax, jnp.float32(FP8_MAX)), 1.0).astype(jnp.float32)
 
 
 def _to_fp8(a: jax.Array, scale: jax.Array) -> jax.Array:
     # XLA's f32 -> f8e4m3fn conversion rounds to nearest even.
-    return jnp.clip(a / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    return jnp.clip(_div(a, scale), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
 
 
 def quantize(a: jax.Array, block: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
@@ -144,16 +152,17 @@ def _mm(a, b):
 
 
 def _grouped(rows: jax.Array, w: jax.Array, expert: jax.Array) -> jax.Array:
-    """`rows[r] @ w[expert[r]]` (zero for dropped rows); a dense loop over experts, for clarity."""
-    out = jnp.zeros((rows.shape[0], w.shape[2]), jnp.float32)
-    for e in range(w.shape[0]):
-        out = jnp.where((expert == e)[:, None], _mm(rows, w[e]), out)
-    return out
+    """`rows[r] @ w[expert[r]]` (zero for dropped rows): every row through every expert, then each row's pick; a
+    map over experts, so that the compiled program does not grow with E (clarity over speed)."""
+    every = jax.lax.map(lambda w_e: _mm(rows, w_e), w)                       # [E, P, N]
+    picked = every[jnp.clip(expert, 0, w.shape[0] - 1), jnp.arange(rows.shape[0])]
+    return jnp.where((expert < w.shape[0])[:, None], picked, 0)
 
 
 def _per_expert_outer(a: jax.Array, b: jax.Array, expert: jax.Array, num_experts: int) -> jax.Array:
     """`[E, A, B]`: `sum_{r of expert e} a[r]^T b[r]`."""
-    return jnp.stack([_mm(jnp.where((expert == e)[:, None], a, 0).T, b) for e in range(num_experts)])
+    return jax.lax.map(lambda e: _mm(jnp.where((expert == e)[:, None], a, 0).T, b),
+                       jnp.arange(num_experts, dtype=expert.dtype))
 
 
 def _swiglu(gate_up):
@@ -253,8 +262,10 @@ def _dtype_stand_in(value, dtype):
     return np.broadcast_to(np.zeros((), dtype), np.shape(value))
 
 
-def check_fp8_args(x, weights, experts, w_gate_up, w_down, implementation: str, num_experts=None) -> None:
-    """The recipe's checks; `implementation` already resolved ("cpu", "cuda" or "reference")."""
+def check_fp8_args(x, weights, experts, w_gate_up, w_down, implementation: str | None = None,
+                   num_experts=None) -> tuple[int, int, int, int, int]:
+    """The recipe's checks (`implementation` resolved: "cpu", "cuda" or "reference"; None skips its check);
+    returns `check_moe_args`'s `(T, H, I, E_local, K)`."""
     check_rank("x", x, 2, "[T, H]")
     check_rank("w_gate_up", w_gate_up, 3, "[E, H, 2I]")
     check_rank("w_down", w_down, 3, "[E, I, H]")
@@ -263,14 +274,15 @@ def check_fp8_args(x, weights, experts, w_gate_up, w_down, implementation: str, 
         if jnp.dtype(w.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
             raise TypeError(f"recipe='fp8_blockwise' takes {name} in bfloat16 or float32 (master weights), "
                             f"got {w.dtype}")
-    check_moe_args(x, weights, experts, _dtype_stand_in(w_gate_up, x.dtype), _dtype_stand_in(w_down, x.dtype),
-                   num_experts=num_experts)
+    sizes = check_moe_args(x, weights, experts, _dtype_stand_in(w_gate_up, x.dtype),
+                           _dtype_stand_in(w_down, x.dtype), num_experts=num_experts)
     if jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16):
         raise TypeError(f"recipe='fp8_blockwise' needs bfloat16 x (its outputs and saved projections are in x's "
                         f"dtype), got {x.dtype}: cast x to bfloat16, or use recipe=None")
     if implementation == "cuda":
         raise ValueError("recipe='fp8_blockwise' has no CUDA kernels yet (the sm90 FP8 grouped GEMMs are not built): "
                          "use implementation='reference' or 'cpu'")
+    return sizes
 
 
 @functools.partial(jax.jit, inline=True)
