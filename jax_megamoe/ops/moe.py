@@ -203,7 +203,8 @@ def moe_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax
     if recipe is not None:  # the FP8 recipe (ops/fp8.py); the CPU kernels do not emulate it yet
         implementation = resolve_implementation(implementation, (x, weights, experts, w_gate_up, w_down))
         fp8.check_fp8_args(x, weights, experts, w_gate_up, w_down, implementation)
-        return fp8.moe_ffn_fp8(x, weights, drop_invalid_ids(experts, w_gate_up.shape[0]), w_gate_up, w_down)
+        return fp8.moe_ffn_fp8(*_ffi.vary_alike(x, weights, drop_invalid_ids(experts, w_gate_up.shape[0]),
+                                                w_gate_up, w_down))
     tokens, hidden, inter, experts_count, top_k = check_moe_args(x, weights, experts, w_gate_up, w_down)
     if gemm_config is not None and not isinstance(gemm_config, GemmConfig):
         raise TypeError(f"gemm_config must be None or a jax_megamoe.GemmConfig, got {gemm_config!r}")
