@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from moe_cases import OUTPUT_NAMES, Case, make_problem, reference_value_and_grads, rel_error, value_and_grads
 
 import jax_megamoe as jmm
 from jax_megamoe.ops import fp8
 from jax_megamoe.parallel import moe_ffn_ep
-from moe_cases import Case, OUTPUT_NAMES, make_problem, reference_value_and_grads, rel_error, value_and_grads
 
 RECIPE = "fp8_blockwise"
 MAIN = Case(64, 256, 128, 8, 2)  # q30-like (Qwen3-30B-A3B's ratios, scaled down), bf16 x, float32 master weights
@@ -186,14 +186,14 @@ def test_weight_blocks_128x128():
 def test_recipe_matches_float64_quantized_math(main_problem):
     args, dy, got = main_problem
     want = oracle(args, dy, quantized=True)
-    for name, a, b in zip(OUTPUT_NAMES, got, want):
+    for name, a, b in zip(OUTPUT_NAMES, got, want, strict=True):
         assert rel_error(a, b) < 1e-2, (name, rel_error(a, b))
 
 
 def test_recipe_near_unquantized_float64(main_problem):
     args, dy, got = main_problem
     want = oracle(args, dy, quantized=False)
-    errors = {name: rel_error(a, b) for name, a, b in zip(OUTPUT_NAMES, got, want)}
+    errors = {name: rel_error(a, b) for name, a, b in zip(OUTPUT_NAMES, got, want, strict=True)}
     assert errors["y"] < 1e-1, errors
     assert all(errors[name] < 1.5e-1 for name in OUTPUT_NAMES[1:]), errors
 
@@ -202,7 +202,7 @@ def test_unquantized_oracle_is_the_moe_gradient(main_problem):
     # the float64 oracle with quantisation off is the plain MoE: check it against the float32 JAX reference
     args, dy, _ = main_problem
     want = reference_value_and_grads(args, dy)
-    for name, a, b in zip(OUTPUT_NAMES, oracle(args, dy, quantized=False), want):
+    for name, a, b in zip(OUTPUT_NAMES, oracle(args, dy, quantized=False), want, strict=True):
         assert rel_error(a, b) < 1e-5, name
 
 
@@ -233,7 +233,8 @@ def test_padding_odd_h_and_i(main_problem):
     big_gu = np.asarray(big[3])
     np.testing.assert_array_equal(got[3], np.concatenate([big_gu[:, :h, :i], big_gu[:, :h, ip:ip + i]], -1))
     np.testing.assert_array_equal(got[4], big[4][:, :i, :h])
-    for name, a, b in zip(OUTPUT_NAMES, got, oracle((x, weights, ids, w_gate_up, w_down), dy, quantized=True)):
+    want = oracle((x, weights, ids, w_gate_up, w_down), dy, quantized=True)
+    for name, a, b in zip(OUTPUT_NAMES, got, want, strict=True):
         assert rel_error(a, b) < 1e-2, name
 
 
@@ -286,5 +287,5 @@ def test_ep_xla_equals_moe_ffn(mesh_shape):
     parts = [recipe_outputs(tuple(jnp.asarray(s[g]) for s in split), jnp.asarray(np.split(np.asarray(dy), groups)[g]))
              for g in range(groups)]
     want = [np.concatenate([p[j] for p in parts]) for j in range(3)] + [sum(p[j] for p in parts) for j in (3, 4)]
-    for name, a, b in zip(OUTPUT_NAMES, got, want):
+    for name, a, b in zip(OUTPUT_NAMES, got, want, strict=True):
         assert rel_error(a, b) < 1e-2, (name, rel_error(a, b))

@@ -78,7 +78,7 @@ def quantize(a: jax.Array, block: tuple[int, ...]) -> tuple[jax.Array, jax.Array
     """`(values, scales)` of `a` in tiles of shape `block` (one entry per axis of `a`; each of `a`'s sizes a
     multiple of it): values e4m3fn of `a`'s shape, scales float32 of shape `a.shape // block`."""
     a = a.astype(jnp.float32)
-    split = [s for n, b in zip(a.shape, block) for s in (n // b, b)]
+    split = [s for n, b in zip(a.shape, block, strict=True) for s in (n // b, b)]
     tiles = a.reshape(split)
     inner = tuple(range(1, 2 * a.ndim, 2))
     scales = _scale(jnp.max(jnp.abs(tiles), axis=inner))
@@ -88,7 +88,7 @@ def quantize(a: jax.Array, block: tuple[int, ...]) -> tuple[jax.Array, jax.Array
 
 def dequantize(values: jax.Array, scales: jax.Array, block: tuple[int, ...]) -> jax.Array:
     """float32 `values * scale` of each tile (the inverse layout of `quantize`)."""
-    split = [s for n, b in zip(values.shape, block) for s in (n // b, b)]
+    split = [s for n, b in zip(values.shape, block, strict=True) for s in (n // b, b)]
     inner = tuple(range(1, 2 * values.ndim, 2))
     tiles = values.astype(jnp.float32).reshape(split) * jnp.expand_dims(scales, inner)
     return tiles.reshape(values.shape)
