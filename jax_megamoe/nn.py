@@ -60,18 +60,18 @@ def apply_capacity(experts: jax.Array, num_experts: int, capacity_factor: float)
     return jnp.where(keep, flat, -1).reshape(experts.shape), jnp.sum(~keep, dtype=jnp.int32)
 
 
-def local_ffn(x, weights, experts, w_gate_up, w_down, *, implementation, capacity_factor):
+def local_ffn(x, weights, experts, w_gate_up, w_down, *, implementation, capacity_factor, recipe=None):
     """The experts on one device: capacity drop (if any), then `moe_ffn`. Returns `(y, dropped_pairs)`."""
     dropped = jnp.zeros((), jnp.int32)
     if capacity_factor is not None:
         experts, dropped = apply_capacity(experts, w_gate_up.shape[0], capacity_factor)
     expert_fn = (implementation if callable(implementation)
-                 else functools.partial(moe_ffn, implementation=implementation))
+                 else functools.partial(moe_ffn, implementation=implementation, recipe=recipe))
     return expert_fn(x, weights, experts, w_gate_up, w_down), dropped
 
 
 def sharded_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, implementation, transport,
-                capacity_factor):
+                capacity_factor, recipe=None):
     """The experts under `shard_map` over `mesh`: tokens split over every mesh axis; the experts split
     over `expert_axis` (`moe_ffn_ep` with `transport`), or replicated when it is None (`moe_ffn` per shard).
 
@@ -91,14 +91,14 @@ def sharded_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, im
     def shard_fn(x, weights, experts, w_gate_up, w_down):
         if expert_axis is None:
             y, dropped = local_ffn(x, weights, experts, w_gate_up, w_down, implementation=implementation,
-                                   capacity_factor=capacity_factor)
+                                   capacity_factor=capacity_factor, recipe=recipe)
         else:
             from jax_megamoe.parallel import moe_ffn_ep  # only expert-parallel use needs it
 
             y, stats = moe_ffn_ep(x, weights, experts, w_gate_up, w_down, axis_name=expert_axis,
                                   transport=transport, implementation=implementation,
                                   capacity_factor=capacity_factor, return_stats=True,
-                                  num_experts=w_gate_up.shape[0] * mesh.shape[expert_axis])
+                                  num_experts=w_gate_up.shape[0] * mesh.shape[expert_axis], recipe=recipe)
             dropped = stats.pairs_dropped
         return y, jax.lax.psum(dropped, all_axes)
 
@@ -110,7 +110,7 @@ def sharded_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, im
 def moe_block(x: jax.Array, router_logits: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, top_k: int,
               norm_topk_prob: bool = True, capacity_factor: float | None = None,
               implementation: str | ExpertFn = "auto", expert_axis: str | None = None,
-              transport: str | Transport = "xla") -> tuple[jax.Array, MoEAux]:
+              transport: str | Transport = "xla", recipe: str | None = None) -> tuple[jax.Array, MoEAux]:
     """Routes `x [T, H]` by `router_logits [T, E]` and runs the experts; returns `(y [T, H], MoEAux)`.
 
     `w_gate_up [E, H, 2I]` and `w_down [E, I, H]` must already be in x's dtype. `implementation` is a
@@ -127,7 +127,7 @@ def moe_block(x: jax.Array, router_logits: jax.Array, w_gate_up: jax.Array, w_do
     run = local_ffn if mesh is None else functools.partial(sharded_ffn, mesh, expert_axis=expert_axis,
                                                           transport=transport)
     y, dropped = run(x, weights, experts, w_gate_up, w_down, implementation=implementation,
-                     capacity_factor=capacity_factor)
+                     capacity_factor=capacity_factor, recipe=recipe)
     return y, MoEAux(*aux_losses, dropped)
 
 
@@ -176,7 +176,7 @@ class MoE(nnx.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  norm_topk_prob: bool = True, capacity_factor: float | None = None,
                  implementation: str | ExpertFn = "auto", expert_axis: str | None = None,
-                 transport: str | Transport = "xla", dtype=None,
+                 transport: str | Transport = "xla", recipe: str | None = None, dtype=None,
                  param_dtype=jnp.float32, kernel_init: nnx.Initializer | None = None,
                  router_init: nnx.Initializer = nnx.initializers.normal(0.02), rngs: nnx.Rngs):
         check_layer_args(hidden_size, intermediate_size, num_experts, top_k, capacity_factor)
@@ -185,6 +185,7 @@ class MoE(nnx.Module):
         self.capacity_factor = capacity_factor
         self.implementation = implementation
         self.expert_axis = expert_axis
+        self.recipe = recipe  # moe_ffn's recipe: None or "fp8_blockwise" (docs/fp8.md)
         self.transport = transport  # static: part of the graph definition, shared by every copy
         self.dtype = dtype
         self.router = nnx.Linear(hidden_size, num_experts, use_bias=False, dtype=jnp.float32,
@@ -211,5 +212,5 @@ class MoE(nnx.Module):
         y, aux = moe_block(tokens.astype(dtype), router_logits, self.w_gate_up[...].astype(dtype),
                            self.w_down[...].astype(dtype), top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
                            capacity_factor=self.capacity_factor, implementation=self.implementation,
-                           expert_axis=self.expert_axis, transport=self.transport)
+                           expert_axis=self.expert_axis, transport=self.transport, recipe=self.recipe)
         return y.reshape(*x.shape[:-1], y.shape[-1]), aux

@@ -20,6 +20,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_megamoe import _ffi, _targets, reference
+from jax_megamoe.ops import fp8
 from jax_megamoe.ops.gemm_config import GemmConfig
 from jax_megamoe.ops.validation import check_moe_args
 
@@ -173,7 +174,8 @@ def kernel_operands(x, weights, experts, w_gate_up, w_down, implementation: str)
 
 
 def moe_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-            *, implementation: str = "auto", gemm_config: GemmConfig | None = None) -> jax.Array:
+            *, implementation: str = "auto", gemm_config: GemmConfig | None = None,
+            recipe: str | None = None) -> jax.Array:
     """Mixture-of-experts SwiGLU FFN: `y[t] = sum_k weights[t, k] * f_{experts[t, k]}(x[t])`.
 
     Args:
@@ -186,6 +188,9 @@ def moe_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax
       implementation: `"auto"` (the kernels of the platform the arrays live on, else of
         `jax.default_backend()`), `"cpu"`, `"cuda"` or `"reference"` (pure JAX).
       gemm_config: the CUDA GEMMs' tiles; None picks them by shape (`GemmConfig.for_problem`).
+      recipe: None computes in x's dtype; `"fp8_blockwise"` runs every expert GEMM on e4m3 operands with
+        blockwise float32 scales (bfloat16 x; weights bfloat16 or float32; see jax_megamoe/ops/fp8.py and
+        docs/fp8.md). Its CUDA kernels are not built yet: it runs as pure JAX for "cpu" and "reference".
 
     Returns `[T, H]` in x's dtype, accumulated in float32 (float64 for float64 inputs).
     Differentiable in `x`, `weights`, `w_gate_up` and `w_down`.
@@ -194,6 +199,12 @@ def moe_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax
     saving the names `"moe_layout"` and `"moe_gate_up"` (`jax.checkpoint_policies.save_only_these_names`)
     recomputes nothing of it, at the memory of the projections (`[T*K, 2I]` in x's dtype).
     """
+    fp8.check_recipe(recipe)
+    if recipe is not None:  # the FP8 recipe (ops/fp8.py); the CPU kernels do not emulate it yet
+        implementation = resolve_implementation(implementation, (x, weights, experts, w_gate_up, w_down))
+        fp8.check_fp8_args(x, weights, experts, w_gate_up, w_down, implementation)
+        return fp8.moe_ffn_fp8(*_ffi.vary_alike(x, weights, drop_invalid_ids(experts, w_gate_up.shape[0]),
+                                                w_gate_up, w_down))
     tokens, hidden, inter, experts_count, top_k = check_moe_args(x, weights, experts, w_gate_up, w_down)
     if gemm_config is not None and not isinstance(gemm_config, GemmConfig):
         raise TypeError(f"gemm_config must be None or a jax_megamoe.GemmConfig, got {gemm_config!r}")

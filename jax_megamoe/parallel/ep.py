@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_megamoe.ops import fp8
 from jax_megamoe.ops.moe import drop_invalid_ids, moe_ffn, resolve_implementation
 from jax_megamoe.ops.validation import check_moe_args, check_rank
 from jax_megamoe.parallel.plan import INVALID_EXPERT, capacities, make_plan
@@ -82,10 +83,16 @@ def _usable(transport: Transport, implementation: str, dtype, hidden: int, inter
     return XLA
 
 
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(f"moe_ffn_ep: {message}", UserWarning, stacklevel=3)
+
+
 def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_local: jax.Array,
                w_down_local: jax.Array, *, axis_name: str = "expert", transport: str | Transport = "xla",
                implementation: str = "auto", capacity_factor: float | None = None, return_stats: bool = False,
-               num_experts: int | None = None):
+               num_experts: int | None = None, recipe: str | None = None):
     """Expert-parallel `moe_ffn`; call inside `jax.shard_map` with the experts sharded over `axis_name`.
 
     Shard r of `axis_name` (of size ep) owns global experts `[r * E_local, (r + 1) * E_local)`, with
@@ -112,6 +119,9 @@ def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_l
         `ceil(capacity_factor * T * K / ep)` pairs from each source shard, in (token, k) order; the
         pairs beyond contribute zero (and get zero gradient) and are counted in the stats.
       return_stats: also return an `EPStats` for this shard.
+      recipe: `moe_ffn`'s recipe (None or "fp8_blockwise"). With "fp8_blockwise" rows travel in x's dtype and are
+        quantised after the exchange (a row's tiles depend on that row alone); the nvlink transport does not
+        take it yet (it falls back to "xla" with a warning).
       num_experts: the global expert count E, if known: checks it divides by ep and that the local
         weights hold E / ep experts (catches unsharded weights).
 
@@ -124,7 +134,9 @@ def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_l
     check_rank("w_gate_up_local", w_gate_up_local, 3, "[E_local, H, 2I]")
     local_experts = w_gate_up_local.shape[0]
     _check_num_experts(num_experts, ep, local_experts)
-    tokens, hidden, inter, local_experts, top_k = check_moe_args(
+    check = check_moe_args if recipe is None else fp8.check_fp8_args  # the recipe takes float32 master weights
+    fp8.check_recipe(recipe)
+    tokens, hidden, inter, local_experts, top_k = check(
         x, weights, experts, w_gate_up_local, w_down_local, num_experts=local_experts * ep)
     implementation = resolve_implementation(implementation, (x, weights, experts, w_gate_up_local, w_down_local))
     experts = drop_invalid_ids(experts, local_experts * ep)
@@ -132,14 +144,18 @@ def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_l
     pair_capacity, row_capacity = capacities(tokens, top_k, ep, capacity_factor)
     if ep > 1:
         transport = _usable(transport, implementation, x.dtype, hidden, inter)
+        if recipe is not None and transport.name not in ("xla", "ragged"):  # fused nvlink path: no FP8 yet
+            _warn_once(f"the {transport.name} transport has no {recipe} kernels yet; using transport='xla'")
+            transport = XLA
     plan = make_plan(experts, ep, local_experts, pair_capacity, row_capacity,
                      compact=ep == 1 or transport.compact_rows(tokens, row_capacity))
     if ep == 1:  # nothing moves: moe_ffn itself, bit for bit, minus the pairs over capacity
         kept_ids = experts if capacity_factor is None else jnp.where(plan.pair_mask[..., 0], experts, INVALID_EXPERT)
-        y = moe_ffn(x, weights, kept_ids, w_gate_up_local, w_down_local, implementation=implementation)
+        y = moe_ffn(x, weights, kept_ids, w_gate_up_local, w_down_local, implementation=implementation,
+                    recipe=recipe)
     else:
         y = transport.experts(x, weights, plan, w_gate_up_local, w_down_local, axis_name=axis_name,
-                              implementation=implementation)
+                              implementation=implementation, **({} if recipe is None else {"recipe": recipe}))
     if not return_stats:
         return y
     counts = jnp.stack([plan.kept_counts, plan.dropped_counts], axis=1)              # [ep, 2, E_local]

@@ -85,7 +85,7 @@ class Transport(abc.ABC):
         transports)."""
 
     def experts(self, x: jax.Array, weights: jax.Array, plan: Plan, w_gate_up: jax.Array, w_down: jax.Array, *,
-                axis_name: str, implementation: str) -> jax.Array:
+                axis_name: str, implementation: str, recipe: str | None = None) -> jax.Array:
         """One shard's expert step: its tokens' rows to their expert shards, the local experts on the rows that
         arrive, the results back and summed per token in destination order. Returns `[T, H]`."""
         ep, row_capacity = plan.token.shape
@@ -100,7 +100,7 @@ class Transport(abc.ABC):
         recv_weights = there(row_weights)
         rows = ep * row_capacity
         recv_y = moe_ffn(recv_x.reshape(rows, -1), recv_weights.reshape(rows, -1), recv_ids.reshape(rows, -1),
-                         w_gate_up, w_down, implementation=implementation).reshape(ep, row_capacity, -1)
+                         w_gate_up, w_down, implementation=implementation, recipe=recipe).reshape(ep, row_capacity, -1)
         returned = self.exchange(recv_y, recv_counts, send_counts, axis_name)
         return combine_rows(returned, plan.slot, plan.token)
 

@@ -1,0 +1,291 @@
+"""The "fp8_blockwise" recipe of `moe_ffn`: every expert GEMM takes e4m3 operands with float32 blockwise scales.
+
+This module is the quantisation-exact reference of the recipe (pure JAX, a custom VJP): it quantises each GEMM
+operand by the rule below, dequantises it to float32 and runs the GEMM in float32. That is what an FP8 tensor-core
+GEMM with blockwise scales computes (fp8 x fp8 products are exact in float32, the scales multiply the float32
+partial sums), up to the float32 summation order, so the kernels are tested against it.
+
+The rule (docs/fp8.md):
+  * values are `jnp.float8_e4m3fn`, scales float32; per tile or block `scale = amax / 448` (an all-zero tile gets
+    scale 1), `values = round_to_nearest_even(clip(a / scale, -448, 448))`; the clip comes before the cast,
+    since a quotient a hair over 448 would otherwise become NaN (e4m3fn has no infinity).
+  * activations and gradients: 1x128 tiles along the contraction dimension of the GEMM that consumes them;
+    weights: 128x128 blocks. H and I are zero-padded to multiples of 128 inside the op (gate and up padded
+    separately, so no block straddles them); zeros change no amax, so padding changes no value.
+  * forward: gate_up = q(x) . q(Wgu) (float32, stored in x's dtype: the saved "moe_gate_up");
+    h = SwiGLU(gate_up) in x's dtype; out = q(h) . q(Wd); y = sum_k weights * out, in x's dtype.
+  * backward: g = q(dy) . q(Wd)^T; d weights = <q(h), g> per pair; dh = weights * g; dz = SwiGLU'(dh) in
+    float32; dx = sum_k q(dz) . q(Wgu)^T. The weight gradients take the transposed operands quantised along
+    their contraction (token) dimension, requantised from the fp8 values the row GEMMs used:
+    dWd = qt(q(h))^T . qt(weights * q(dy)), dWgu = qt(q(x))^T . qt(q(dz)). A token tile holds 128 consecutive
+    rows of one expert in the expert-sorted order (stable in (token, k) order), counted from the expert's first
+    row: expert parallelism delivers each expert's rows in that same order, so it computes the same values.
+Outputs are in x's dtype, weight gradients in the weights' dtype (master weights may be float32).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from jax_megamoe.ops.validation import check_float, check_moe_args, check_rank
+
+RECIPES = ("fp8_blockwise",)
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0   # the largest finite e4m3fn value
+BLOCK = 128       # tile length (activations, gradients) and block side (weights)
+
+# The saved residuals keep moe_ffn's checkpoint names (see jax_megamoe.ops.moe).
+LAYOUT_NAME = "moe_layout"
+GATE_UP_NAME = "moe_gate_up"
+
+
+def check_recipe(recipe) -> None:
+    if recipe is not None and recipe not in RECIPES:
+        raise ValueError(f"recipe must be None or one of {RECIPES}, got {recipe!r}")
+
+
+def _round_up(n: int) -> int:
+    return -(-n // BLOCK) * BLOCK
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The quantiser.
+
+def _div(a: jax.Array, b) -> jax.Array:
+    """The correctly rounded float32 `a / b`. XLA:CPU turns a division by a divisor that is invariant along the
+    loop (a constant, or a scale broadcast over a tile) into a multiplication by its reciprocal, one ulp off in
+    about half the cases; a divisor computed per element (`b + 0 * a`) keeps a true division."""
+    return a / (b + 0 * a)
+
+
+def _scale(amax: jax.Array) -> jax.Array:
+    amax = amax.astype(jnp.float32)
+    return jnp.where(amax > 0, _div(amax, jnp.float32(FP8_MAX)), 1.0).astype(jnp.float32)
+
+
+def _to_fp8(a: jax.Array, scale: jax.Array) -> jax.Array:
+    # XLA's f32 -> f8e4m3fn conversion rounds to nearest even.
+    return jnp.clip(_div(a, scale), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+
+
+def quantize(a: jax.Array, block: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """`(values, scales)` of `a` in tiles of shape `block` (one entry per axis of `a`; each of `a`'s sizes a
+    multiple of it): values e4m3fn of `a`'s shape, scales float32 of shape `a.shape // block`."""
+    a = a.astype(jnp.float32)
+    split = [s for n, b in zip(a.shape, block, strict=True) for s in (n // b, b)]
+    tiles = a.reshape(split)
+    inner = tuple(range(1, 2 * a.ndim, 2))
+    scales = _scale(jnp.max(jnp.abs(tiles), axis=inner))
+    values = _to_fp8(tiles, jnp.expand_dims(scales, inner))
+    return values.reshape(a.shape), scales
+
+
+def dequantize(values: jax.Array, scales: jax.Array, block: tuple[int, ...]) -> jax.Array:
+    """float32 `values * scale` of each tile (the inverse layout of `quantize`)."""
+    split = [s for n, b in zip(values.shape, block, strict=True) for s in (n // b, b)]
+    inner = tuple(range(1, 2 * values.ndim, 2))
+    tiles = values.astype(jnp.float32).reshape(split) * jnp.expand_dims(scales, inner)
+    return tiles.reshape(values.shape)
+
+
+def fake_quantize(a: jax.Array, block: tuple[int, ...]) -> jax.Array:
+    """`dequantize(*quantize(a, block), block)`: the float32 values an FP8 GEMM sees."""
+    return dequantize(*quantize(a, block), block)
+
+
+def _rows(a):      # [R, C]: 1x128 tiles along the last (contraction) dimension
+    return fake_quantize(a, (1, BLOCK))
+
+
+def _blocks(w):    # [E, R, C]: 128x128 blocks per expert
+    return fake_quantize(w, (1, BLOCK, BLOCK))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The expert-sorted row layout.
+
+class Layout(NamedTuple):
+    """The (token, k) pairs sorted by expert, stable in pair order; dropped pairs (ids outside [0, E)) last."""
+    pair: jax.Array     # [P] int32: the pair (t * K + k) of sorted row r
+    token: jax.Array    # [P] int32: its token
+    expert: jax.Array   # [P] int32: its expert, E for a dropped pair
+    tile: jax.Array     # [P] int32: its token tile (expert * tiles_per_expert + position // 128), or num_tiles
+
+
+def make_layout(experts: jax.Array, num_experts: int) -> Layout:
+    top_k = experts.shape[1]
+    ids = experts.reshape(-1)
+    key = jnp.where((ids >= 0) & (ids < num_experts), ids, num_experts).astype(jnp.int32)
+    pair = jnp.argsort(key, stable=True).astype(jnp.int32)
+    expert = key[pair]
+    counts = jnp.bincount(key, length=num_experts + 1)
+    starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)
+    position = jnp.arange(pair.size, dtype=jnp.int32) - starts[expert]
+    tiles_per_expert = -(-pair.size // BLOCK)
+    tile = jnp.where(expert < num_experts, expert * tiles_per_expert + position // BLOCK,
+                     num_experts * tiles_per_expert)
+    return Layout(pair, pair // top_k, expert, tile.astype(jnp.int32))
+
+
+def _token_tiles(rows: jax.Array, layout: Layout, num_experts: int) -> jax.Array:
+    """`rows [P, C]` fake-quantised in tiles of 128 rows of one expert along the token (contraction) dimension
+    of the weight-gradient GEMMs, one scale per (tile, column); dropped rows become zero."""
+    num_tiles = num_experts * -(-rows.shape[0] // BLOCK)
+    amax = jax.ops.segment_max(jnp.abs(rows), layout.tile, num_segments=num_tiles)
+    scale = _scale(jnp.maximum(amax, 0))  # segment_max gives -inf for empty tiles
+    scale = jnp.concatenate([scale, jnp.ones((1, rows.shape[1]), jnp.float32)])[layout.tile]
+    values = _to_fp8(rows, scale).astype(jnp.float32) * scale
+    return jnp.where((layout.expert < num_experts)[:, None], values, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The GEMMs, in float32 on the dequantised values.
+
+def _mm(a, b):
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _grouped(rows: jax.Array, w: jax.Array, expert: jax.Array) -> jax.Array:
+    """`rows[r] @ w[expert[r]]` (zero for dropped rows): every row through every expert, then each row's pick; a
+    map over experts, so that the compiled program does not grow with E (clarity over speed)."""
+    every = jax.lax.map(lambda w_e: _mm(rows, w_e), w)                       # [E, P, N]
+    picked = every[jnp.clip(expert, 0, w.shape[0] - 1), jnp.arange(rows.shape[0])]
+    return jnp.where((expert < w.shape[0])[:, None], picked, 0)
+
+
+def _per_expert_outer(a: jax.Array, b: jax.Array, expert: jax.Array, num_experts: int) -> jax.Array:
+    """`[E, A, B]`: `sum_{r of expert e} a[r]^T b[r]`."""
+    return jax.lax.map(lambda e: _mm(jnp.where((expert == e)[:, None], a, 0).T, b),
+                       jnp.arange(num_experts, dtype=expert.dtype))
+
+
+def _swiglu(gate_up):
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_bwd(gate_up, dh):
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    return jnp.concatenate([dh * up * sig * (1 + gate * (1 - sig)), dh * silu], axis=-1)
+
+
+def _pad_gate_up(w, hidden_p, inter_p):
+    gate, up = jnp.split(w, 2, axis=-1)
+    pad = ((0, 0), (0, hidden_p - w.shape[1]), (0, inter_p - gate.shape[2]))
+    return jnp.concatenate([jnp.pad(gate, pad), jnp.pad(up, pad)], axis=-1)
+
+
+def _unpad_gate_up(dw, hidden, inter):
+    gate, up = jnp.split(dw, 2, axis=-1)
+    return jnp.concatenate([gate[:, :hidden, :inter], up[:, :hidden, :inter]], axis=-1)
+
+
+class _Operands(NamedTuple):
+    x: jax.Array       # [T, Hp] fake-quantised rows
+    w_gate_up: jax.Array  # [E, Hp, 2Ip] fake-quantised blocks
+    w_down: jax.Array  # [E, Ip, Hp]
+    weights: jax.Array  # [P] float32 routing weight of each sorted row (0 when dropped)
+
+
+def _operands(x, weights, w_gate_up, w_down, layout) -> _Operands:
+    hidden_p, inter_p = _round_up(x.shape[1]), _round_up(w_down.shape[1])
+    xq = _rows(jnp.pad(x, ((0, 0), (0, hidden_p - x.shape[1]))))
+    wgu = _blocks(_pad_gate_up(w_gate_up, hidden_p, inter_p))
+    wd = _blocks(jnp.pad(w_down, ((0, 0), (0, inter_p - w_down.shape[1]), (0, hidden_p - w_down.shape[2]))))
+    valid = layout.expert < w_gate_up.shape[0]
+    row_weights = jnp.where(valid, weights.reshape(-1)[layout.pair].astype(jnp.float32), 0)
+    return _Operands(xq, wgu, wd, row_weights)
+
+
+def _hidden(gate_up, dtype):
+    """q(h): SwiGLU of the saved projections in x's dtype, fake-quantised along I."""
+    return _rows(_swiglu(gate_up.astype(jnp.float32)).astype(dtype))
+
+
+@jax.custom_vjp
+def _moe_ffn_fp8(x, weights, experts, w_gate_up, w_down):
+    return _moe_ffn_fp8_fwd(x, weights, experts, w_gate_up, w_down)[0]
+
+
+def _moe_ffn_fp8_fwd(x, weights, experts, w_gate_up, w_down):
+    layout = Layout(*(checkpoint_name(a, LAYOUT_NAME) for a in make_layout(experts, w_gate_up.shape[0])))
+    ops = _operands(x, weights, w_gate_up, w_down, layout)
+    gate_up = checkpoint_name(_grouped(ops.x[layout.token], ops.w_gate_up, layout.expert).astype(x.dtype),
+                              GATE_UP_NAME)
+    out = _grouped(_hidden(gate_up, x.dtype), ops.w_down, layout.expert)
+    y = jax.ops.segment_sum(ops.weights[:, None] * out, layout.token, num_segments=x.shape[0])
+    return y[:, :x.shape[1]].astype(x.dtype), (x, weights, experts, w_gate_up, w_down, gate_up, layout)
+
+
+def _moe_ffn_fp8_bwd(residuals, dy):
+    x, weights, experts, w_gate_up, w_down, gate_up, layout = residuals
+    num_experts, hidden, inter = w_gate_up.shape[0], x.shape[1], w_down.shape[1]
+    ops = _operands(x, weights, w_gate_up, w_down, layout)   # recomputed: the same values as the forward's
+    hq = _hidden(gate_up, x.dtype)
+    dyq = _rows(jnp.pad(dy.astype(x.dtype), ((0, 0), (0, ops.x.shape[1] - hidden))))[layout.token]
+    g = _grouped(dyq, jnp.swapaxes(ops.w_down, 1, 2), layout.expert)               # q(dy) . q(Wd)^T
+    d_row_weights = jnp.sum(hq * g, axis=-1)
+    dz = _swiglu_bwd(gate_up.astype(jnp.float32), ops.weights[:, None] * g)
+    dzq = _rows(dz)
+    dx_rows = _grouped(dzq, jnp.swapaxes(ops.w_gate_up, 1, 2), layout.expert)
+    dx = jax.ops.segment_sum(dx_rows, layout.token, num_segments=x.shape[0])[:, :hidden]
+    valid = layout.expert < num_experts
+    d_weights = jnp.zeros(weights.size, jnp.float32).at[layout.pair].add(jnp.where(valid, d_row_weights, 0))
+    d_w_down = _per_expert_outer(_token_tiles(hq, layout, num_experts),
+                                 _token_tiles(ops.weights[:, None] * dyq, layout, num_experts),
+                                 layout.expert, num_experts)
+    d_w_gate_up = _per_expert_outer(_token_tiles(ops.x[layout.token], layout, num_experts),
+                                    _token_tiles(dzq, layout, num_experts), layout.expert, num_experts)
+    d_experts = np.zeros(experts.shape, jax.dtypes.float0)
+    return (dx.astype(x.dtype), d_weights.reshape(weights.shape).astype(weights.dtype), d_experts,
+            _unpad_gate_up(d_w_gate_up, hidden, inter).astype(w_gate_up.dtype),
+            d_w_down[:, :inter, :hidden].astype(w_down.dtype))
+
+
+_moe_ffn_fp8.defvjp(_moe_ffn_fp8_fwd, _moe_ffn_fp8_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The entry point moe_ffn dispatches to.
+
+def _dtype_stand_in(value, dtype):
+    """A zero-memory array of `value`'s shape in `dtype`, so that moe_ffn's checks (which want one dtype) run on the
+    shapes while the recipe accepts weights in their master dtype."""
+    return np.broadcast_to(np.zeros((), dtype), np.shape(value))
+
+
+def check_fp8_args(x, weights, experts, w_gate_up, w_down, implementation: str | None = None,
+                   num_experts=None) -> tuple[int, int, int, int, int]:
+    """The recipe's checks (`implementation` resolved: "cpu", "cuda" or "reference"; None skips its check);
+    returns `check_moe_args`'s `(T, H, I, E_local, K)`."""
+    check_rank("x", x, 2, "[T, H]")
+    check_rank("w_gate_up", w_gate_up, 3, "[E, H, 2I]")
+    check_rank("w_down", w_down, 3, "[E, I, H]")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        check_float(name, w)
+        if jnp.dtype(w.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+            raise TypeError(f"recipe='fp8_blockwise' takes {name} in bfloat16 or float32 (master weights), "
+                            f"got {w.dtype}")
+    sizes = check_moe_args(x, weights, experts, _dtype_stand_in(w_gate_up, x.dtype),
+                           _dtype_stand_in(w_down, x.dtype), num_experts=num_experts)
+    if jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16):
+        raise TypeError(f"recipe='fp8_blockwise' needs bfloat16 x (its outputs and saved projections are in x's "
+                        f"dtype), got {x.dtype}: cast x to bfloat16, or use recipe=None")
+    if implementation == "cuda":
+        raise ValueError("recipe='fp8_blockwise' has no CUDA kernels yet (the sm90 FP8 grouped GEMMs are not built): "
+                         "use implementation='reference' or 'cpu'")
+    return sizes
+
+
+@functools.partial(jax.jit, inline=True)
+def moe_ffn_fp8(x, weights, experts, w_gate_up, w_down):
+    """`moe_ffn` with recipe="fp8_blockwise", arguments already checked (see `check_fp8_args`)."""
+    return _moe_ffn_fp8(x, weights, experts, w_gate_up, w_down)

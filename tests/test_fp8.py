@@ -1,0 +1,291 @@
+"""The "fp8_blockwise" recipe (jax_megamoe/ops/fp8.py) on CPU: its quantiser against a numpy implementation of the
+rule, the op against a float64 numpy computation of the same quantised math and against the unquantised float64
+MoE, its errors, and moe_ffn_ep with the recipe on the xla transport against moe_ffn with the recipe.
+
+One problem shape per check group, computed once per module (a module-scoped fixture), so that the suite
+compiles few programs: CI has 2 cores.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from moe_cases import OUTPUT_NAMES, Case, make_problem, reference_value_and_grads, rel_error, value_and_grads
+
+import jax_megamoe as jmm
+from jax_megamoe.ops import fp8
+from jax_megamoe.parallel import moe_ffn_ep
+
+RECIPE = "fp8_blockwise"
+MAIN = Case(64, 256, 128, 8, 2)  # q30-like (Qwen3-30B-A3B's ratios, scaled down), bf16 x, float32 master weights
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A numpy implementation of the rule, independent of XLA's and ml_dtypes' float8 conversions.
+
+def e4m3_round(v: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even onto the e4m3fn grid (3 mantissa bits, subnormals below 2**-6), |v| <= 448."""
+    v = np.asarray(v, np.float64)
+    a = np.abs(v)
+    exponent = np.maximum(np.floor(np.log2(np.where(a > 0, a, 1.0))), -6)
+    step = 2.0 ** (exponent - 3)
+    return np.sign(v) * np.minimum(np.round(a / step) * step, 448.0)  # np.round: ties to even
+
+
+def np_quantize_rows(a: np.ndarray, dtype=np.float64):
+    """1x128 tiles along the last axis: (values, scales), arithmetic in `dtype` (float32 to match bit for bit)."""
+    tiles = np.asarray(a, dtype).reshape(a.shape[:-1] + (a.shape[-1] // 128, 128))
+    amax = np.max(np.abs(tiles), axis=-1)
+    scale = np.where(amax > 0, amax / dtype(448), dtype(1)).astype(dtype)
+    values = e4m3_round(np.clip(tiles / scale[..., None], -448, 448).astype(dtype))
+    return values.reshape(a.shape), scale
+
+
+def _qdq_rows(a):
+    values, scale = np_quantize_rows(a)
+    return (values.reshape(a.shape[:-1] + (-1, 128)) * scale[..., None]).reshape(a.shape)
+
+
+def _qdq_blocks(w):  # [R, C] in 128x128 blocks
+    r, c = w.shape
+    blocks = w.reshape(r // 128, 128, c // 128, 128)
+    amax = np.max(np.abs(blocks), axis=(1, 3), keepdims=True)
+    scale = np.where(amax > 0, amax / 448, 1.0)
+    return (e4m3_round(np.clip(blocks / scale, -448, 448)) * scale).reshape(w.shape)
+
+
+def _qdq_tokens(a):  # [n, C]: tiles of 128 consecutive rows, one scale per (tile, column)
+    out = np.empty_like(a)
+    for start in range(0, a.shape[0], 128):
+        tile = a[start:start + 128]
+        amax = np.max(np.abs(tile), axis=0)
+        scale = np.where(amax > 0, amax / 448, 1.0)
+        out[start:start + 128] = e4m3_round(np.clip(tile / scale, -448, 448)) * scale
+    return out
+
+
+def _up(n):
+    return -(-n // 128) * 128
+
+
+def oracle(args, dy, quantized: bool):
+    """float64 `(y, dx, d_weights, d_w_gate_up, d_w_down)` of the recipe's math (quantized: with its roundings of
+    gate_up and h to bf16) or of the plain MoE."""
+    x, weights, ids, w_gate_up, w_down = (np.asarray(a, np.float64) if i != 2 else np.asarray(a)
+                                          for i, a in enumerate(args))
+    dy = np.asarray(dy, np.float64)
+    (t, h), (e_count, _, i2), k = x.shape, w_gate_up.shape, ids.shape[1]
+    i = i2 // 2
+    hp, ip = _up(h), _up(i)
+    ident = lambda a: a  # noqa: E731
+    x_dtype = (lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float64)) if quantized else ident
+    rows, blocks, tokens = (_qdq_rows, _qdq_blocks, _qdq_tokens) if quantized else (ident, ident, ident)
+    xq = rows(np.pad(x, ((0, 0), (0, hp - h))))
+    dyq = rows(np.pad(dy, ((0, 0), (0, hp - h))))
+    pad_w = ((0, hp - h), (0, ip - i))
+    y, dx = np.zeros((t, hp)), np.zeros((t, hp))
+    d_weights, d_wgu, d_wd = np.zeros((t, k)), np.zeros((e_count, h, i2)), np.zeros((e_count, i, h))
+    for e in range(e_count):
+        tok, kk = np.nonzero(ids == e)  # row-major: the stable (token, k) order
+        if tok.size == 0:
+            continue
+        wgu = blocks(np.concatenate([np.pad(w_gate_up[e, :, :i], pad_w), np.pad(w_gate_up[e, :, i:], pad_w)], 1))
+        wd = blocks(np.pad(w_down[e], ((0, ip - i), (0, hp - h))))
+        we = weights[tok, kk][:, None]
+        gate_up = x_dtype(xq[tok] @ wgu)  # the recipe stores gate_up and h in x's dtype (bf16)
+        gate, up = gate_up[:, :ip], gate_up[:, ip:]
+        sig = 1 / (1 + np.exp(-gate))
+        hq = rows(x_dtype(gate * sig * up))
+        np.add.at(y, tok, we * (hq @ wd))
+        g = dyq[tok] @ wd.T
+        d_weights[tok, kk] = np.sum(hq * g, axis=1)
+        dh = we * g
+        dzq = rows(np.concatenate([dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig], 1))
+        np.add.at(dx, tok, dzq @ wgu.T)
+        d_wd[e] = (tokens(hq).T @ tokens(we * dyq[tok]))[:i, :h]
+        full = tokens(xq[tok]).T @ tokens(dzq)
+        d_wgu[e] = np.concatenate([full[:h, :i], full[:h, ip:ip + i]], 1)
+    return y[:, :h], dx[:, :h], d_weights, d_wgu, d_wd
+
+
+def recipe_problem(case: Case, seed="fp8"):
+    """bf16 x and dy, float32 master weights (bf16-representable, so the float64 oracles see the same values)."""
+    (x, weights, ids, w_gate_up, w_down), dy = make_problem(case, jnp.bfloat16, seed=seed)
+    return (x, weights, ids, w_gate_up.astype(jnp.float32), w_down.astype(jnp.float32)), dy
+
+
+@functools.cache
+def _recipe_value_and_grads():
+    return jax.jit(functools.partial(
+        value_and_grads, functools.partial(jmm.moe_ffn, implementation="reference", recipe=RECIPE)))
+
+
+def recipe_outputs(args, dy):
+    return tuple(np.asarray(o.astype(jnp.float32)) for o in _recipe_value_and_grads()(tuple(args), dy))
+
+
+@pytest.fixture(scope="module")
+def main_problem():
+    args, dy = recipe_problem(MAIN)
+    return args, dy, recipe_outputs(args, dy)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The quantiser.
+
+def test_quantizer_matches_numpy_rule():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((6, 384)).astype(np.float32) * np.exp(rng.uniform(-8, 8, (6, 1))).astype(np.float32)
+    a[1, 128:256] = 0                      # an all-zero tile: scale 1, values 0
+    a[2, :128] = np.float32(448) * np.linspace(-1, 1, 128, dtype=np.float32)  # amax 448: scale 1 exactly
+    # scale 1: ties between e4m3 neighbours round to even (1.0625 -> 1.0, 1.1875 -> 1.25, 17 -> 16, 19 -> 20)
+    a[3, :128] = 0
+    a[3, :6] = [448, 1.0625, 1.1875, 17, 19, -1.0625]
+    a[4, :128] *= 1e-30                    # tiny amax: subnormal e4m3 values
+    values, scales = fp8.quantize(jnp.asarray(a), (1, 128))
+    assert values.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.float32 and scales.shape == (6, 3)
+    want_values, want_scales = np_quantize_rows(a, np.float32)
+    np.testing.assert_array_equal(np.asarray(scales), want_scales)
+    np.testing.assert_array_equal(np.asarray(values).astype(np.float64), want_values)
+    assert float(scales[1, 1]) == 1.0 and not np.any(np.asarray(values[1, 128:256]).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(values[3, :6]).astype(np.float32), [448, 1.0, 1.25, 16, 20, -1.0])
+    assert np.max(np.abs(np.asarray(values).astype(np.float32))) <= 448
+
+
+def test_quantizer_saturates_before_the_cast():
+    # a quotient a hair over 448 (float32 rounding of a / (amax / 448)) must saturate, not become NaN
+    a = jnp.asarray(np.float32([[448.00003] + [0.5] * 127]))
+    values, scales = fp8.quantize(a * 3.0000002, (1, 128))
+    assert np.all(np.isfinite(np.asarray(values).astype(np.float32)))
+    assert float(np.asarray(values[0, 0]).astype(np.float32)) == 448
+    # an e4m3 cast without the clip gives NaN above 464, the clip gives 448
+    assert np.isnan(np.float32(500).astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    assert float(fp8._to_fp8(jnp.float32(500), jnp.float32(1)).astype(jnp.float32)) == 448
+
+
+def test_weight_blocks_128x128():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((2, 256, 384)).astype(np.float32)
+    w[1, 128:, :128] = 0
+    got = np.asarray(fp8.fake_quantize(jnp.asarray(w), (1, 128, 128)))
+    for e in range(2):
+        np.testing.assert_allclose(got[e], _qdq_blocks(w[e].astype(np.float64)), rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The op against float64.
+
+def test_recipe_matches_float64_quantized_math(main_problem):
+    args, dy, got = main_problem
+    want = oracle(args, dy, quantized=True)
+    for name, a, b in zip(OUTPUT_NAMES, got, want, strict=True):
+        assert rel_error(a, b) < 1e-2, (name, rel_error(a, b))
+
+
+def test_recipe_near_unquantized_float64(main_problem):
+    args, dy, got = main_problem
+    want = oracle(args, dy, quantized=False)
+    errors = {name: rel_error(a, b) for name, a, b in zip(OUTPUT_NAMES, got, want, strict=True)}
+    assert errors["y"] < 1e-1, errors
+    assert all(errors[name] < 1.5e-1 for name in OUTPUT_NAMES[1:]), errors
+
+
+def test_unquantized_oracle_is_the_moe_gradient(main_problem):
+    # the float64 oracle with quantisation off is the plain MoE: check it against the float32 JAX reference
+    args, dy, _ = main_problem
+    want = reference_value_and_grads(args, dy)
+    for name, a, b in zip(OUTPUT_NAMES, oracle(args, dy, quantized=False), want, strict=True):
+        assert rel_error(a, b) < 1e-5, name
+
+
+def test_outputs_in_x_dtype_and_weight_gradients_in_weights_dtype():
+    args, dy = recipe_problem(MAIN)
+    out = jax.eval_shape(_recipe_value_and_grads(), tuple(args), dy)
+    assert [o.dtype for o in out] == [jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.float32, jnp.float32]
+    bf16_weights = (*args[:3], args[3].astype(jnp.bfloat16), args[4].astype(jnp.bfloat16))
+    out = jax.eval_shape(_recipe_value_and_grads(), bf16_weights, dy)
+    assert [o.dtype for o in out][3:] == [jnp.bfloat16, jnp.bfloat16]
+
+
+def test_padding_odd_h_and_i(main_problem):
+    """H = 136, I = 72 (not multiples of 128): padded inside the op, it equals the H = 256, I = 128 problem whose
+    extra rows and columns are zero (zeros change no tile's amax), and the float64 quantised math."""
+    case = Case(MAIN.tokens, 136, 72, MAIN.experts, MAIN.top_k)
+    (x, weights, ids, w_gate_up, w_down), dy = recipe_problem(case)
+    h, i, hp, ip = 136, 72, MAIN.hidden, MAIN.inter
+    pad_w = ((0, 0), (0, hp - h), (0, ip - i))
+    big_args = (jnp.pad(x, ((0, 0), (0, hp - h))), weights, ids,
+                jnp.concatenate([jnp.pad(w_gate_up[..., :i], pad_w), jnp.pad(w_gate_up[..., i:], pad_w)], -1),
+                jnp.pad(w_down, ((0, 0), (0, ip - i), (0, hp - h))))
+    big = recipe_outputs(big_args, jnp.pad(dy, ((0, 0), (0, hp - h))))  # compiled for MAIN's shape already
+    got = recipe_outputs((x, weights, ids, w_gate_up, w_down), dy)
+    np.testing.assert_array_equal(got[0], big[0][:, :h])
+    np.testing.assert_array_equal(got[1], big[1][:, :h])
+    np.testing.assert_array_equal(got[2], big[2])
+    big_gu = np.asarray(big[3])
+    np.testing.assert_array_equal(got[3], np.concatenate([big_gu[:, :h, :i], big_gu[:, :h, ip:ip + i]], -1))
+    np.testing.assert_array_equal(got[4], big[4][:, :i, :h])
+    want = oracle((x, weights, ids, w_gate_up, w_down), dy, quantized=True)
+    for name, a, b in zip(OUTPUT_NAMES, got, want, strict=True):
+        assert rel_error(a, b) < 1e-2, name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors.
+
+def test_errors():
+    (x, weights, ids, w_gate_up, w_down), _ = recipe_problem(Case(8, 16, 8, 4, 2))
+    with pytest.raises(TypeError, match="needs bfloat16 x"):
+        jmm.moe_ffn(x.astype(jnp.float32), weights, ids, w_gate_up, w_down, recipe=RECIPE)
+    with pytest.raises(ValueError, match="no CUDA kernels yet"):
+        fp8.check_fp8_args(x, weights, ids, w_gate_up, w_down, "cuda")
+    with pytest.raises(ValueError, match="recipe must be None or one of"):
+        jmm.moe_ffn(x, weights, ids, w_gate_up, w_down, recipe="fp8")
+    with pytest.raises(TypeError, match="w_down in bfloat16 or float32"):
+        jmm.moe_ffn(x, weights, ids, w_gate_up, w_down.astype(jnp.float16), recipe=RECIPE)
+    with pytest.raises(ValueError, match="w_down must have shape"):
+        jmm.moe_ffn(x, weights, ids, w_gate_up, w_down[:, :4], recipe=RECIPE)
+    if jax.default_backend() == "cpu":  # implementation="cuda" where this build or platform has none
+        with pytest.raises(ValueError):
+            jmm.moe_ffn(x, weights, ids, w_gate_up, w_down, implementation="cuda", recipe=RECIPE)
+
+
+def test_cpu_implementation_runs_the_recipe():
+    (x, weights, ids, w_gate_up, w_down), _ = recipe_problem(Case(8, 16, 8, 4, 2))
+    cpu = jmm.moe_ffn(x, weights, ids, w_gate_up, w_down, implementation="cpu", recipe=RECIPE)
+    ref = jmm.moe_ffn(x, weights, ids, w_gate_up, w_down, implementation="reference", recipe=RECIPE)
+    np.testing.assert_array_equal(np.asarray(cpu.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Expert parallelism on the xla transport.
+
+EP_CASE = Case(256, 256, 128, 8, 2, "zipf")  # experts past 128 rows: token tiles that cross source shards
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
+def test_ep_xla_equals_moe_ffn(mesh_shape):
+    """With data parallelism each data group's rows form their own token tiles (as its own moe_ffn would), so the
+    expected weight gradients are the sum of each data group's moe_ffn."""
+    mesh = Mesh(np.array(jax.devices()[:math.prod(mesh_shape)]).reshape(mesh_shape), ("data", "expert"))
+    args, dy = recipe_problem(EP_CASE, seed="fp8-ep")
+    tokens, experts = P(("data", "expert")), P("expert")
+    ep = jax.shard_map(functools.partial(moe_ffn_ep, axis_name="expert", transport="xla", implementation="cpu",
+                                         recipe=RECIPE),
+                       mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts), out_specs=tokens)
+    got = [np.asarray(o.astype(jnp.float32)) for o in jax.jit(functools.partial(value_and_grads, ep))(args, dy)]
+    groups = mesh_shape[0]
+    split = [np.split(np.asarray(a), groups) if i < 3 else [a] * groups for i, a in enumerate(args)]
+    parts = [recipe_outputs(tuple(jnp.asarray(s[g]) for s in split), jnp.asarray(np.split(np.asarray(dy), groups)[g]))
+             for g in range(groups)]
+    want = [np.concatenate([p[j] for p in parts]) for j in range(3)] + [sum(p[j] for p in parts) for j in (3, 4)]
+    for name, a, b in zip(OUTPUT_NAMES, got, want, strict=True):
+        assert rel_error(a, b) < 1e-2, (name, rel_error(a, b))
