@@ -64,18 +64,24 @@ ROW_TAG = "JMM_TRAIN_ROW "
 
 def stack_label(name: str, param_dtype: str) -> str:
     pd = "bf16" if name in ("tokamax", "ragged_dot", "torch") else {"float32": "f32", "bfloat16": "bf16"}[param_dtype]
-    labels = {"ours": "ours, optax CE", "ours_lce": "ours, linear_cross_entropy",
-              "ours_remat": "ours remat+save-moe, optax CE",
-              "ours_lce_remat": "ours remat+save-moe, linear_cross_entropy",
-              "tokamax": "JAX + sort + tokamax ragged_dot", "ragged_dot": "JAX + sort + lax.ragged_dot",
-              "torch": "transformers grouped_mm + fused AdamW"}
+    labels = {
+        "ours": "ours, optax CE",
+        "ours_lce": "ours, linear_cross_entropy",
+        "ours_remat": "ours remat+save-moe, optax CE",
+        "ours_lce_remat": "ours remat+save-moe, linear_cross_entropy",
+        "tokamax": "JAX + sort + tokamax ragged_dot",
+        "ragged_dot": "JAX + sort + lax.ragged_dot",
+        "torch": "transformers grouped_mm + fused AdamW",
+    }
     return f"{labels[name]} ({pd} params)"
 
 
 # -------------------------------------------------------------------------------------- shared plumbing
 
+
 def model_config(preset: str, layers: int):
     from jax_megamoe.models.qwen3_moe_config import qwen3_30b_a3b, tiny
+
     base = tiny() if preset == "tiny" else qwen3_30b_a3b()
     return dataclasses.replace(base, num_hidden_layers=layers)
 
@@ -84,6 +90,7 @@ def make_tokens(vocab: int, batch: int, seq: int, seed: int):
     """`[batch, seq + 1]` int32 ids from `seed`: inputs are `[:, :-1]`, labels `[:, 1:]`; and their sha1, so
     the rows can show that every stack trained on the same tokens."""
     import numpy as np
+
     tokens = np.random.default_rng(seed).integers(0, vocab, (batch, seq + 1), dtype=np.int32)
     return tokens, hashlib.sha1(tokens.tobytes()).hexdigest()[:16]
 
@@ -96,7 +103,9 @@ def active_params_per_token(config) -> int:
     total = config.vocab_size * hidden
     for layer in range(config.num_hidden_layers):
         if config.is_moe_layer(layer):
-            total += hidden * config.num_experts + config.num_experts_per_tok * 3 * hidden * config.moe_intermediate_size
+            total += (
+                hidden * config.num_experts + config.num_experts_per_tok * 3 * hidden * config.moe_intermediate_size
+            )
         else:
             total += 3 * hidden * config.intermediate_size
         total += attention
@@ -139,9 +148,11 @@ def time_steps(run, sync, warmup: int, steps: int, keep_first: bool = False):
 
 # ------------------------------------------------------------------------------------------- JAX stacks
 
+
 def zero_experts(x, weights, experts, w_gate_up, w_down):
     """The experts replaced by nothing (moe_ffn's signature): the breakdown's step without them."""
     import jax.numpy as jnp
+
     return jnp.zeros_like(x)
 
 
@@ -157,13 +168,15 @@ def sorted_ragged_ffn(ragged_dot):
         valid = (flat >= 0) & (flat < num_experts)
         order = jnp.argsort(jnp.where(valid, flat, num_experts), stable=True)  # dropped pairs sort last
         token_of_row = order // top_k
-        sizes = jnp.bincount(jnp.where(valid, flat, 0), weights=valid.astype(jnp.int32),
-                             length=num_experts).astype(jnp.int32)
+        sizes = jnp.bincount(jnp.where(valid, flat, 0), weights=valid.astype(jnp.int32), length=num_experts).astype(
+            jnp.int32
+        )
         gate, up = jnp.split(ragged_dot(x[token_of_row], w_gate_up, sizes), 2, axis=-1)
         rows = ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)
         row_weights = jnp.where(valid, weights.reshape(-1), 0)[order].astype(jnp.float32)
         y = jnp.zeros(x.shape, jnp.float32).at[token_of_row].add(rows.astype(jnp.float32) * row_weights[:, None])
         return y.astype(x.dtype)
+
     return ffn
 
 
@@ -174,6 +187,7 @@ def stub_xprof() -> bool:
     if importlib.util.find_spec("xprof") is not None:
         return False
     import types
+
     modules = {name: types.ModuleType(name) for name in ("xprof", "xprof.cli", "xprof.cli.tools")}
     for module in modules.values():
         module.__path__ = []  # packages, so that submodule imports resolve to the stubs
@@ -182,6 +196,7 @@ def stub_xprof() -> bool:
 
     def get_kernel_stats_tool(*args, **kwargs):
         raise RuntimeError("xprof is a stub in bench_train.py's tokamax child: no profiler-based timing")
+
     modules["xprof.cli.tools"].get_kernel_stats_tool = get_kernel_stats_tool
     sys.modules.update(modules)
     return True
@@ -192,8 +207,10 @@ def expert_path(name: str, args, row: dict):
     Raises `Skip` when the stack cannot run here."""
     import jax
     import jax.numpy as jnp
+
     if name.startswith("ours"):
         from jax_megamoe.ops.moe import resolve_implementation
+
         row["implementation"] = f"auto ({resolve_implementation('auto')})"
         return "auto", jnp.dtype(args.param_dtype)
     if name == "ragged_dot":
@@ -201,8 +218,9 @@ def expert_path(name: str, args, row: dict):
         return sorted_ragged_ffn(lambda a, b, s: jax.lax.ragged_dot(a, b, s)), jnp.bfloat16
     # tokamax
     if jax.default_backend() != "gpu":
-        raise Skip(f"skipped: tokamax's ragged_dot kernel (Mosaic GPU) needs a GPU; platform is "
-                   f"{jax.default_backend()}")
+        raise Skip(
+            f"skipped: tokamax's ragged_dot kernel (Mosaic GPU) needs a GPU; platform is {jax.default_backend()}"
+        )
     if args.peer_site:
         sys.path.append(args.peer_site)
     sys.argv = sys.argv[:1]  # tokamax's absl flags parse sys.argv and refuse this child's own arguments
@@ -240,9 +258,13 @@ def run_jax(name: str, args) -> dict:
     from jax_megamoe.ops.moe import GATE_UP_NAME, LAYOUT_NAME
 
     device = jax.devices()[0]
-    row = dict(device=device.device_kind, platform=device.platform,
-               versions=dict(jax=jax.__version__, flax=flax.__version__, optax=optax.__version__,
-                             jax_megamoe=jax_megamoe.__version__))
+    row = dict(
+        device=device.device_kind,
+        platform=device.platform,
+        versions=dict(
+            jax=jax.__version__, flax=flax.__version__, optax=optax.__version__, jax_megamoe=jax_megamoe.__version__
+        ),
+    )
     try:
         implementation, param_dtype = expert_path(name, args, row)
     except Skip as skip:
@@ -250,17 +272,25 @@ def run_jax(name: str, args) -> dict:
     head = "linear_cross_entropy" if "_lce" in name else "optax"
     remat = name.endswith("_remat")
     on_gpu = device.platform == "gpu"
-    row.update(head=head, param_dtype=jnp.dtype(param_dtype).name, remat=remat,
-               attention_impl="cudnn" if on_gpu else "xla")
+    row.update(
+        head=head, param_dtype=jnp.dtype(param_dtype).name, remat=remat, attention_impl="cudnn" if on_gpu else "xla"
+    )
     config = model_config(args.preset, args.layers)
     compute = jnp.bfloat16
     aux_coef = config.router_aux_loss_coef
 
     def create(impl):
         policy = jax.checkpoint_policies.save_only_these_names(LAYOUT_NAME, GATE_UP_NAME) if remat else None
-        return Qwen3MoeForCausalLM(config, dtype=compute, param_dtype=param_dtype, implementation=impl,
-                                   remat=remat, remat_policy=policy, attention_impl="cudnn" if on_gpu else None,
-                                   rngs=nnx.Rngs(args.seed))
+        return Qwen3MoeForCausalLM(
+            config,
+            dtype=compute,
+            param_dtype=param_dtype,
+            implementation=impl,
+            remat=remat,
+            remat_policy=policy,
+            attention_impl="cudnn" if on_gpu else None,
+            rngs=nnx.Rngs(args.seed),
+        )
 
     def loss_fn(graphdef, params, inputs, labels):
         model = nnx.merge(graphdef, params)
@@ -276,11 +306,12 @@ def run_jax(name: str, args) -> dict:
 
     def train_step(graphdef):
         """The jitted step (its state donated) of the model `graphdef` describes."""
+
         def step(params, opt_state, inputs, labels):
-            (loss, lm), grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, inputs, labels),
-                                                   has_aux=True)(params)
+            (loss, lm), grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, inputs, labels), has_aux=True)(params)
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss, lm
+
         return jax.jit(step, donate_argnums=(0, 1))
 
     def sync(out):
@@ -311,16 +342,16 @@ def run_jax(name: str, args) -> dict:
         if not all(math.isfinite(v) for v in (row["first_loss"], row["first_lm_loss"])):
             raise FloatingPointError(f"non-finite first loss {row['first_loss']}")
         if name in args.breakdown:
-            row["breakdown"] = jax_breakdown(args, row, config, graphdef, create, loss_fn, train_step, state, inputs,
-                                             labels, head, sync)
+            row["breakdown"] = jax_breakdown(
+                args, row, config, graphdef, create, loss_fn, train_step, state, inputs, labels, head, sync
+            )
         row["status"] = "ok"
     except Exception as err:  # noqa: BLE001 - OOM and compile failures are results here
         row["status"] = error_status(err)
     return row
 
 
-def jax_breakdown(args, row, config, graphdef, create, loss_fn, train_step, state, inputs, labels, head,
-                  sync) -> dict:
+def jax_breakdown(args, row, config, graphdef, create, loss_fn, train_step, state, inputs, labels, head, sync) -> dict:
     """Times the variants of `row`'s step that its breakdown subtracts (see the module docstring)."""
     import jax
     import jax.numpy as jnp
@@ -337,17 +368,22 @@ def jax_breakdown(args, row, config, graphdef, create, loss_fn, train_step, stat
     def run_zero():
         state[0], state[1], loss, _ = zero_step(state[0], state[1], inputs, labels)
         return loss
+
     out["zero_experts_step_ms"] = median_ms(time_steps(run_zero, sync, args.warmup, args.steps)[1])
 
     # Loss and gradients without the optimizer update (the gradients are outputs, so nothing is dropped).
-    grad_step = jax.jit(lambda p, i, t: jax.value_and_grad(lambda q: loss_fn(graphdef, q, i, t), has_aux=True)(p)
-                        ).lower(state[0], inputs, labels).compile()
-    out["no_optimizer_step_ms"] = median_ms(time_steps(lambda: grad_step(state[0], inputs, labels), sync,
-                                                       args.warmup, args.steps)[1])
+    grad_step = (
+        jax.jit(lambda p, i, t: jax.value_and_grad(lambda q: loss_fn(graphdef, q, i, t), has_aux=True)(p))
+        .lower(state[0], inputs, labels)
+        .compile()
+    )
+    out["no_optimizer_step_ms"] = median_ms(
+        time_steps(lambda: grad_step(state[0], inputs, labels), sync, args.warmup, args.steps)[1]
+    )
 
     # The LM head and its loss alone: [N, H] hidden states in the compute dtype and the head's parameter.
     model = nnx.merge(graphdef, state[0])
-    kernel_param = (model.lm_head.kernel[...] if model.lm_head is not None else model.embed_tokens.embedding[...].T)
+    kernel_param = model.lm_head.kernel[...] if model.lm_head is not None else model.embed_tokens.embedding[...].T
     tokens = inputs.size
     hidden = jax.random.normal(jax.random.PRNGKey(args.seed + 1), (tokens, config.hidden_size), jnp.bfloat16)
     flat_labels = labels.reshape(-1)
@@ -359,11 +395,13 @@ def jax_breakdown(args, row, config, graphdef, create, loss_fn, train_step, stat
             return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), t).mean()
         return linear_cross_entropy(h, kernel, t)
 
-    head_step = jax.jit(jax.value_and_grad(head_loss, argnums=(0, 1))).lower(hidden, kernel_param,
-                                                                           flat_labels).compile()
+    head_step = (
+        jax.jit(jax.value_and_grad(head_loss, argnums=(0, 1))).lower(hidden, kernel_param, flat_labels).compile()
+    )
     out["lm_head_loss_temp_bytes"] = compiled_temp_bytes(head_step)
-    out["lm_head_loss_ms"] = median_ms(time_steps(lambda: head_step(hidden, kernel_param, flat_labels), sync,
-                                                  args.warmup, args.steps)[1])
+    out["lm_head_loss_ms"] = median_ms(
+        time_steps(lambda: head_step(hidden, kernel_param, flat_labels), sync, args.warmup, args.steps)[1]
+    )
     step_ms = row["median_step_ms"]
     out["experts_ms"] = step_ms - out["zero_experts_step_ms"]
     out["optimizer_ms"] = step_ms - out["no_optimizer_step_ms"]
@@ -372,6 +410,7 @@ def jax_breakdown(args, row, config, graphdef, create, loss_fn, train_step, stat
 
 
 # ----------------------------------------------------------------------------------------- torch stack
+
 
 def run_torch(args) -> dict:
     try:
@@ -383,9 +422,15 @@ def run_torch(args) -> dict:
         return dict(status=f"skipped: torch/transformers not importable ({err!r})")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = dev.type == "cuda"
-    row = dict(device=torch.cuda.get_device_name(dev) if on_gpu else "cpu", platform=dev.type, head="torch CE",
-               param_dtype="bfloat16", remat=False, attention_impl="sdpa",
-               versions=dict(torch=torch.__version__, transformers=transformers.__version__))
+    row = dict(
+        device=torch.cuda.get_device_name(dev) if on_gpu else "cpu",
+        platform=dev.type,
+        head="torch CE",
+        param_dtype="bfloat16",
+        remat=False,
+        attention_impl="sdpa",
+        versions=dict(torch=torch.__version__, transformers=transformers.__version__),
+    )
     config = model_config(args.preset, args.layers)
 
     def sync(_):
@@ -411,8 +456,9 @@ def run_torch(args) -> dict:
         row["attention_impl"] = model.config._attn_implementation
         row["parameters"] = int(sum(p.numel() for p in model.parameters()))
         try:
-            opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=BETAS, weight_decay=WEIGHT_DECAY,
-                                    fused=True)
+            opt = torch.optim.AdamW(
+                model.parameters(), lr=LEARNING_RATE, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=True
+            )
             row["optimizer"] = "AdamW(fused=True)"
         except (RuntimeError, ValueError) as err:  # fused needs a supported device and dtype
             opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=BETAS, weight_decay=WEIGHT_DECAY)
@@ -431,8 +477,13 @@ def run_torch(args) -> dict:
             return loss.detach(), lm.detach()
 
         (loss, lm), times = time_steps(run_step, sync, args.warmup, args.steps, keep_first=True)
-        row.update(first_loss=float(loss), first_lm_loss=float(lm), step_s=times, median_step_ms=median_ms(times),
-                   peak_memory_bytes=int(torch.cuda.max_memory_allocated(dev)) if on_gpu else None)
+        row.update(
+            first_loss=float(loss),
+            first_lm_loss=float(lm),
+            step_s=times,
+            median_step_ms=median_ms(times),
+            peak_memory_bytes=int(torch.cuda.max_memory_allocated(dev)) if on_gpu else None,
+        )
         row["status"] = "ok"
     except Exception as err:  # noqa: BLE001
         row["status"] = error_status(err)
@@ -441,8 +492,10 @@ def run_torch(args) -> dict:
 
 # ------------------------------------------------------------------------------------------ matmul rate
 
+
 def run_matmul(args) -> dict:
     """The bf16 matmul rate of this device (torch on a GPU, JAX elsewhere), the MFU denominator."""
+
     def median_call_ms(fn, sync, samples=10, inner=10):
         for _ in range(3):
             sync(fn())
@@ -457,6 +510,7 @@ def run_matmul(args) -> dict:
 
     try:
         import torch
+
         use_torch = torch.cuda.is_available()
     except ImportError:
         use_torch = False
@@ -469,6 +523,7 @@ def run_matmul(args) -> dict:
     else:
         import jax
         import jax.numpy as jnp
+
         on_gpu = jax.default_backend() == "gpu"
         size = args.matmul_size or (8192 if on_gpu else 512)  # bf16 on a CPU: 8192^3 would take minutes
         keys = jax.random.split(jax.random.PRNGKey(0))
@@ -482,6 +537,7 @@ def run_matmul(args) -> dict:
 
 # --------------------------------------------------------------------------------------------- driver
 
+
 def child(args) -> None:
     """One stack's row (or the matmul rate) as a tagged JSON line on stdout, for the driver."""
     if args.child == "matmul":
@@ -494,10 +550,30 @@ def child(args) -> None:
 
 
 def child_command(args, name: str) -> list[str]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--preset", args.preset,
-           "--layers", str(args.layers), "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--param-dtype", args.param_dtype, "--seed", str(args.seed),
-           "--breakdown", ",".join(args.breakdown) or "none"]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        name,
+        "--preset",
+        args.preset,
+        "--layers",
+        str(args.layers),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--param-dtype",
+        args.param_dtype,
+        "--seed",
+        str(args.seed),
+        "--breakdown",
+        ",".join(args.breakdown) or "none",
+    ]
     if args.peer_site:
         cmd += ["--peer-site", args.peer_site]
     if args.matmul_size:
@@ -516,13 +592,14 @@ def child_env() -> dict:
 def run_child(args, name: str, timeout: float) -> dict:
     """`child` in a subprocess of its own: its row, or a row saying how it ended."""
     try:
-        proc = subprocess.run(child_command(args, name), capture_output=True, text=True, env=child_env(),
-                              timeout=timeout, check=False)
+        proc = subprocess.run(
+            child_command(args, name), capture_output=True, text=True, env=child_env(), timeout=timeout, check=False
+        )
     except subprocess.TimeoutExpired:
         return dict(status=f"timed out after {timeout:.0f} s")
     found = [line for line in proc.stdout.splitlines() if line.startswith(ROW_TAG)]
     if found:
-        return json.loads(found[-1][len(ROW_TAG):])
+        return json.loads(found[-1][len(ROW_TAG) :])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     return dict(status=f"crashed rc={proc.returncode}: " + " | ".join(tail)[:400])
 
@@ -546,33 +623,50 @@ def table(result: dict) -> str:
     mm = result["matmul"]
     rate = f"{mm['tflops']:.3g} TF/s" if mm.get("status") == "ok" else mm.get("status", "?")
     config = result["config"]
-    lines = [(f"{result['preset']}: {config['num_hidden_layers']} layers, vocab {config['vocab_size']}, "
-              f"batch {result['batch']} x seq {result['seq']} ({result['tokens_per_step']} tokens/step), "
-              f"{result['flops_per_step'] / 1e12:.3g} model TFLOP/step; median of {result['steps']} steps after "
-              f"{result['warmup']} warm-up"),
-             f"bf16 matmul ({mm.get('size')}^3, {mm.get('library')}) in this run: {rate}"]
+    lines = [
+        (
+            f"{result['preset']}: {config['num_hidden_layers']} layers, vocab {config['vocab_size']}, "
+            f"batch {result['batch']} x seq {result['seq']} ({result['tokens_per_step']} tokens/step), "
+            f"{result['flops_per_step'] / 1e12:.3g} model TFLOP/step; median of {result['steps']} steps after "
+            f"{result['warmup']} warm-up"
+        ),
+        f"bf16 matmul ({mm.get('size')}^3, {mm.get('library')}) in this run: {rate}",
+    ]
     w = max(len(r["label"]) for r in result["stacks"]) + 2
-    lines.append(f"{'stack':<{w}}{'step ms':>9}{'tok/s':>10}{'MFU':>7}{'peak GiB':>10}{'loss0':>8}"
-                 f"{'experts':>9}{'optim':>8}{'head+CE':>9}{'rest':>8}  status")
+    lines.append(
+        f"{'stack':<{w}}{'step ms':>9}{'tok/s':>10}{'MFU':>7}{'peak GiB':>10}{'loss0':>8}"
+        f"{'experts':>9}{'optim':>8}{'head+CE':>9}{'rest':>8}  status"
+    )
     for r in result["stacks"]:
         b = r.get("breakdown", {})
         head = f"{r['label']:<{w}}"
         if r.get("status") != "ok":
             lines.append(f"{head}{'':>78}  {r.get('status')}")
             continue
-        lines.append(head + fmt(r["median_step_ms"], ".1f", 9) + fmt(r.get("tokens_per_s"), ",.0f", 10)
-                     + (fmt(100 * r["mfu"], ".1f", 6) + "%" if r.get("mfu") is not None else fmt(None, "", 7))
-                     + fmt(r.get("peak_memory_gib"), ".2f", 10) + fmt(r.get("first_lm_loss"), ".3f", 8)
-                     + fmt(b.get("experts_ms"), ".1f", 9) + fmt(b.get("optimizer_ms"), ".1f", 8)
-                     + fmt(b.get("lm_head_loss_ms"), ".1f", 9) + fmt(b.get("rest_ms"), ".1f", 8) + "  ok")
-    lines.append("breakdown (ms): experts = step - step with zero experts; optim = step - step without the update; "
-                 "head+CE = the LM head and its loss alone (fwd+bwd); rest = the remainder")
+        lines.append(
+            head
+            + fmt(r["median_step_ms"], ".1f", 9)
+            + fmt(r.get("tokens_per_s"), ",.0f", 10)
+            + (fmt(100 * r["mfu"], ".1f", 6) + "%" if r.get("mfu") is not None else fmt(None, "", 7))
+            + fmt(r.get("peak_memory_gib"), ".2f", 10)
+            + fmt(r.get("first_lm_loss"), ".3f", 8)
+            + fmt(b.get("experts_ms"), ".1f", 9)
+            + fmt(b.get("optimizer_ms"), ".1f", 8)
+            + fmt(b.get("lm_head_loss_ms"), ".1f", 9)
+            + fmt(b.get("rest_ms"), ".1f", 8)
+            + "  ok"
+        )
+    lines.append(
+        "breakdown (ms): experts = step - step with zero experts; optim = step - step without the update; "
+        "head+CE = the LM head and its loss alone (fwd+bwd); rest = the remainder"
+    )
     return "\n".join(lines)
 
 
 def plot(result: dict, path: str) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -581,13 +675,18 @@ def plot(result: dict, path: str) -> None:
     ok = [r for r in result["stacks"] if r.get("status") == "ok"]
     if not ok:
         return
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(15, 0.6 * len(ok) + 2.6), sharey=True,
-                                     gridspec_kw=dict(width_ratios=(3, 1)))
+    fig, (ax_t, ax_m) = plt.subplots(
+        1, 2, figsize=(15, 0.6 * len(ok) + 2.6), sharey=True, gridspec_kw=dict(width_ratios=(3, 1))
+    )
     ys = range(len(ok))
-    parts = (("experts_ms", "experts", "tab:red"), ("optimizer_ms", "optimizer", "tab:orange"),
-             ("lm_head_loss_ms", "LM head + loss", "tab:purple"), ("rest_ms", "rest", "tab:gray"))
+    parts = (
+        ("experts_ms", "experts", "tab:red"),
+        ("optimizer_ms", "optimizer", "tab:orange"),
+        ("lm_head_loss_ms", "LM head + loss", "tab:purple"),
+        ("rest_ms", "rest", "tab:gray"),
+    )
     labelled = set()
-    for y, r in zip(ys, ok):
+    for y, r in zip(ys, ok, strict=True):
         # The whole step, then the breakdown's parts over it (each a difference of medians: one that noise
         # makes negative is drawn as nothing, and the parts then fall short of the step).
         ax_t.barh(y, r["median_step_ms"], color="tab:blue", alpha=0.35 if "breakdown" in r else 1.0)
@@ -606,14 +705,17 @@ def plot(result: dict, path: str) -> None:
     ax_t.invert_yaxis()
     ax_t.set_xlabel("median step time (ms)")
     ax_t.set_xlim(0, 1.6 * max(r["median_step_ms"] for r in ok))
-    ax_t.set_title(f"training step, {result['preset']} ({result['config']['num_hidden_layers']} layers), batch "
-                   f"{result['batch']} x seq {result['seq']}, {result['matmul'].get('device', '')}")
+    ax_t.set_title(
+        f"training step, {result['preset']} ({result['config']['num_hidden_layers']} layers), batch "
+        f"{result['batch']} x seq {result['seq']}, {result['matmul'].get('device', '')}"
+    )
     if labelled:
         ax_t.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(parts), fontsize=8, frameon=False)
     ax_m.set_xlabel("peak device memory (GiB)")
     if all(r.get("peak_memory_gib") is None for r in ok):
-        ax_m.text(0.5, 0.5, "no memory statistics\non this platform", ha="center", va="center",
-                  transform=ax_m.transAxes)
+        ax_m.text(
+            0.5, 0.5, "no memory statistics\non this platform", ha="center", va="center", transform=ax_m.transAxes
+        )
         ax_m.set_xticks([])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -636,24 +738,37 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--seq", type=int)
     parser.add_argument("--steps", type=int, help="timed steps after the warm-up (median over them)")
     parser.add_argument("--warmup", type=int)
-    parser.add_argument("--param-dtype", choices=PARAM_DTYPES, default="float32",
-                        help="our stacks' parameter dtype (the peers keep bf16)")
+    parser.add_argument(
+        "--param-dtype",
+        choices=PARAM_DTYPES,
+        default="float32",
+        help="our stacks' parameter dtype (the peers keep bf16)",
+    )
     parser.add_argument("--stacks", default=",".join(DEFAULT_STACKS), help=f"comma list of {', '.join(STACKS)}")
-    parser.add_argument("--breakdown", default=",".join(DEFAULT_BREAKDOWN),
-                        help="our stacks that also time the breakdown's variants ('none': no breakdown)")
-    parser.add_argument("--peer-site", default=os.environ.get("JMM_PEER_SITE"),
-                        help="folder of tokamax's packages, appended to sys.path in the tokamax child only")
+    parser.add_argument(
+        "--breakdown",
+        default=",".join(DEFAULT_BREAKDOWN),
+        help="our stacks that also time the breakdown's variants ('none': no breakdown)",
+    )
+    parser.add_argument(
+        "--peer-site",
+        default=os.environ.get("JMM_PEER_SITE"),
+        help="folder of tokamax's packages, appended to sys.path in the tokamax child only",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--matmul-size", type=int, help="the matmul rate's size (8192 on GPUs, 512 on CPUs)")
     parser.add_argument("--child-timeout", type=float, default=1500, help="seconds per stack's subprocess")
-    parser.add_argument("--time-budget", type=float,
-                        help="seconds for the whole run: a stack is stopped when it is spent, and the stacks not "
-                             "started yet are recorded as not run (the JSON, chart and table are still written)")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        help="seconds for the whole run: a stack is stopped when it is spent, and the stacks not "
+        "started yet are recorded as not run (the JSON, chart and table are still written)",
+    )
     parser.add_argument("--json", default="bench_train.json")
     parser.add_argument("--png", default="bench_train.png", help="bar chart ('' for none)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for key, default in zip(("layers", "batch", "seq", "steps", "warmup"), PRESETS[args.preset]):
+    for key, default in zip(("layers", "batch", "seq", "steps", "warmup"), PRESETS[args.preset], strict=True):
         if getattr(args, key) is None:
             setattr(args, key, default)
     if min(args.layers, args.batch, args.seq, args.steps) < 1 or args.warmup < 0:
@@ -666,11 +781,22 @@ def main(argv=None) -> dict | None:
     config = model_config(args.preset, args.layers)
     tokens_per_step = args.batch * args.seq
     flops = train_flops_per_step(config, args.batch, args.seq)
-    result = dict(preset=args.preset, batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup,
-                  param_dtype=args.param_dtype, seed=args.seed, tokens_per_step=tokens_per_step,
-                  flops_per_step=flops, config=config.to_dict(), optimizer=dict(
-                      name="AdamW", lr=LEARNING_RATE, betas=BETAS, weight_decay=WEIGHT_DECAY),
-                  aux_loss_coef=config.router_aux_loss_coef, argv=sys.argv, stacks=[])
+    result = dict(
+        preset=args.preset,
+        batch=args.batch,
+        seq=args.seq,
+        steps=args.steps,
+        warmup=args.warmup,
+        param_dtype=args.param_dtype,
+        seed=args.seed,
+        tokens_per_step=tokens_per_step,
+        flops_per_step=flops,
+        config=config.to_dict(),
+        optimizer=dict(name="AdamW", lr=LEARNING_RATE, betas=BETAS, weight_decay=WEIGHT_DECAY),
+        aux_loss_coef=config.router_aux_loss_coef,
+        argv=sys.argv,
+        stacks=[],
+    )
     start = time.perf_counter()
 
     def time_left() -> float:
@@ -689,8 +815,11 @@ def main(argv=None) -> dict | None:
     for name in stacks:
         began = time.perf_counter()
         left = time_left()
-        outcome = (run_child(args, name, left) if left > 0 else
-                   dict(status=f"not run: the time budget of {args.time_budget:g} s was spent"))
+        outcome = (
+            run_child(args, name, left)
+            if left > 0
+            else dict(status=f"not run: the time budget of {args.time_budget:g} s was spent")
+        )
         row = dict(stack=name, label=stack_label(name, args.param_dtype), **outcome)
         row["wall_s"] = time.perf_counter() - began
         result["stacks"].append(with_rates(row, tokens_per_step, flops, matmul_tflops))

@@ -28,12 +28,10 @@ import sys
 
 PRESETS = {  # name -> training defaults; the model configs are built after JAX starts (model_config)
     "tiny": dict(batch=16, seq=128, steps=300, lr=3e-3, warmup=20, eval_every=50, eval_batches=4),
-    "qwen3-30b-a3b-4layer": dict(batch=4, seq=4096, steps=300, lr=3e-4, warmup=30, eval_every=100,
-                                 eval_batches=2),
+    "qwen3-30b-a3b-4layer": dict(batch=4, seq=4096, steps=300, lr=3e-4, warmup=30, eval_every=100, eval_batches=2),
     # The published models at full depth; batch None: 4 sequences per device (16,384 tokens at seq 4096).
     "qwen3-30b-a3b": dict(batch=None, seq=4096, steps=1000, lr=3e-4, warmup=100, eval_every=200, eval_batches=2),
-    "qwen3-235b-a22b": dict(batch=None, seq=4096, steps=1000, lr=1.5e-4, warmup=100, eval_every=200,
-                            eval_batches=2),
+    "qwen3-235b-a22b": dict(batch=None, seq=4096, steps=1000, lr=1.5e-4, warmup=100, eval_every=200, eval_batches=2),
 }
 SEQUENCES_PER_DEVICE = 4  # the full-depth presets' batch: this many sequences per device
 
@@ -50,35 +48,58 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def _preset_default(key: str) -> str:
-    values = ", ".join(f"{name} {preset[key] if preset[key] is not None else f'{SEQUENCES_PER_DEVICE} per device'}"
-                       for name, preset in PRESETS.items())
+    values = ", ".join(
+        f"{name} {preset[key] if preset[key] is not None else f'{SEQUENCES_PER_DEVICE} per device'}"
+        for name, preset in PRESETS.items()
+    )
     return "default from --preset: " + values
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
     model = parser.add_argument_group("model")
-    model.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                       help="tiny: byte-level 2-layer model; qwen3-30b-a3b-4layer: Qwen3-30B-A3B widths, 4 layers; "
-                            "qwen3-30b-a3b, qwen3-235b-a22b: the published models, full depth")
+    model.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="tiny",
+        help="tiny: byte-level 2-layer model; qwen3-30b-a3b-4layer: Qwen3-30B-A3B widths, 4 layers; "
+        "qwen3-30b-a3b, qwen3-235b-a22b: the published models, full depth",
+    )
     model.add_argument("--layers", type=int, help="override the preset's number of decoder layers")
-    model.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
-                       help="run same-kind layers under nnx.scan (compile time independent of depth); "
-                            "--no-scan-layers unrolls them")
-    model.add_argument("--implementation", choices=["auto", "cpu", "cuda", "reference", "ragged_dot"],
-                       default="auto",
-                       help="MoE expert kernels; ragged_dot is the pure-JAX sort + jax.lax.ragged_dot baseline")
-    model.add_argument("--transport", choices=["xla", "ragged", "nvlink"], default="xla",
-                       help="expert-parallel transport (moe_ffn_ep) when the expert axis spans devices; nvlink "
-                            "(GPUs of one host) opens one NvlinkWorkspace for the run")
+    model.add_argument(
+        "--scan-layers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run same-kind layers under nnx.scan (compile time independent of depth); --no-scan-layers unrolls them",
+    )
+    model.add_argument(
+        "--implementation",
+        choices=["auto", "cpu", "cuda", "reference", "ragged_dot"],
+        default="auto",
+        help="MoE expert kernels; ragged_dot is the pure-JAX sort + jax.lax.ragged_dot baseline",
+    )
+    model.add_argument(
+        "--transport",
+        choices=["xla", "ragged", "nvlink"],
+        default="xla",
+        help="expert-parallel transport (moe_ffn_ep) when the expert axis spans devices; nvlink "
+        "(GPUs of one host) opens one NvlinkWorkspace for the run",
+    )
     model.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
     model.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
-    model.add_argument("--remat-save-moe", action="store_true",
-                       help="with --remat, keep the experts' gate/up projections instead of recomputing them")
-    model.add_argument("--attention-impl", choices=["xla", "cudnn", "chunked"], default=None,
-                       help="jax.nn.dot_product_attention implementation, or chunked (pure JAX over query blocks, "
-                            "memory linear in --seq) (default: JAX's choice; with --dry-run on CPU: chunked, "
-                            "standing in for cuDNN's flash attention)")
+    model.add_argument(
+        "--remat-save-moe",
+        action="store_true",
+        help="with --remat, keep the experts' gate/up projections instead of recomputing them",
+    )
+    model.add_argument(
+        "--attention-impl",
+        choices=["xla", "cudnn", "chunked"],
+        default=None,
+        help="jax.nn.dot_product_attention implementation, or chunked (pure JAX over query blocks, "
+        "memory linear in --seq) (default: JAX's choice; with --dry-run on CPU: chunked, "
+        "standing in for cuDNN's flash attention)",
+    )
     run = parser.add_argument_group("training")
     run.add_argument("--steps", type=int, help="total optimizer steps; " + _preset_default("steps"))
     run.add_argument("--batch", type=int, help="global batch size in sequences; " + _preset_default("batch"))
@@ -88,25 +109,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--lr-decay-steps", type=int, help="cosine decay horizon (default: --steps)")
     run.add_argument("--weight-decay", type=float, default=0.1)
     run.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
-    run.add_argument("--aux-loss-coef", type=float, help="load-balancing loss weight (default: the config's "
-                                                          "router_aux_loss_coef)")
+    run.add_argument(
+        "--aux-loss-coef", type=float, help="load-balancing loss weight (default: the config's router_aux_loss_coef)"
+    )
     run.add_argument("--z-loss-coef", type=float, default=0.0, help="router z-loss weight")
     run.add_argument("--seed", type=int, default=0)
     mesh = parser.add_argument_group("devices")
     mesh.add_argument("--mesh-data", type=int, help="data-parallel mesh size (default: devices / expert size)")
-    mesh.add_argument("--mesh-expert", type=int,
-                      help="expert-parallel mesh size (default: the largest divisor of the device count and "
-                           "the expert count that leaves data parallelism >= 2 where possible)")
-    mesh.add_argument("--fsdp", action="store_true",
-                      help="shard the parameters and optimizer state over the data axis as well (FSDP; each layer "
-                           "gathered inside the step); default: only the experts are sharded, over expert")
-    mesh.add_argument("--fsdp-over-expert", action="store_true",
-                      help="with --fsdp, shard the non-expert matrices over every device (data x expert), not data "
-                           "alone: less memory for more gather traffic over the expert axis (inside a host)")
-    mesh.add_argument("--host-devices", type=int, default=8,
-                      help="CPU devices to emulate when JAX runs on the host (sets XLA_FLAGS before JAX starts)")
-    mesh.add_argument("--coordinator-address", help="jax.distributed coordinator host:port for a manual "
-                      "multi-process launch (also JAX_COORDINATOR_ADDRESS), with --num-processes and --process-id")
+    mesh.add_argument(
+        "--mesh-expert",
+        type=int,
+        help="expert-parallel mesh size (default: the largest divisor of the device count and "
+        "the expert count that leaves data parallelism >= 2 where possible)",
+    )
+    mesh.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the parameters and optimizer state over the data axis as well (FSDP; each layer "
+        "gathered inside the step); default: only the experts are sharded, over expert",
+    )
+    mesh.add_argument(
+        "--fsdp-over-expert",
+        action="store_true",
+        help="with --fsdp, shard the non-expert matrices over every device (data x expert), not data "
+        "alone: less memory for more gather traffic over the expert axis (inside a host)",
+    )
+    mesh.add_argument(
+        "--host-devices",
+        type=int,
+        default=8,
+        help="CPU devices to emulate when JAX runs on the host (sets XLA_FLAGS before JAX starts)",
+    )
+    mesh.add_argument(
+        "--coordinator-address",
+        help="jax.distributed coordinator host:port for a manual "
+        "multi-process launch (also JAX_COORDINATOR_ADDRESS), with --num-processes and --process-id",
+    )
     mesh.add_argument("--num-processes", type=int, help="processes of a manual multi-process launch")
     mesh.add_argument("--process-id", type=int, help="this process's index in a manual multi-process launch")
     mesh.add_argument("--peak-tflops", type=float, help="per-device peak for MFU (default: known for H200)")
@@ -114,27 +152,46 @@ def parse_args(argv=None) -> argparse.Namespace:
     io.add_argument("--data", help="token file (.npy, or raw .bin of --bin-dtype); default: stdlib bytes")
     io.add_argument("--bin-dtype", default="uint16", help="dtype of a raw .bin token file")
     io.add_argument("--corpus-bytes", type=int, default=8 << 20, help="bytes of stdlib source to train on")
-    io.add_argument("--eval-every", type=int, help="steps between eval-loss measurements; " + _preset_default("eval_every"))
+    io.add_argument(
+        "--eval-every", type=int, help="steps between eval-loss measurements; " + _preset_default("eval_every")
+    )
     io.add_argument("--eval-batches", type=int, help="held-out batches per eval; " + _preset_default("eval_batches"))
     io.add_argument("--out-dir", default="runs/train_qwen3_moe", help="metrics.jsonl, loss_curve.png, summary.json")
     io.add_argument("--ckpt-dir", help="orbax checkpoint directory (no checkpoints without it)")
     io.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints (the last always)")
     io.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
     plan = parser.add_argument_group("memory plan")
-    plan.add_argument("--dry-run", action="store_true",
-                      help="compile the train step for the mesh and preset, print XLA's per-device memory analysis "
-                           "(estimates on host CPU devices) and exit; allocates nothing. Also written to "
-                           "--out-dir/memory_plan.json")
-    plan.add_argument("--memory-budget-gb", type=float, default=0.9 * 141,
-                      help="per-device memory the plan must fit in, GB (default: 90%% of an H200's 141 GB)")
+    plan.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="compile the train step for the mesh and preset, print XLA's per-device memory analysis "
+        "(estimates on host CPU devices) and exit; allocates nothing. Also written to "
+        "--out-dir/memory_plan.json",
+    )
+    plan.add_argument(
+        "--memory-budget-gb",
+        type=float,
+        default=0.9 * 141,
+        help="per-device memory the plan must fit in, GB (default: 90%% of an H200's 141 GB)",
+    )
     args = parser.parse_args(argv)
 
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.lr_decay_steps = args.lr_decay_steps or args.steps
-    for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "ckpt_every", "host_devices", "lr_decay_steps",
-                 "layers", "num_processes"):
+    for name in (
+        "steps",
+        "batch",
+        "seq",
+        "eval_every",
+        "eval_batches",
+        "ckpt_every",
+        "host_devices",
+        "lr_decay_steps",
+        "layers",
+        "num_processes",
+    ):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("mesh_data", "mesh_expert"):
@@ -169,15 +226,22 @@ def multi_process_launch(args) -> bool:
     """Whether this process is one of several that must join one JAX job (launched by hand with
     --num-processes, or by SLURM / Open MPI / a JAX_COORDINATOR_ADDRESS environment)."""
     counts = (os.environ.get("SLURM_NTASKS"), os.environ.get("OMPI_COMM_WORLD_SIZE"))
-    return (args.num_processes is not None or bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
-            or any(c and int(c) > 1 for c in counts))
+    return (
+        args.num_processes is not None
+        or bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
+        or any(c and int(c) > 1 for c in counts)
+    )
 
 
 def model_config(preset: str, layers: int | None = None):
     from jax_megamoe.models import qwen3_moe
 
-    config = {"tiny": qwen3_moe.tiny, "qwen3-30b-a3b-4layer": qwen3_moe.qwen3_30b_a3b,
-              "qwen3-30b-a3b": qwen3_moe.qwen3_30b_a3b, "qwen3-235b-a22b": qwen3_moe.qwen3_235b_a22b}[preset]()
+    config = {
+        "tiny": qwen3_moe.tiny,
+        "qwen3-30b-a3b-4layer": qwen3_moe.qwen3_30b_a3b,
+        "qwen3-30b-a3b": qwen3_moe.qwen3_30b_a3b,
+        "qwen3-235b-a22b": qwen3_moe.qwen3_235b_a22b,
+    }[preset]()
     if preset == "qwen3-30b-a3b-4layer":
         config = dataclasses.replace(config, num_hidden_layers=4)
     return dataclasses.replace(config, num_hidden_layers=layers) if layers else config
@@ -245,9 +309,11 @@ def main(argv=None) -> None:
         args.fail(str(error))
     summary = trainer.train(args, config, train_tokens, eval_tokens)
     if summary:
-        print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (mean of the last steps; eval "
-              f"{summary['final_eval_loss']:.3f}); {summary['tokens_per_s'] or 0:,.0f} tokens/s; outputs in "
-              f"{args.out_dir}")
+        print(
+            f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (mean of the last steps; eval "
+            f"{summary['final_eval_loss']:.3f}); {summary['tokens_per_s'] or 0:,.0f} tokens/s; outputs in "
+            f"{args.out_dir}"
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,18 @@ from jax_megamoe.ops.moe import moe_ffn
 from jax_megamoe.ops.routing import load_balancing_loss, route, router_z_loss
 from jax_megamoe.parallel import EPStats, NvlinkTransport, NvlinkWorkspace, Transport, moe_ffn_ep
 
-__all__ = ["route", "moe_ffn", "moe_ffn_ep", "EPStats", "GemmConfig", "GemmTiles", "NvlinkTransport",
-           "NvlinkWorkspace", "Transport", "load_balancing_loss", "router_z_loss", "losses"]
+__all__ = [
+    "route",
+    "moe_ffn",
+    "moe_ffn_ep",
+    "EPStats",
+    "GemmConfig",
+    "GemmTiles",
+    "NvlinkTransport",
+    "NvlinkWorkspace",
+    "Transport",
+    "load_balancing_loss",
+    "router_z_loss",
+    "losses",
+]
 __version__ = "0.1.0"

@@ -51,7 +51,7 @@ def _mark_varying(value, axes: frozenset):
         return value
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(value, missing, to="varying")
-    return jax.lax.pvary(value, missing)
+    return jax.lax.pvary(value, missing)  # type: ignore[attr-defined]  # releases before pcast
 
 
 def vary_alike(*values):
@@ -68,9 +68,13 @@ _platform_guard_p = Primitive("jmm_platform_guard")
 _platform_guard_p.def_impl(lambda x, **_: x)
 _platform_guard_p.def_abstract_eval(lambda aval, **_: aval)
 batching.primitive_batchers[_platform_guard_p] = lambda args, dims, **params: (
-    _platform_guard_p.bind(*args, **params), dims[0])
+    _platform_guard_p.bind(*args, **params),
+    dims[0],
+)
 ad.primitive_jvps[_platform_guard_p] = lambda primals, tangents, **params: (
-    _platform_guard_p.bind(*primals, **params), tangents[0])
+    _platform_guard_p.bind(*primals, **params),
+    tangents[0],
+)
 mlir.register_lowering(_platform_guard_p, lambda ctx, x, **_: [x])
 
 _IMPLEMENTATION_OF_PLATFORM = {"cpu": "cpu", "CUDA": "cuda"}
@@ -84,8 +88,10 @@ def _guard_lowering(lowered_for: str):
                 f"{target} is a kernel of implementation={implementation!r}, which runs on {platform} devices, but "
                 f"the program is being compiled for {lowered_for}. jax_megamoe picks its kernels when the function "
                 f"is traced (implementation='auto' follows the arrays' devices, else jax.default_backend()): pass "
-                f"the implementation for {lowered_for} explicitly, or 'reference'")
+                f"the implementation for {lowered_for} explicitly, or 'reference'"
+            )
         return [x]
+
     return rule
 
 
@@ -112,7 +118,8 @@ def call(target: Target, result_shapes, *operands, workspace_args: tuple = (), *
         shapes = (*shapes, jax.ShapeDtypeStruct((size,), jnp.uint8))
     axes = frozenset().union(*(_varying_axes(a) for a in operands))
     guarded = (_platform_guard_p.bind(operands[0], target=target.name, platform=target.platform), *operands[1:])
-    results = jax.ffi.ffi_call(target.name, shapes, vmap_method=target.vmap_method,
-                               input_output_aliases=dict(target.aliases) or None)(*guarded, **attrs)
-    results = results[:len(result_shapes)]
-    return type(results)(_mark_varying(r, axes) for r in results)
+    results = jax.ffi.ffi_call(
+        target.name, shapes, vmap_method=target.vmap_method, input_output_aliases=dict(target.aliases) or None
+    )(*guarded, **attrs)
+    results = results[: len(result_shapes)]
+    return tuple(_mark_varying(r, axes) for r in results)

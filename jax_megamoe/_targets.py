@@ -43,44 +43,73 @@ def _aliases(**pairs: int) -> Mapping[int, int]:
 # moe_ffn's four ops, per implementation (contract: jax_megamoe/ops/moe.py).
 MOE_LAYOUT = {
     "cpu": Target("jmm_cpu_moe_layout", "cpu", attrs=("num_experts",)),
-    "cuda": Target("jmm_cuda_moe_layout", "CUDA", attrs=("num_experts",),
-                   workspace_query="jmm_cuda_moe_layout_workspace_bytes"),
+    "cuda": Target(
+        "jmm_cuda_moe_layout", "CUDA", attrs=("num_experts",), workspace_query="jmm_cuda_moe_layout_workspace_bytes"
+    ),
 }
 MOE_GATE_UP = {
     "cpu": Target("jmm_cpu_moe_gate_up", "cpu"),
-    "cuda": Target("jmm_cuda_moe_gate_up", "CUDA", attrs=("fwd_gate_up_tiles",),
-                   workspace_query="jmm_cuda_moe_gate_up_workspace_bytes"),
+    "cuda": Target(
+        "jmm_cuda_moe_gate_up",
+        "CUDA",
+        attrs=("fwd_gate_up_tiles",),
+        workspace_query="jmm_cuda_moe_gate_up_workspace_bytes",
+    ),
 }
 MOE_DOWN = {
     "cpu": Target("jmm_cpu_moe_down", "cpu"),
-    "cuda": Target("jmm_cuda_moe_down", "CUDA", attrs=("fwd_down_tiles",),
-                   workspace_query="jmm_cuda_moe_down_workspace_bytes"),
+    "cuda": Target(
+        "jmm_cuda_moe_down", "CUDA", attrs=("fwd_down_tiles",), workspace_query="jmm_cuda_moe_down_workspace_bytes"
+    ),
 }
 MOE_BACKWARD = {
     "cpu": Target("jmm_cpu_moe_backward", "cpu"),
     # dz (result 4, the gradient of gate_up) is written over the gate_up operand (5), its last reader.
-    "cuda": Target("jmm_cuda_moe_backward", "CUDA", attrs=("bwd_down_tiles", "bwd_gate_up_tiles"),
-                   workspace_query="jmm_cuda_moe_backward_workspace_bytes", aliases=_aliases(operand5=4)),
+    "cuda": Target(
+        "jmm_cuda_moe_backward",
+        "CUDA",
+        attrs=("bwd_down_tiles", "bwd_gate_up_tiles"),
+        workspace_query="jmm_cuda_moe_backward_workspace_bytes",
+        aliases=_aliases(operand5=4),
+    ),
 }
 
 # The nvlink transport (contract: jax_megamoe/parallel/nvlink/). Emulated workspaces run every shard in one
 # call, so under jax.vmap the handler sees the whole batch.
-NVLINK_EXCHANGE = Target("jmm_cuda_nvlink_exchange", "CUDA", attrs=("workspace", "fill_byte"),
-                         vmap_method="broadcast_all")
-NVLINK_MOE_GATE_UP = Target("jmm_cuda_nvlink_moe_gate_up", "CUDA", attrs=("workspace",),
-                            workspace_query="jmm_cuda_nvlink_moe_gate_up_workspace_bytes",
-                            vmap_method="broadcast_all")
-NVLINK_MOE_DOWN = Target("jmm_cuda_nvlink_moe_down", "CUDA", attrs=("workspace",),
-                         workspace_query="jmm_cuda_nvlink_moe_down_workspace_bytes",
-                         vmap_method="broadcast_all")
-NVLINK_MOE_BACKWARD = Target("jmm_cuda_nvlink_moe_backward", "CUDA",
-                             attrs=("workspace", "bwd_down_tiles", "bwd_gate_up_tiles"),
-                             workspace_query="jmm_cuda_nvlink_moe_backward_workspace_bytes",
-                             aliases=_aliases(operand5=4), vmap_method="broadcast_all")
+NVLINK_EXCHANGE = Target(
+    "jmm_cuda_nvlink_exchange", "CUDA", attrs=("workspace", "fill_byte"), vmap_method="broadcast_all"
+)
+NVLINK_MOE_GATE_UP = Target(
+    "jmm_cuda_nvlink_moe_gate_up",
+    "CUDA",
+    attrs=("workspace",),
+    workspace_query="jmm_cuda_nvlink_moe_gate_up_workspace_bytes",
+    vmap_method="broadcast_all",
+)
+NVLINK_MOE_DOWN = Target(
+    "jmm_cuda_nvlink_moe_down",
+    "CUDA",
+    attrs=("workspace",),
+    workspace_query="jmm_cuda_nvlink_moe_down_workspace_bytes",
+    vmap_method="broadcast_all",
+)
+NVLINK_MOE_BACKWARD = Target(
+    "jmm_cuda_nvlink_moe_backward",
+    "CUDA",
+    attrs=("workspace", "bwd_down_tiles", "bwd_gate_up_tiles"),
+    workspace_query="jmm_cuda_nvlink_moe_backward_workspace_bytes",
+    aliases=_aliases(operand5=4),
+    vmap_method="broadcast_all",
+)
 
 
 def all_targets() -> tuple[Target, ...]:
     """Every declared target, for registration and the table's tests."""
     per_op = (MOE_LAYOUT, MOE_GATE_UP, MOE_DOWN, MOE_BACKWARD)
-    return (*(t for op in per_op for t in op.values()), NVLINK_EXCHANGE, NVLINK_MOE_GATE_UP, NVLINK_MOE_DOWN,
-            NVLINK_MOE_BACKWARD)
+    return (
+        *(t for op in per_op for t in op.values()),
+        NVLINK_EXCHANGE,
+        NVLINK_MOE_GATE_UP,
+        NVLINK_MOE_DOWN,
+        NVLINK_MOE_BACKWARD,
+    )

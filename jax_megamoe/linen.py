@@ -24,6 +24,7 @@ class MoE(nn.Module):
     from the input), including `implementation` and `transport` (`"xla"`, `"ragged"` or a
     `jax_megamoe.NvlinkTransport`; a module attribute, not a variable).
     """
+
     intermediate_size: int
     num_experts: int
     top_k: int
@@ -43,16 +44,31 @@ class MoE(nn.Module):
         check_layer_args(hidden, self.intermediate_size, self.num_experts, self.top_k, self.capacity_factor)
         dtype = self.dtype or x.dtype
         tokens = x.reshape(-1, hidden)
-        router_logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
-                                 kernel_init=self.router_init, name="router")(tokens.astype(jnp.float32))
+        router_logits = nn.Dense(
+            self.num_experts,
+            use_bias=False,
+            dtype=jnp.float32,
+            param_dtype=self.param_dtype,
+            kernel_init=self.router_init,
+            name="router",
+        )(tokens.astype(jnp.float32))
         init = self.kernel_init or default_expert_init()
         if self.expert_axis is not None:
             init = nn.with_partitioning(init, (self.expert_axis, None, None))
-        w_gate_up = self.param("w_gate_up", init, (self.num_experts, hidden, 2 * self.intermediate_size),
-                               self.param_dtype)
+        w_gate_up = self.param(
+            "w_gate_up", init, (self.num_experts, hidden, 2 * self.intermediate_size), self.param_dtype
+        )
         w_down = self.param("w_down", init, (self.num_experts, self.intermediate_size, hidden), self.param_dtype)
-        y, aux = moe_block(tokens.astype(dtype), router_logits, w_gate_up.astype(dtype), w_down.astype(dtype),
-                           top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
-                           capacity_factor=self.capacity_factor, implementation=self.implementation,
-                           expert_axis=self.expert_axis, transport=self.transport)
+        y, aux = moe_block(
+            tokens.astype(dtype),
+            router_logits,
+            w_gate_up.astype(dtype),
+            w_down.astype(dtype),
+            top_k=self.top_k,
+            norm_topk_prob=self.norm_topk_prob,
+            capacity_factor=self.capacity_factor,
+            implementation=self.implementation,
+            expert_axis=self.expert_axis,
+            transport=self.transport,
+        )
         return y.reshape(*x.shape[:-1], hidden), aux

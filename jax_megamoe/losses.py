@@ -63,10 +63,12 @@ def _scan_chunks(hidden, kernel, labels, mask, scale, with_grad: bool):
         if not with_grad:
             return (loss + loss_c, d_kernel), None
         precision = _matmul_precision(hidden.dtype)
-        d_h = jnp.dot(g.astype(hidden.dtype), kernel.T, preferred_element_type=jnp.float32,
-                      precision=precision).astype(hidden.dtype)
-        d_kernel = d_kernel + jnp.dot(h_c.T, g.astype(hidden.dtype), preferred_element_type=jnp.float32,
-                                      precision=precision)
+        d_h = jnp.dot(g.astype(hidden.dtype), kernel.T, preferred_element_type=jnp.float32, precision=precision).astype(
+            hidden.dtype
+        )
+        d_kernel = d_kernel + jnp.dot(
+            h_c.T, g.astype(hidden.dtype), preferred_element_type=jnp.float32, precision=precision
+        )
         return (loss + loss_c, d_kernel), d_h
 
     d_kernel = jnp.zeros(kernel.shape, jnp.float32) if with_grad else None
@@ -97,15 +99,20 @@ def _lce_fwd(hidden, kernel, labels, mask, reduction):
 def _lce_bwd(reduction, residuals, d_loss):
     d_hidden, d_kernel, labels, mask = residuals
     zero_int = np.zeros((), jax.dtypes.float0)
-    return ((d_hidden * d_loss).astype(d_hidden.dtype), (d_kernel * d_loss).astype(d_kernel.dtype),
-            np.broadcast_to(zero_int, labels.shape), np.broadcast_to(zero_int, mask.shape))
+    return (
+        (d_hidden * d_loss).astype(d_hidden.dtype),
+        (d_kernel * d_loss).astype(d_kernel.dtype),
+        np.broadcast_to(zero_int, labels.shape),
+        np.broadcast_to(zero_int, mask.shape),
+    )
 
 
 _linear_cross_entropy.defvjp(_lce_fwd, _lce_bwd)
 
 
-def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, *, where: jax.Array | None = None,
-                         reduction: str = "mean") -> jax.Array:
+def linear_cross_entropy(
+    hidden: jax.Array, kernel: jax.Array, labels: jax.Array, *, where: jax.Array | None = None, reduction: str = "mean"
+) -> jax.Array:
     """Softmax cross-entropy of `hidden @ kernel` against `labels`, as a float32 scalar.
 
     Args:

@@ -25,15 +25,17 @@ from jax_megamoe.ops.routing import load_balancing_loss, route, router_z_loss
 if TYPE_CHECKING:
     from jax_megamoe.parallel import Transport
 
+ROUTER_INIT = nnx.initializers.normal(0.02)  # the router kernel's default initialiser
 ExpertFn = Callable[..., jax.Array]
 
 
 class MoEAux(NamedTuple):
     """Side outputs of an MoE layer (a pytree: it flows through `jit`, `scan` and `remat`)."""
+
     load_balancing_loss: jax.Array  # [] float32, Switch/HF form; equals top_k at perfect balance
-    router_z_loss: jax.Array        # [] float32, mean(logsumexp(logits)^2)
-    expert_counts: jax.Array        # [E] int32, (token, k) pairs the router sent to each expert
-    dropped_pairs: jax.Array        # [] int32, pairs dropped by the capacity limit (0 when dropless)
+    router_z_loss: jax.Array  # [] float32, mean(logsumexp(logits)^2)
+    expert_counts: jax.Array  # [E] int32, (token, k) pairs the router sent to each expert
+    dropped_pairs: jax.Array  # [] int32, pairs dropped by the capacity limit (0 when dropless)
 
 
 def active_mesh():
@@ -65,13 +67,28 @@ def local_ffn(x, weights, experts, w_gate_up, w_down, *, implementation, capacit
     dropped = jnp.zeros((), jnp.int32)
     if capacity_factor is not None:
         experts, dropped = apply_capacity(experts, w_gate_up.shape[0], capacity_factor)
-    expert_fn = (implementation if callable(implementation)
-                 else functools.partial(moe_ffn, implementation=implementation, recipe=recipe))
+    expert_fn = (
+        implementation
+        if callable(implementation)
+        else functools.partial(moe_ffn, implementation=implementation, recipe=recipe)
+    )
     return expert_fn(x, weights, experts, w_gate_up, w_down), dropped
 
 
-def sharded_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, implementation, transport,
-                capacity_factor, recipe=None):
+def sharded_ffn(
+    mesh,
+    x,
+    weights,
+    experts,
+    w_gate_up,
+    w_down,
+    *,
+    expert_axis,
+    implementation,
+    transport,
+    capacity_factor,
+    recipe=None,
+):
     """The experts under `shard_map` over `mesh`: tokens split over every mesh axis; the experts split
     over `expert_axis` (`moe_ffn_ep` with `transport`), or replicated when it is None (`moe_ffn` per shard).
 
@@ -79,8 +96,10 @@ def sharded_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, im
     """
     num_shards = math.prod(mesh.shape.values())
     if x.shape[0] % num_shards:
-        raise ValueError(f"the MoE layer splits its {x.shape[0]} tokens over all {num_shards} devices of the "
-                         f"mesh {dict(mesh.shape)}; the token count must be divisible by {num_shards}")
+        raise ValueError(
+            f"the MoE layer splits its {x.shape[0]} tokens over all {num_shards} devices of the "
+            f"mesh {dict(mesh.shape)}; the token count must be divisible by {num_shards}"
+        )
     if expert_axis is not None and expert_axis not in mesh.axis_names:
         raise ValueError(f"expert_axis={expert_axis!r} is not an axis of the active mesh {mesh.axis_names}")
     if expert_axis is not None and callable(implementation):
@@ -90,27 +109,56 @@ def sharded_ffn(mesh, x, weights, experts, w_gate_up, w_down, *, expert_axis, im
 
     def shard_fn(x, weights, experts, w_gate_up, w_down):
         if expert_axis is None:
-            y, dropped = local_ffn(x, weights, experts, w_gate_up, w_down, implementation=implementation,
-                                   capacity_factor=capacity_factor, recipe=recipe)
+            y, dropped = local_ffn(
+                x,
+                weights,
+                experts,
+                w_gate_up,
+                w_down,
+                implementation=implementation,
+                capacity_factor=capacity_factor,
+                recipe=recipe,
+            )
         else:
             from jax_megamoe.parallel import moe_ffn_ep  # only expert-parallel use needs it
 
-            y, stats = moe_ffn_ep(x, weights, experts, w_gate_up, w_down, axis_name=expert_axis,
-                                  transport=transport, implementation=implementation,
-                                  capacity_factor=capacity_factor, return_stats=True,
-                                  num_experts=w_gate_up.shape[0] * mesh.shape[expert_axis], recipe=recipe)
+            y, stats = moe_ffn_ep(
+                x,
+                weights,
+                experts,
+                w_gate_up,
+                w_down,
+                axis_name=expert_axis,
+                transport=transport,
+                implementation=implementation,
+                capacity_factor=capacity_factor,
+                return_stats=True,
+                num_experts=w_gate_up.shape[0] * mesh.shape[expert_axis],
+                recipe=recipe,
+            )
             dropped = stats.pairs_dropped
         return y, jax.lax.psum(dropped, all_axes)
 
     experts_spec = P(expert_axis)
-    return jax.shard_map(shard_fn, mesh=mesh, in_specs=(tokens, tokens, tokens, experts_spec, experts_spec),
-                         out_specs=(tokens, P()))(x, weights, experts, w_gate_up, w_down)
+    return jax.shard_map(
+        shard_fn, mesh=mesh, in_specs=(tokens, tokens, tokens, experts_spec, experts_spec), out_specs=(tokens, P())
+    )(x, weights, experts, w_gate_up, w_down)
 
 
-def moe_block(x: jax.Array, router_logits: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, top_k: int,
-              norm_topk_prob: bool = True, capacity_factor: float | None = None,
-              implementation: str | ExpertFn = "auto", expert_axis: str | None = None,
-              transport: str | Transport = "xla", recipe: str | None = None) -> tuple[jax.Array, MoEAux]:
+def moe_block(
+    x: jax.Array,
+    router_logits: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    top_k: int,
+    norm_topk_prob: bool = True,
+    capacity_factor: float | None = None,
+    implementation: str | ExpertFn = "auto",
+    expert_axis: str | None = None,
+    transport: str | Transport = "xla",
+    recipe: str | None = None,
+) -> tuple[jax.Array, MoEAux]:
     """Routes `x [T, H]` by `router_logits [T, E]` and runs the experts; returns `(y [T, H], MoEAux)`.
 
     `w_gate_up [E, H, 2I]` and `w_down [E, I, H]` must already be in x's dtype. `implementation` is a
@@ -121,20 +169,38 @@ def moe_block(x: jax.Array, router_logits: jax.Array, w_gate_up: jax.Array, w_do
     """
     num_experts = router_logits.shape[-1]
     weights, experts = route(router_logits, top_k, norm_topk_prob)
-    aux_losses = (load_balancing_loss(router_logits, experts), router_z_loss(router_logits),
-                  reference.expert_counts(experts, num_experts))
+    aux_losses = (
+        load_balancing_loss(router_logits, experts),
+        router_z_loss(router_logits),
+        reference.expert_counts(experts, num_experts),
+    )
     mesh = active_mesh()
-    run = local_ffn if mesh is None else functools.partial(sharded_ffn, mesh, expert_axis=expert_axis,
-                                                          transport=transport)
-    y, dropped = run(x, weights, experts, w_gate_up, w_down, implementation=implementation,
-                     capacity_factor=capacity_factor, recipe=recipe)
+    run = (
+        local_ffn
+        if mesh is None
+        else functools.partial(sharded_ffn, mesh, expert_axis=expert_axis, transport=transport)
+    )
+    y, dropped = run(
+        x,
+        weights,
+        experts,
+        w_gate_up,
+        w_down,
+        implementation=implementation,
+        capacity_factor=capacity_factor,
+        recipe=recipe,
+    )
     return y, MoEAux(*aux_losses, dropped)
 
 
 def check_layer_args(hidden_size, intermediate_size, num_experts, top_k, capacity_factor) -> None:
     """Validates the MoE layer's constructor arguments (shared by the NNX and Linen layers)."""
-    for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
-                        ("num_experts", num_experts), ("top_k", top_k)):
+    for name, value in (
+        ("hidden_size", hidden_size),
+        ("intermediate_size", intermediate_size),
+        ("num_experts", num_experts),
+        ("top_k", top_k),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if top_k > num_experts:
@@ -173,12 +239,25 @@ class MoE(nnx.Module):
       kernel_init, router_init: initialisers of the expert weights and the router kernel.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
-                 norm_topk_prob: bool = True, capacity_factor: float | None = None,
-                 implementation: str | ExpertFn = "auto", expert_axis: str | None = None,
-                 transport: str | Transport = "xla", recipe: str | None = None, dtype=None,
-                 param_dtype=jnp.float32, kernel_init: nnx.Initializer | None = None,
-                 router_init: nnx.Initializer = nnx.initializers.normal(0.02), rngs: nnx.Rngs):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        norm_topk_prob: bool = True,
+        capacity_factor: float | None = None,
+        implementation: str | ExpertFn = "auto",
+        expert_axis: str | None = None,
+        transport: str | Transport = "xla",
+        recipe: str | None = None,
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init: nnx.Initializer | None = None,
+        router_init: nnx.Initializer = ROUTER_INIT,
+        rngs: nnx.Rngs,
+    ):
         check_layer_args(hidden_size, intermediate_size, num_experts, top_k, capacity_factor)
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
@@ -188,13 +267,20 @@ class MoE(nnx.Module):
         self.recipe = recipe  # moe_ffn's recipe: None or "fp8_blockwise" (docs/fp8.md)
         self.transport = transport  # static: part of the graph definition, shared by every copy
         self.dtype = dtype
-        self.router = nnx.Linear(hidden_size, num_experts, use_bias=False, dtype=jnp.float32,
-                                 param_dtype=param_dtype, kernel_init=router_init, rngs=rngs)
+        self.router = nnx.Linear(
+            hidden_size,
+            num_experts,
+            use_bias=False,
+            dtype=jnp.float32,
+            param_dtype=param_dtype,
+            kernel_init=router_init,
+            rngs=rngs,
+        )
         kernel_init = kernel_init or default_expert_init()
-        self.w_gate_up = self._expert_param(kernel_init, rngs, (num_experts, hidden_size, 2 * intermediate_size),
-                                            param_dtype)
-        self.w_down = self._expert_param(kernel_init, rngs, (num_experts, intermediate_size, hidden_size),
-                                         param_dtype)
+        self.w_gate_up = self._expert_param(
+            kernel_init, rngs, (num_experts, hidden_size, 2 * intermediate_size), param_dtype
+        )
+        self.w_down = self._expert_param(kernel_init, rngs, (num_experts, intermediate_size, hidden_size), param_dtype)
 
     def _expert_param(self, init, rngs, shape, param_dtype) -> nnx.Param:
         value = init(rngs.params(), shape, param_dtype)
@@ -209,8 +295,17 @@ class MoE(nnx.Module):
         dtype = self.dtype or x.dtype
         tokens = x.reshape(-1, x.shape[-1])
         router_logits = self.router(tokens.astype(jnp.float32))
-        y, aux = moe_block(tokens.astype(dtype), router_logits, self.w_gate_up[...].astype(dtype),
-                           self.w_down[...].astype(dtype), top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
-                           capacity_factor=self.capacity_factor, implementation=self.implementation,
-                           expert_axis=self.expert_axis, transport=self.transport, recipe=self.recipe)
+        y, aux = moe_block(
+            tokens.astype(dtype),
+            router_logits,
+            self.w_gate_up[...].astype(dtype),
+            self.w_down[...].astype(dtype),
+            top_k=self.top_k,
+            norm_topk_prob=self.norm_topk_prob,
+            capacity_factor=self.capacity_factor,
+            implementation=self.implementation,
+            expert_axis=self.expert_axis,
+            transport=self.transport,
+            recipe=self.recipe,
+        )
         return y.reshape(*x.shape[:-1], y.shape[-1]), aux

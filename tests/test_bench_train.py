@@ -25,19 +25,42 @@ TINY_VOCAB = 256
 
 def cpu_env() -> dict[str, str]:
     """One CPU device (conftest asks for 8 for the mesh tests), the worktree's package first on the path."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if not f.startswith("--xla_force_host_platform_device_count"))
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
+    env["XLA_FLAGS"] = " ".join(
+        f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
+    )
     return env
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_train")
-    cmd = [sys.executable, str(SCRIPT), "--preset", "tiny", "--layers", "1", "--steps", "2", "--warmup", "1",
-           "--stacks", "ours,ours_lce,tokamax,torch", "--breakdown", "ours_lce", "--matmul-size", "128",
-           "--json", str(out / "train.json"), "--png", str(out / "train.png")]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--preset",
+        "tiny",
+        "--layers",
+        "1",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--stacks",
+        "ours,ours_lce,tokamax,torch",
+        "--breakdown",
+        "ours_lce",
+        "--matmul-size",
+        "128",
+        "--json",
+        str(out / "train.json"),
+        "--png",
+        str(out / "train.png"),
+    ]
     proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=1200, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "train.json").read_text()), proc.stdout, out
@@ -60,7 +83,7 @@ def test_tiny_run_reports_every_stack(tiny_run):
         assert row["status"] == "ok", row
         assert len(row["step_s"]) == 2 and row["median_step_ms"] > 0
         assert row["tokens_per_s"] == pytest.approx(64 / (row["median_step_ms"] / 1e3))
-        assert 0 < row["mfu"] and row["model_tflops"] > 0
+        assert row["mfu"] > 0 and row["model_tflops"] > 0
         assert "peak_memory_bytes" in row and row["peak_memory_bytes"] is None  # CPUs keep no statistics
         assert row["label"] in stdout
     # The same tokens and the same architecture (parameter count) in every stack.
@@ -99,6 +122,7 @@ def test_sorted_ragged_ffn_matches_the_reference():
     import jax.numpy as jnp
 
     from jax_megamoe import reference
+
     t, h, i, e, k = 24, 16, 8, 4, 2
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     x = jax.random.normal(keys[0], (t, h))
@@ -107,19 +131,23 @@ def test_sorted_ragged_ffn_matches_the_reference():
     experts = jax.random.randint(keys[3], (t, k), 0, e).at[0, 1].set(-1).at[3, 0].set(e)  # two dropped pairs
     weights = jax.nn.softmax(jax.random.normal(keys[0], (t, k)), axis=-1)
     ffn = bench_train.sorted_ragged_ffn(jax.lax.ragged_dot)
-    np.testing.assert_allclose(ffn(x, weights, experts, gu, d),
-                               reference.moe_ffn(x, weights, experts, gu, d), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        ffn(x, weights, experts, gu, d), reference.moe_ffn(x, weights, experts, gu, d), rtol=1e-5, atol=1e-5
+    )
     zeros = bench_train.zero_experts(x, weights, experts, gu, d)
     assert zeros.shape == x.shape and not jnp.any(zeros)
 
 
 def test_xprof_stub_satisfies_tokamax_import():
-    code = ("import sys, bench_train\n"
-            "assert bench_train.stub_xprof()\n"
-            "from xprof.cli.tools import get_kernel_stats_tool\n"
-            "try:\n    get_kernel_stats_tool()\nexcept RuntimeError as e:\n    print('stub:', e)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=SCRIPT.parent, capture_output=True, text=True,
-                          timeout=60, check=False)
+    code = (
+        "import sys, bench_train\n"
+        "assert bench_train.stub_xprof()\n"
+        "from xprof.cli.tools import get_kernel_stats_tool\n"
+        "try:\n    get_kernel_stats_tool()\nexcept RuntimeError as e:\n    print('stub:', e)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=SCRIPT.parent, capture_output=True, text=True, timeout=60, check=False
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("stub:")
 
@@ -128,7 +156,11 @@ def test_flops_count_the_lm_head_as_the_issue_does():
     # 4 layers at Qwen3-30B-A3B width, 16384 tokens: the LM head alone is 6 * 151936 * 2048 * 16384 ~ 30.6 TFLOP.
     config = bench_train.model_config("qwen3-30b-a3b-4layer", 4)
     assert (config.vocab_size, config.hidden_size, config.num_experts, config.num_experts_per_tok) == (
-        151936, 2048, 128, 8)
+        151936,
+        2048,
+        128,
+        8,
+    )
     head = 6 * 151936 * 2048 * 16384
     attention_proj = 2048 * 128 * (2 * 32 + 2 * 4)
     moe = 2048 * 128 + 8 * 3 * 2048 * 768
@@ -145,8 +177,9 @@ def test_unknown_names_are_command_line_errors(flag, value):
 
 def test_time_budget_stops_the_run_and_still_writes_the_json(tmp_path, capsys):
     out = tmp_path / "budget.json"
-    result = bench_train.main(["--preset", "tiny", "--stacks", "ours,torch", "--time-budget", "0.5",
-                               "--json", str(out), "--png", ""])
+    result = bench_train.main(
+        ["--preset", "tiny", "--stacks", "ours,torch", "--time-budget", "0.5", "--json", str(out), "--png", ""]
+    )
     assert result["matmul"]["status"].startswith("timed out")
     assert [r["status"] for r in result["stacks"]] == ["not run: the time budget of 0.5 s was spent"] * 2
     assert json.loads(out.read_text())["stacks"][1]["stack"] == "torch"

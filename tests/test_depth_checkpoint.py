@@ -22,10 +22,22 @@ transformers = pytest.importorskip("transformers")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 # Four layers with a dense one (layer 1): stacks [0], [1], [2, 3].
-HF_CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
-                 norm_topk_prob=True, mlp_only_layers=[1], initializer_range=0.3,
-                 rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+HF_CONFIG = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    mlp_only_layers=[1],
+    initializer_range=0.3,
+    rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+)
 MESH = ((2, 4), ("data", "expert"))
 
 
@@ -100,6 +112,7 @@ def test_scanned_model_saves_per_layer_for_transformers(hf, tmp_path):
 def example():
     sys.path.insert(0, str(EXAMPLES))
     import train_qwen3_moe
+
     from moe_training import trainer
 
     return train_qwen3_moe, trainer
@@ -111,9 +124,29 @@ def test_orbax_checkpoint_restores_on_another_mesh_with_the_same_loss(example, t
     tokens = np.random.default_rng(1).integers(0, config.vocab_size, (3, 8, 17)).astype(np.int32)
 
     def setup(shape):
-        args = script.parse_args(["--fsdp", "--dtype", "float32", "--implementation", "cpu", "--mesh-data",
-                                  str(shape[0]), "--mesh-expert", str(shape[1]), "--batch", "8", "--seq", "16",
-                                  "--lr", "1e-2", "--warmup", "1", "--steps", "3"])
+        args = script.parse_args(
+            [
+                "--fsdp",
+                "--dtype",
+                "float32",
+                "--implementation",
+                "cpu",
+                "--mesh-data",
+                str(shape[0]),
+                "--mesh-expert",
+                str(shape[1]),
+                "--batch",
+                "8",
+                "--seq",
+                "16",
+                "--lr",
+                "1e-2",
+                "--warmup",
+                "1",
+                "--steps",
+                "3",
+            ]
+        )
         args.aux_loss_coef = 0.01
         mesh = trainer.make_mesh(*shape)
         tx = trainer.make_optimizer(args)

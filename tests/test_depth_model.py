@@ -16,8 +16,16 @@ from jax_megamoe.models import qwen3_moe, sharding
 
 # Six layers, a dense one among them (layer 2) and the sparse step of 1: runs [0, 1] sparse, [2] dense, [3, 4, 5]
 # sparse, so the scanned model has three stacks.
-CONFIG = dataclasses.replace(qwen3_moe.tiny(), num_hidden_layers=6, mlp_only_layers=(2,), vocab_size=96,
-                             hidden_size=32, intermediate_size=48, moe_intermediate_size=16, head_dim=8)
+CONFIG = dataclasses.replace(
+    qwen3_moe.tiny(),
+    num_hidden_layers=6,
+    mlp_only_layers=(2,),
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    head_dim=8,
+)
 # The meshes' test: a dense layer then a sparse one (two stacks), to keep eight compilations small.
 MESH_CONFIG = dataclasses.replace(CONFIG, num_hidden_layers=2, mlp_only_layers=(0,))
 SAVE_MOE = jax.checkpoint_policies.save_only_these_names("moe_layout", "moe_gate_up")
@@ -43,8 +51,9 @@ def stacked(state_unrolled):
     out = {}
     for r, (first, count, _) in enumerate(qwen3_moe.layer_runs(CONFIG)):
         for key in {k[2:] for k in flat if k[0] == "layers" and k[1] == first}:
-            out[("layer_runs", r, *key)] = np.stack([np.asarray(flat[("layers", first + j, *key)].get_value())
-                                                     for j in range(count)])
+            out[("layer_runs", r, *key)] = np.stack(
+                [np.asarray(flat[("layers", first + j, *key)].get_value()) for j in range(count)]
+            )
     out.update({k: np.asarray(v.get_value()) for k, v in flat.items() if k[0] != "layers"})
     return out
 
@@ -68,8 +77,9 @@ def test_layer_runs_and_stacked_shapes():
     model = nnx.eval_shape(lambda: qwen3_moe.Qwen3MoeForCausalLM(CONFIG, expert_axis="expert", rngs=nnx.Rngs(0)))
     assert model.layer_runs[2].mlp.w_gate_up.shape == (3, 8, 32, 32)
     assert model.layer_runs[1].mlp.down_proj.kernel.shape == (1, 48, 32)
-    assert nnx.get_partition_spec(nnx.state(model)).layer_runs[0].mlp.w_down.get_value() == P(None, "expert", None,
-                                                                                                 None)
+    assert nnx.get_partition_spec(nnx.state(model)).layer_runs[0].mlp.w_down.get_value() == P(
+        None, "expert", None, None
+    )
 
 
 def test_scanned_matches_unrolled():
@@ -92,8 +102,11 @@ def test_scanned_matches_unrolled():
 def test_scanned_program_does_not_grow_with_depth():
     def program_size(layers):
         config = dataclasses.replace(CONFIG, num_hidden_layers=layers, mlp_only_layers=())
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: qwen3_moe.Qwen3MoeForCausalLM(
-            config, implementation="cpu", remat=True, rngs=nnx.Rngs(0))))
+        graphdef, state = nnx.split(
+            nnx.eval_shape(
+                lambda: qwen3_moe.Qwen3MoeForCausalLM(config, implementation="cpu", remat=True, rngs=nnx.Rngs(0))
+            )
+        )
         return len(jax.jit(loss_and_grads, static_argnums=0).lower(graphdef, state, ids()).as_text())
 
     # Only the stacked shapes' digits change with depth.
@@ -110,8 +123,11 @@ def one_device_reference():
     return graphdef, state, jax.jit(loss_and_grads, static_argnums=0)(graphdef, state, ids())
 
 
-@pytest.mark.parametrize("data, expert, over_expert", MESHES,
-                         ids=[f"data{d}x_expert{e}" + ("_fsdp_over_expert" if o else "") for d, e, o in MESHES])
+@pytest.mark.parametrize(
+    "data, expert, over_expert",
+    MESHES,
+    ids=[f"data{d}x_expert{e}" + ("_fsdp_over_expert" if o else "") for d, e, o in MESHES],
+)
 def test_fsdp_expert_parallel_matches_one_device(data, expert, over_expert, one_device_reference):
     graphdef, state, (want_loss, want_grads, want_counts) = one_device_reference
     shape = (data, expert)
@@ -124,16 +140,18 @@ def test_fsdp_expert_parallel_matches_one_device(data, expert, over_expert, one_
     elif shape[0] > 1:  # FSDP: matrices over data, experts over expert (when it has more than one device)
         assert specs[("layer_runs", 0, "self_attn", "k_proj", "kernel")] == P(None, "data", None)
         assert specs[("layer_runs", 0, "mlp", "down_proj", "kernel")] == P(None, "data", None)
-        assert specs[("layer_runs", 1, "mlp", "w_gate_up")] == P(None, "expert" if shape[1] > 1 else None, "data",
-                                                                 None)
+        assert specs[("layer_runs", 1, "mlp", "w_gate_up")] == P(None, "expert" if shape[1] > 1 else None, "data", None)
         assert specs[("embed_tokens", "embedding")] == P("data", None)
     assert specs[("norm", "scale")] == P(None)
     with jax.set_mesh(mesh):
         tokens = jax.device_put(ids(), NamedSharding(mesh, P(("data", "expert"))))
         loss, grads, counts = jax.jit(loss_and_grads, static_argnums=0, out_shardings=(None, shardings, None))(
-            graphdef, jax.device_put(state, shardings), tokens)
-    assert grads["layer_runs"][1]["mlp"]["w_gate_up"].get_value().sharding.spec == specs[
-        ("layer_runs", 1, "mlp", "w_gate_up")]
+            graphdef, jax.device_put(state, shardings), tokens
+        )
+    assert (
+        grads["layer_runs"][1]["mlp"]["w_gate_up"].get_value().sharding.spec
+        == specs[("layer_runs", 1, "mlp", "w_gate_up")]
+    )
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     np.testing.assert_array_equal(counts, want_counts)
     assert_trees_close(flat_values(grads), flat_values(want_grads))
@@ -143,22 +161,28 @@ def test_sharding_rules():
     mesh = {"data": 4, "expert": 8}
     spec = sharding.param_spec
     assert spec(("layer_runs", 0, "mlp", "w_gate_up"), (48, 128, 2048, 1536), mesh, fsdp=True) == P(
-        None, "expert", "data", None)
+        None, "expert", "data", None
+    )
     assert spec(("layer_runs", 0, "mlp", "w_down"), (48, 128, 768, 2048), mesh, fsdp=True) == P(
-        None, "expert", None, "data")
+        None, "expert", None, "data"
+    )
     assert spec(("layers", 3, "mlp", "w_down"), (128, 768, 2048), mesh, fsdp=False) == P("expert", None, None)
     assert spec(("lm_head", "kernel"), (2048, 151936), mesh, fsdp=True) == P(None, "data")
-    assert spec(("layer_runs", 0, "mlp", "router", "kernel"), (48, 2048, 128), mesh, fsdp=True) == P(
-        None, "data", None)
+    assert spec(("layer_runs", 0, "mlp", "router", "kernel"), (48, 2048, 128), mesh, fsdp=True) == P(None, "data", None)
     assert spec(("layer_runs", 0, "input_layernorm", "scale"), (48, 2048), mesh, fsdp=True) == P(None, None)
-    assert spec(("embed_tokens", "embedding"), (151936, 2048), {"data": 3}, fsdp=True) == P(None, None)  # 3 divides neither
+    assert spec(("embed_tokens", "embedding"), (151936, 2048), {"data": 3}, fsdp=True) == P(
+        None, None
+    )  # 3 divides neither
     assert spec(("lm_head", "kernel"), (2048, 151936), mesh, fsdp=True, fsdp_over_expert=True) == P(
-        None, ("data", "expert"))
+        None, ("data", "expert")
+    )
     assert spec(("layer_runs", 0, "mlp", "w_down"), (48, 128, 768, 2048), mesh, fsdp=True, fsdp_over_expert=True) == P(
-        None, "expert", None, "data")
+        None, "expert", None, "data"
+    )
     # The optimizer's moments take their parameter's sharding; step counts stay whole.
     params = {"lm_head": {"kernel": jax.ShapeDtypeStruct((64, 96), jnp.float32)}}
     import optax
+
     opt = jax.eval_shape(optax.adamw(1e-3).init, params)
     mesh8 = jax.make_mesh((8, 1), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     specs = sharding.tree_specs(opt, mesh8, fsdp=True)
@@ -171,9 +195,9 @@ def test_chunked_attention_matches_dot_product_attention():
     k, v = (jnp.asarray(rng.normal(size=(2, 24, 2, 8)), jnp.float32) for _ in range(2))
     want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     np.testing.assert_allclose(jax.jit(qwen3_moe.chunked_attention)(q, k, v), want, rtol=1e-5, atol=1e-6)
-    grad = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(qwen3_moe.chunked_attention(*a, block=6))),
-                            argnums=(0, 1, 2)))
-    want_grad = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(jax.nn.dot_product_attention(*a, is_causal=True))),
-                                 argnums=(0, 1, 2)))
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(qwen3_moe.chunked_attention(*a, block=6))), argnums=(0, 1, 2)))
+    want_grad = jax.jit(
+        jax.grad(lambda *a: jnp.sum(jnp.sin(jax.nn.dot_product_attention(*a, is_causal=True))), argnums=(0, 1, 2))
+    )
     for got, ref in zip(grad(q, k, v), want_grad(q, k, v), strict=True):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)

@@ -31,6 +31,7 @@ MAIN = Case(64, 256, 128, 8, 2)  # q30-like (Qwen3-30B-A3B's ratios, scaled down
 # ---------------------------------------------------------------------------------------------------------------
 # A numpy implementation of the rule, independent of XLA's and ml_dtypes' float8 conversions.
 
+
 def e4m3_round(v: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even onto the e4m3fn grid (3 mantissa bits, subnormals below 2**-6), |v| <= 448."""
     v = np.asarray(v, np.float64)
@@ -65,10 +66,10 @@ def _qdq_blocks(w):  # [R, C] in 128x128 blocks
 def _qdq_tokens(a):  # [n, C]: tiles of 128 consecutive rows, one scale per (tile, column)
     out = np.empty_like(a)
     for start in range(0, a.shape[0], 128):
-        tile = a[start:start + 128]
+        tile = a[start : start + 128]
         amax = np.max(np.abs(tile), axis=0)
         scale = np.where(amax > 0, amax / 448, 1.0)
-        out[start:start + 128] = e4m3_round(np.clip(tile / scale, -448, 448)) * scale
+        out[start : start + 128] = e4m3_round(np.clip(tile / scale, -448, 448)) * scale
     return out
 
 
@@ -79,8 +80,9 @@ def _up(n):
 def oracle(args, dy, quantized: bool):
     """float64 `(y, dx, d_weights, d_w_gate_up, d_w_down)` of the recipe's math (quantized: with its roundings of
     gate_up and h to bf16) or of the plain MoE."""
-    x, weights, ids, w_gate_up, w_down = (np.asarray(a, np.float64) if i != 2 else np.asarray(a)
-                                          for i, a in enumerate(args))
+    x, weights, ids, w_gate_up, w_down = (
+        np.asarray(a, np.float64) if i != 2 else np.asarray(a) for i, a in enumerate(args)
+    )
     dy = np.asarray(dy, np.float64)
     (t, h), (e_count, _, i2), k = x.shape, w_gate_up.shape, ids.shape[1]
     i = i2 // 2
@@ -112,7 +114,7 @@ def oracle(args, dy, quantized: bool):
         np.add.at(dx, tok, dzq @ wgu.T)
         d_wd[e] = (tokens(hq).T @ tokens(we * dyq[tok]))[:i, :h]
         full = tokens(xq[tok]).T @ tokens(dzq)
-        d_wgu[e] = np.concatenate([full[:h, :i], full[:h, ip:ip + i]], 1)
+        d_wgu[e] = np.concatenate([full[:h, :i], full[:h, ip : ip + i]], 1)
     return y[:, :h], dx[:, :h], d_weights, d_wgu, d_wd
 
 
@@ -124,8 +126,9 @@ def recipe_problem(case: Case, seed="fp8"):
 
 @functools.cache
 def _recipe_value_and_grads():
-    return jax.jit(functools.partial(
-        value_and_grads, functools.partial(jmm.moe_ffn, implementation="reference", recipe=RECIPE)))
+    return jax.jit(
+        functools.partial(value_and_grads, functools.partial(jmm.moe_ffn, implementation="reference", recipe=RECIPE))
+    )
 
 
 def recipe_outputs(args, dy):
@@ -141,15 +144,16 @@ def main_problem():
 # ---------------------------------------------------------------------------------------------------------------
 # The quantiser.
 
+
 def test_quantizer_matches_numpy_rule():
     rng = np.random.default_rng(0)
     a = rng.standard_normal((6, 384)).astype(np.float32) * np.exp(rng.uniform(-8, 8, (6, 1))).astype(np.float32)
-    a[1, 128:256] = 0                      # an all-zero tile: scale 1, values 0
+    a[1, 128:256] = 0  # an all-zero tile: scale 1, values 0
     a[2, :128] = np.float32(448) * np.linspace(-1, 1, 128, dtype=np.float32)  # amax 448: scale 1 exactly
     # scale 1: ties between e4m3 neighbours round to even (1.0625 -> 1.0, 1.1875 -> 1.25, 17 -> 16, 19 -> 20)
     a[3, :128] = 0
     a[3, :6] = [448, 1.0625, 1.1875, 17, 19, -1.0625]
-    a[4, :128] *= 1e-30                    # tiny amax: subnormal e4m3 values
+    a[4, :128] *= 1e-30  # tiny amax: subnormal e4m3 values
     values, scales = fp8.quantize(jnp.asarray(a), (1, 128))
     assert values.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.float32 and scales.shape == (6, 3)
     want_values, want_scales = np_quantize_rows(a, np.float32)
@@ -182,6 +186,7 @@ def test_weight_blocks_128x128():
 
 # ---------------------------------------------------------------------------------------------------------------
 # The op against float64.
+
 
 def test_recipe_matches_float64_quantized_math(main_problem):
     args, dy, got = main_problem
@@ -222,16 +227,20 @@ def test_padding_odd_h_and_i(main_problem):
     (x, weights, ids, w_gate_up, w_down), dy = recipe_problem(case)
     h, i, hp, ip = 136, 72, MAIN.hidden, MAIN.inter
     pad_w = ((0, 0), (0, hp - h), (0, ip - i))
-    big_args = (jnp.pad(x, ((0, 0), (0, hp - h))), weights, ids,
-                jnp.concatenate([jnp.pad(w_gate_up[..., :i], pad_w), jnp.pad(w_gate_up[..., i:], pad_w)], -1),
-                jnp.pad(w_down, ((0, 0), (0, ip - i), (0, hp - h))))
+    big_args = (
+        jnp.pad(x, ((0, 0), (0, hp - h))),
+        weights,
+        ids,
+        jnp.concatenate([jnp.pad(w_gate_up[..., :i], pad_w), jnp.pad(w_gate_up[..., i:], pad_w)], -1),
+        jnp.pad(w_down, ((0, 0), (0, ip - i), (0, hp - h))),
+    )
     big = recipe_outputs(big_args, jnp.pad(dy, ((0, 0), (0, hp - h))))  # compiled for MAIN's shape already
     got = recipe_outputs((x, weights, ids, w_gate_up, w_down), dy)
     np.testing.assert_array_equal(got[0], big[0][:, :h])
     np.testing.assert_array_equal(got[1], big[1][:, :h])
     np.testing.assert_array_equal(got[2], big[2])
     big_gu = np.asarray(big[3])
-    np.testing.assert_array_equal(got[3], np.concatenate([big_gu[:, :h, :i], big_gu[:, :h, ip:ip + i]], -1))
+    np.testing.assert_array_equal(got[3], np.concatenate([big_gu[:, :h, :i], big_gu[:, :h, ip : ip + i]], -1))
     np.testing.assert_array_equal(got[4], big[4][:, :i, :h])
     want = oracle((x, weights, ids, w_gate_up, w_down), dy, quantized=True)
     for name, a, b in zip(OUTPUT_NAMES, got, want, strict=True):
@@ -240,6 +249,7 @@ def test_padding_odd_h_and_i(main_problem):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Errors.
+
 
 def test_errors():
     (x, weights, ids, w_gate_up, w_down), _ = recipe_problem(Case(8, 16, 8, 4, 2))
@@ -275,17 +285,22 @@ EP_CASE = Case(256, 256, 128, 8, 2, "zipf")  # experts past 128 rows: token tile
 def test_ep_xla_equals_moe_ffn(mesh_shape):
     """With data parallelism each data group's rows form their own token tiles (as its own moe_ffn would), so the
     expected weight gradients are the sum of each data group's moe_ffn."""
-    mesh = Mesh(np.array(jax.devices()[:math.prod(mesh_shape)]).reshape(mesh_shape), ("data", "expert"))
+    mesh = Mesh(np.array(jax.devices()[: math.prod(mesh_shape)]).reshape(mesh_shape), ("data", "expert"))
     args, dy = recipe_problem(EP_CASE, seed="fp8-ep")
     tokens, experts = P(("data", "expert")), P("expert")
-    ep = jax.shard_map(functools.partial(moe_ffn_ep, axis_name="expert", transport="xla", implementation="cpu",
-                                         recipe=RECIPE),
-                       mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts), out_specs=tokens)
+    ep = jax.shard_map(
+        functools.partial(moe_ffn_ep, axis_name="expert", transport="xla", implementation="cpu", recipe=RECIPE),
+        mesh=mesh,
+        in_specs=(tokens, tokens, tokens, experts, experts),
+        out_specs=tokens,
+    )
     got = [np.asarray(o.astype(jnp.float32)) for o in jax.jit(functools.partial(value_and_grads, ep))(args, dy)]
     groups = mesh_shape[0]
     split = [np.split(np.asarray(a), groups) if i < 3 else [a] * groups for i, a in enumerate(args)]
-    parts = [recipe_outputs(tuple(jnp.asarray(s[g]) for s in split), jnp.asarray(np.split(np.asarray(dy), groups)[g]))
-             for g in range(groups)]
+    parts = [
+        recipe_outputs(tuple(jnp.asarray(s[g]) for s in split), jnp.asarray(np.split(np.asarray(dy), groups)[g]))
+        for g in range(groups)
+    ]
     want = [np.concatenate([p[j] for p in parts]) for j in range(3)] + [sum(p[j] for p in parts) for j in (3, 4)]
     for name, a, b in zip(OUTPUT_NAMES, got, want, strict=True):
         assert rel_error(a, b) < 1e-2, (name, rel_error(a, b))

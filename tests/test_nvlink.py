@@ -147,7 +147,7 @@ def test_timeout_and_blocks_per_peer_reach_the_extension(monkeypatch, other_proc
     assert created["groups"] == ([[0, workspace.REMOTE]] if other_process else [[0, 1]])
     assert created["block_bytes"] == workspace.block_bytes(4, 8, 1, jnp.float32) and not created["emulated"]
     assert len(swapped) == int(other_process)
-    assert (ws.id, ws.ranks, ws.emulated) == (7, 2, False)
+    assert (ws.id, ws.ranks, ws.is_emulated) == (7, 2, False)
     ws.close()
     assert ext.destroyed == [7]
     emulated = jmm.NvlinkWorkspace.emulated(4, max_tokens=4, hidden=8, top_k=1, **asked)
@@ -207,7 +207,7 @@ def test_ipc_needs_jax_distributed(monkeypatch):
 def stand_in_workspace(ranks: int, block_bytes: int = 10**6) -> jmm.NvlinkWorkspace:
     """An NvlinkWorkspace with no GPU memory behind it, for tracing and lowering only."""
     ws = jmm.NvlinkWorkspace.__new__(jmm.NvlinkWorkspace)
-    ws.id, ws.ranks, ws.emulated, ws.block_bytes = 3, ranks, True, block_bytes
+    ws.id, ws.ranks, ws.is_emulated, ws.block_bytes = 3, ranks, True, block_bytes
     return ws
 
 

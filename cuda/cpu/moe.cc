@@ -110,10 +110,9 @@ void MoeDown(const MoeDims& d, const T* gate_up, const typename Acc<T>::type* we
 }
 
 template <typename T>
-void MoeBackward(const MoeDims& d, const T* dy, const T* x, const typename Acc<T>::type* weights,
-                 const T* w_gate_up, const T* w_down, const T* gate_up, const int32_t* row_of_pair,
-                 const int32_t* pair_of_row, const int32_t* expert_offsets, T* dx,
-                 typename Acc<T>::type* d_weights, T* d_w_gate_up, T* d_w_down) {
+void MoeBackward(const MoeDims& d, const T* dy, const T* x, const typename Acc<T>::type* weights, const T* w_gate_up,
+                 const T* w_down, const T* gate_up, const int32_t* row_of_pair, const int32_t* pair_of_row,
+                 const int32_t* expert_offsets, T* dx, typename Acc<T>::type* d_weights, T* d_w_gate_up, T* d_w_down) {
   using A = typename Acc<T>::type;
   const int64_t H = d.hidden, I = d.intermediate, K = d.top_k;
   const int64_t rows = d.tokens * K;
@@ -168,13 +167,12 @@ void MoeBackward(const MoeDims& d, const T* dy, const T* x, const typename Acc<T
   CombineRows<T>(d, dx_rows.data(), row_of_pair, [](int64_t) { return A(1); }, dx);
 }
 
-#define JMM_INSTANTIATE(T)                                                                              \
-  template void MoeGateUp<T>(const MoeDims&, const T*, const T*, const int32_t*, const int32_t*, T*);   \
-  template void MoeDown<T>(const MoeDims&, const T*, const Acc<T>::type*, const T*, const int32_t*,     \
-                           const int32_t*, T*);                                                         \
-  template void MoeBackward<T>(const MoeDims&, const T*, const T*, const Acc<T>::type*, const T*,       \
-                               const T*, const T*, const int32_t*, const int32_t*, const int32_t*, T*,  \
-                               Acc<T>::type*, T*, T*);
+#define JMM_INSTANTIATE(T)                                                                                            \
+  template void MoeGateUp<T>(const MoeDims&, const T*, const T*, const int32_t*, const int32_t*, T*);                 \
+  template void MoeDown<T>(const MoeDims&, const T*, const Acc<T>::type*, const T*, const int32_t*, const int32_t*,   \
+                           T*);                                                                                       \
+  template void MoeBackward<T>(const MoeDims&, const T*, const T*, const Acc<T>::type*, const T*, const T*, const T*, \
+                               const int32_t*, const int32_t*, const int32_t*, T*, Acc<T>::type*, T*, T*);
 JMM_INSTANTIATE(float)
 JMM_INSTANTIATE(double)
 JMM_INSTANTIATE(BFloat16)

@@ -57,18 +57,23 @@ inline ffi::Error CheckWorkspace(const std::string& op, Workspace& workspace, si
 
 inline ffi::Error ReadDtype(ffi::DataType type, cuda::Dtype* dtype) {
   switch (type) {
-    case ffi::BF16: *dtype = cuda::Dtype::kBFloat16; return ffi::Error::Success();
-    case ffi::F32: *dtype = cuda::Dtype::kFloat32; return ffi::Error::Success();
-    default: return InvalidArgument("the CUDA MoE kernels support bfloat16 and float32 only");
+    case ffi::BF16:
+      *dtype = cuda::Dtype::kBFloat16;
+      return ffi::Error::Success();
+    case ffi::F32:
+      *dtype = cuda::Dtype::kFloat32;
+      return ffi::Error::Success();
+    default:
+      return InvalidArgument("the CUDA MoE kernels support bfloat16 and float32 only");
   }
 }
 
 // Reads the int64 attribute `attribute` (e.g. "fwd_gate_up_tiles") as a built GemmTiles value.
 inline ffi::Error ReadGemmTiles(const char* attribute, int64_t value, cuda::GemmTiles* tiles) {
   if (!cuda::GemmTilesBuilt(value)) {
-    return InvalidArgument(std::string(attribute) + " = " + std::to_string(value) +
-                           " is not a GEMM tile configuration built into this extension; accepted: " +
-                           cuda::AcceptedGemmTiles());
+    return InvalidArgument(
+        std::string(attribute) + " = " + std::to_string(value) +
+        " is not a GEMM tile configuration built into this extension; accepted: " + cuda::AcceptedGemmTiles());
   }
   *tiles = static_cast<cuda::GemmTiles>(value);
   return ffi::Error::Success();

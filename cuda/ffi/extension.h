@@ -27,8 +27,7 @@ size_t MoeBackwardWorkspaceBytes(bool bfloat16, int64_t tokens, int64_t top_k, i
 // forward's `groups` counts (source, expert) groups, the backward's `experts` the local experts.
 size_t NvlinkMoeGateUpWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
                                      int64_t groups);
-size_t NvlinkMoeDownWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
-                                   int64_t groups);
+size_t NvlinkMoeDownWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate, int64_t groups);
 size_t NvlinkMoeBackwardWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
                                        int64_t experts);
 

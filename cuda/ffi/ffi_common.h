@@ -33,9 +33,8 @@ inline ffi::Error CheckWeightsType(const ffi::AnyBuffer& weights, ffi::DataType 
 }
 
 // Reads and cross-checks the sizes of x [T,H], weights [T,K], w_gate_up [E,H,2I], w_down [E,I,H].
-inline ffi::Error ReadMoeDims(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weights,
-                              const ffi::AnyBuffer& w_gate_up, const ffi::AnyBuffer& w_down,
-                              MoeDims* dims) {
+inline ffi::Error ReadMoeDims(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weights, const ffi::AnyBuffer& w_gate_up,
+                              const ffi::AnyBuffer& w_down, MoeDims* dims) {
   auto xd = x.dimensions();
   auto wd = weights.dimensions();
   auto gd = w_gate_up.dimensions();

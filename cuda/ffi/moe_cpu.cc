@@ -16,11 +16,16 @@ cpu::MoeDims CpuDims(const MoeDims& d) { return {d.tokens, d.hidden, d.intermedi
 template <typename Fn>
 ffi::Error DispatchFloat(ffi::DataType type, Fn&& fn) {
   switch (type) {
-    case ffi::F32: return fn(static_cast<float*>(nullptr));
-    case ffi::F64: return fn(static_cast<double*>(nullptr));
-    case ffi::BF16: return fn(static_cast<cpu::BFloat16*>(nullptr));
-    case ffi::F16: return fn(static_cast<_Float16*>(nullptr));
-    default: return InvalidArgument("unsupported dtype for the CPU MoE kernels");
+    case ffi::F32:
+      return fn(static_cast<float*>(nullptr));
+    case ffi::F64:
+      return fn(static_cast<double*>(nullptr));
+    case ffi::BF16:
+      return fn(static_cast<cpu::BFloat16*>(nullptr));
+    case ffi::F16:
+      return fn(static_cast<_Float16*>(nullptr));
+    default:
+      return InvalidArgument("unsupported dtype for the CPU MoE kernels");
   }
 }
 
@@ -46,8 +51,8 @@ ffi::Error MoeGateUpCpu(ffi::AnyBuffer x, ffi::AnyBuffer w_gate_up, ffi::Buffer<
   if (auto err = ReadGateUpDims(x, w_gate_up, pair_of_row.element_count(), &d); err.failure()) return err;
   return DispatchFloat(x.element_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    cpu::MoeGateUp<T>(CpuDims(d), Data<T>(x), Data<T>(w_gate_up), pair_of_row.typed_data(),
-                      expert_offsets.typed_data(), Data<T>(*gate_up));
+    cpu::MoeGateUp<T>(CpuDims(d), Data<T>(x), Data<T>(w_gate_up), pair_of_row.typed_data(), expert_offsets.typed_data(),
+                      Data<T>(*gate_up));
     return ffi::Error::Success();
   });
 }

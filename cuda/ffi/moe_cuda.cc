@@ -94,8 +94,8 @@ ffi::Error MoeGateUpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
   cuda::Scratch alloc = cursor.scratch();
   void* x_perm = alloc(rows * H * cuda::ElementBytes(dtype));
   if (x_perm == nullptr) return Internal("gate_up", "out of scratch memory");
-  JMM_CUDA_TRY("forward gather", cuda::GatherRows(dtype, x.untyped_data(), H, pair_of_row.typed_data(), offsets,
-                                                  E, rows, d.top_k, x_perm, stream));
+  JMM_CUDA_TRY("forward gather", cuda::GatherRows(dtype, x.untyped_data(), H, pair_of_row.typed_data(), offsets, E,
+                                                  rows, d.top_k, x_perm, stream));
   JMM_CUDA_TRY("forward gate_up GEMM", cuda::RowsGemm(dtype, cuda::UseTensorCores(dtype, H, I), x_perm,
                                                       w_gate_up.untyped_data(), gate_up->untyped_data(), offsets, E,
                                                       rows, 2 * I, H, /*b_transposed=*/false, tiles, alloc, stream));
@@ -124,13 +124,12 @@ ffi::Error MoeDownCuda(cudaStream_t stream, ffi::AnyBuffer gate_up, ffi::AnyBuff
   void* row_out = alloc(rows * H * cuda::ElementBytes(dtype));
   if (h == nullptr || row_out == nullptr) return Internal("down", "out of scratch memory");
   JMM_CUDA_TRY("forward swiglu", cuda::SwigluForward(dtype, gate_up.untyped_data(), h, offsets, E, rows, I, stream));
-  JMM_CUDA_TRY("forward down GEMM", cuda::RowsGemm(dtype, cuda::UseTensorCores(dtype, H, I), h,
-                                                   w_down.untyped_data(), row_out, offsets, E, rows, H, I,
+  JMM_CUDA_TRY("forward down GEMM", cuda::RowsGemm(dtype, cuda::UseTensorCores(dtype, H, I), h, w_down.untyped_data(),
+                                                   row_out, offsets, E, rows, H, I,
                                                    /*b_transposed=*/false, tiles, alloc, stream));
-  JMM_CUDA_TRY("forward combine",
-               cuda::CombineRows(dtype, row_out, row_of_pair.typed_data(),
-                                 static_cast<const float*>(weights.untyped_data()), d.tokens, d.top_k, H,
-                                 y->untyped_data(), stream));
+  JMM_CUDA_TRY("forward combine", cuda::CombineRows(dtype, row_out, row_of_pair.typed_data(),
+                                                    static_cast<const float*>(weights.untyped_data()), d.tokens,
+                                                    d.top_k, H, y->untyped_data(), stream));
   return ffi::Error::Success();
 }
 
@@ -139,8 +138,8 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffe
                            ffi::Buffer<ffi::S32> row_of_pair, ffi::Buffer<ffi::S32> pair_of_row,
                            ffi::Buffer<ffi::S32> expert_offsets, ffi::Result<ffi::AnyBuffer> dx,
                            ffi::Result<ffi::AnyBuffer> d_weights, ffi::Result<ffi::AnyBuffer> d_w_gate_up,
-                           ffi::Result<ffi::AnyBuffer> d_w_down, ffi::Result<ffi::AnyBuffer> dz,
-                           Workspace workspace, int64_t bwd_down_tiles, int64_t bwd_gate_up_tiles) {
+                           ffi::Result<ffi::AnyBuffer> d_w_down, ffi::Result<ffi::AnyBuffer> dz, Workspace workspace,
+                           int64_t bwd_down_tiles, int64_t bwd_gate_up_tiles) {
   MoeDims d;
   if (auto err = ReadMoeDims(x, weights, w_gate_up, w_down, &d); err.failure()) return err;
   cuda::Dtype dtype;
@@ -159,13 +158,28 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffe
     return err;
   }
   WorkspaceCursor cursor(workspace);
-  const cuda::MoeBackwardCall call{dtype, d.tokens, d.top_k, d.hidden, d.intermediate, d.experts,
-                                   down_tiles, gate_up_tiles,
-                                   dy.untyped_data(), x.untyped_data(), static_cast<const float*>(weights.untyped_data()),
-                                   w_gate_up.untyped_data(), w_down.untyped_data(), gate_up.untyped_data(),
-                                   row_of_pair.typed_data(), pair_of_row.typed_data(), expert_offsets.typed_data(),
-                                   dx->untyped_data(), d_w_gate_up->untyped_data(), d_w_down->untyped_data(),
-                                   dz->untyped_data(), static_cast<float*>(d_weights->untyped_data())};
+  const cuda::MoeBackwardCall call{dtype,
+                                   d.tokens,
+                                   d.top_k,
+                                   d.hidden,
+                                   d.intermediate,
+                                   d.experts,
+                                   down_tiles,
+                                   gate_up_tiles,
+                                   dy.untyped_data(),
+                                   x.untyped_data(),
+                                   static_cast<const float*>(weights.untyped_data()),
+                                   w_gate_up.untyped_data(),
+                                   w_down.untyped_data(),
+                                   gate_up.untyped_data(),
+                                   row_of_pair.typed_data(),
+                                   pair_of_row.typed_data(),
+                                   expert_offsets.typed_data(),
+                                   dx->untyped_data(),
+                                   d_w_gate_up->untyped_data(),
+                                   d_w_down->untyped_data(),
+                                   dz->untyped_data(),
+                                   static_cast<float*>(d_weights->untyped_data())};
   cuda::MoeBackward backward(call, cursor.scratch());
   JMM_CUDA_TRY("backward", backward.ThroughDx(stream));
   JMM_CUDA_TRY("backward", backward.GateUpWeightGradient(stream));

@@ -73,8 +73,8 @@ NB_MODULE(_ext, m) {
         nb::arg("top_k"), nb::arg("hidden"), nb::arg("intermediate"), nb::arg("experts"),
         "Bytes of jmm_cuda_nvlink_moe_backward's workspace result, per shard (bfloat16).");
 
-  m.def("nvlink_create", &jmm::nvlink::CreateWorkspace, nb::arg("groups"), nb::arg("emulated"),
-        nb::arg("block_bytes"), nb::arg("timeout_ms"), nb::arg("blocks_per_peer"),
+  m.def("nvlink_create", &jmm::nvlink::CreateWorkspace, nb::arg("groups"), nb::arg("emulated"), nb::arg("block_bytes"),
+        nb::arg("timeout_ms"), nb::arg("blocks_per_peer"),
         "Allocates an NVLink exchange workspace over groups of CUDA devices; returns its id.");
   m.def("nvlink_destroy", &jmm::nvlink::DestroyWorkspace, nb::arg("workspace"),
         "Waits for the workspace's devices, then frees its memory.");

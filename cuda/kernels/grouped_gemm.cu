@@ -22,8 +22,7 @@ __device__ __forceinline__ void Store(__nv_bfloat16* p, float v) { *p = __float2
 struct TileAcc {
   float v[4][4] = {};
 
-  __device__ void Accumulate(const float (&a)[kDepth][kTile + 1], const float (&b)[kDepth][kTile + 1], int ty,
-                             int tx) {
+  __device__ void Accumulate(const float (&a)[kDepth][kTile + 1], const float (&b)[kDepth][kTile + 1], int ty, int tx) {
 #pragma unroll
     for (int kk = 0; kk < kDepth; ++kk) {
       float av[4], bv[4];
@@ -58,8 +57,8 @@ struct TileAcc {
 // Row-grouped: blockIdx.x enumerates (expert, 64-row tile) pairs in expert order (extra blocks exit);
 // blockIdx.y is the column tile.
 template <typename T, bool kBTransposed>
-__global__ void __launch_bounds__(kThreads) RowsGemmSimt(const T* a, const T* b, T* d, const int32_t* offsets,
-                                                         int num_experts, int64_t n, int64_t k) {
+__global__ void __launch_bounds__(kThreads)
+    RowsGemmSimt(const T* a, const T* b, T* d, const int32_t* offsets, int num_experts, int64_t n, int64_t k) {
   __shared__ int tile_expert;
   __shared__ int64_t tile_row0, tile_row_end;
   if (threadIdx.x == 0) {
@@ -115,8 +114,8 @@ __global__ void __launch_bounds__(kThreads) RowsGemmSimt(const T* a, const T* b,
 
 // Expert-grouped weight GEMM: blockIdx.z = expert, contraction over that expert's rows.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) WeightGemmSimt(const T* a, const T* b, T* d,
-                                                           const int32_t* offsets, int64_t m, int64_t n) {
+__global__ void __launch_bounds__(kThreads)
+    WeightGemmSimt(const T* a, const T* b, T* d, const int32_t* offsets, int64_t m, int64_t n) {
   const int e = blockIdx.z;
   const int64_t first = offsets[e], last = offsets[e + 1];
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile, n0 = static_cast<int64_t>(blockIdx.x) * kTile;
@@ -156,9 +155,8 @@ Status RowsGemmSimtLaunch(const void* a, const void* b, void* d, const int32_t* 
   return LaunchStatus("SIMT row-grouped GEMM");
 }
 
-using CutlassRowsGemm = Status (*)(const void* a, const void* b, void* d, const int32_t* offsets,
-                                   int64_t num_experts, int64_t n, int64_t k, const Scratch& scratch,
-                                   cudaStream_t stream);
+using CutlassRowsGemm = Status (*)(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
+                                   int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream);
 
 // The instantiation for (tiles, layout of B_e); null for a value that is not built.
 CutlassRowsGemm FindRowsGemm(GemmTiles tiles, bool b_transposed) {
@@ -183,9 +181,9 @@ bool UseTensorCores(Dtype dtype, int64_t hidden, int64_t intermediate) {
   return dtype == Dtype::kBFloat16 && hidden % 8 == 0 && intermediate % 8 == 0;
 }
 
-Status RowsGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, void* d,
-                const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t n, int64_t k,
-                bool b_transposed, GemmTiles tiles, const Scratch& scratch, cudaStream_t stream) {
+Status RowsGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, void* d, const int32_t* expert_offsets,
+                int64_t num_experts, int64_t rows, int64_t n, int64_t k, bool b_transposed, GemmTiles tiles,
+                const Scratch& scratch, cudaStream_t stream) {
   if (rows == 0 || n == 0) return {};
   if (tensor_cores) {
     const CutlassRowsGemm gemm = FindRowsGemm(tiles, b_transposed);
@@ -193,15 +191,14 @@ Status RowsGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, vo
     return gemm(a, b, d, expert_offsets, num_experts, n, k, scratch, stream);
   }
   if (dtype == Dtype::kBFloat16) {
-    return RowsGemmSimtLaunch<__nv_bfloat16>(a, b, d, expert_offsets, num_experts, rows, n, k, b_transposed,
-                                             stream);
+    return RowsGemmSimtLaunch<__nv_bfloat16>(a, b, d, expert_offsets, num_experts, rows, n, k, b_transposed, stream);
   }
   return RowsGemmSimtLaunch<float>(a, b, d, expert_offsets, num_experts, rows, n, k, b_transposed, stream);
 }
 
-Status WeightGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, void* d,
-                  const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t m, int64_t n,
-                  const Scratch& scratch, cudaStream_t stream) {
+Status WeightGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, void* d, const int32_t* expert_offsets,
+                  int64_t num_experts, int64_t rows, int64_t m, int64_t n, const Scratch& scratch,
+                  cudaStream_t stream) {
   if (m == 0 || n == 0 || num_experts == 0) return {};
   if (tensor_cores) {
     if (Status s = cutlass_gemm::WeightGemmTN(a, b, d, expert_offsets, num_experts, m, n, scratch, stream);
@@ -214,12 +211,10 @@ Status WeightGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, 
   if (dtype == Dtype::kBFloat16) {
     WeightGemmSimt<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(a),
                                                                  static_cast<const __nv_bfloat16*>(b),
-                                                                 static_cast<__nv_bfloat16*>(d),
-                                                                 expert_offsets, m, n);
+                                                                 static_cast<__nv_bfloat16*>(d), expert_offsets, m, n);
   } else {
-    WeightGemmSimt<float><<<grid, kThreads, 0, stream>>>(static_cast<const float*>(a),
-                                                         static_cast<const float*>(b), static_cast<float*>(d),
-                                                         expert_offsets, m, n);
+    WeightGemmSimt<float><<<grid, kThreads, 0, stream>>>(static_cast<const float*>(a), static_cast<const float*>(b),
+                                                         static_cast<float*>(d), expert_offsets, m, n);
   }
   return LaunchStatus("SIMT weight GEMM");
 }

@@ -71,8 +71,8 @@ using TilesCooperative128x256Cluster1 = CooperativeTiles<128, 256, 1>;
 template <class Tiles, class LayoutA, class LayoutB>
 struct Bf16GroupedGemm {
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA*, kAlignment, Bf16, LayoutB*,
-      kAlignment, float, typename Tiles::TileShape, typename Tiles::ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA*, kAlignment, Bf16, LayoutB*, kAlignment,
+      float, typename Tiles::TileShape, typename Tiles::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<Tiles::kEpilogueSmemBytes>,
       typename Tiles::KernelSchedule>::CollectiveOp;
 
@@ -109,9 +109,9 @@ struct GroupArrays {
 
 // One thread per expert writes its group. For kRows, (m) is unused; for kWeight, (k) is unused.
 template <class G, Grouping kGrouping>
-__global__ void FillGroups(const int32_t* offsets, int num_experts, const Bf16* a, const Bf16* b, Bf16* d,
-                           int m, int n, int k, GroupArrays<G> out, typename G::StrideA stride_a,
-                           typename G::StrideB stride_b, typename G::StrideD stride_d) {
+__global__ void FillGroups(const int32_t* offsets, int num_experts, const Bf16* a, const Bf16* b, Bf16* d, int m, int n,
+                           int k, GroupArrays<G> out, typename G::StrideA stride_a, typename G::StrideB stride_b,
+                           typename G::StrideD stride_d) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= num_experts) return;
   const int64_t first = offsets[e];
@@ -146,8 +146,13 @@ inline int MultiprocessorCount() {
 template <class G>
 bool CarveGroupArrays(int groups, const Scratch& scratch, GroupArrays<G>* arrays) {
   const size_t align = 128;
-  constexpr size_t sizes[7] = {sizeof(GroupShape), sizeof(void*), sizeof(void*), sizeof(void*),
-                               sizeof(typename G::StrideA), sizeof(typename G::StrideB), sizeof(typename G::StrideD)};
+  constexpr size_t sizes[7] = {sizeof(GroupShape),
+                               sizeof(void*),
+                               sizeof(void*),
+                               sizeof(void*),
+                               sizeof(typename G::StrideA),
+                               sizeof(typename G::StrideB),
+                               sizeof(typename G::StrideD)};
   static_assert(sizeof(GroupShape) <= kMaxGroupArrayElement && sizeof(typename G::StrideA) <= kMaxGroupArrayElement &&
                     sizeof(typename G::StrideB) <= kMaxGroupArrayElement &&
                     sizeof(typename G::StrideD) <= kMaxGroupArrayElement,
@@ -186,7 +191,8 @@ Status LaunchGroupedGemm(const typename G::Gemm::Arguments& args, const Scratch&
   void* workspace = nullptr;
   if (size_t bytes = G::Gemm::get_workspace_size(args); bytes > 0) {
     if (bytes > CutlassWorkspaceBound(args.hw_info.sm_count)) {
-      return "CUTLASS needs " + std::to_string(bytes) + " workspace bytes, more than the bound the workspace was "
+      return "CUTLASS needs " + std::to_string(bytes) +
+             " workspace bytes, more than the bound the workspace was "
              "sized with (CutlassWorkspaceBound)";
     }
     workspace = scratch(bytes);
@@ -204,29 +210,26 @@ Status LaunchGroupedGemm(const typename G::Gemm::Arguments& args, const Scratch&
 // Launches one grouped GEMM, one group per expert, on every SM. ld_* are the leading dimensions of the
 // (row-major or column-major) operands.
 template <class G, Grouping kGrouping>
-Status RunGroupedGemm(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
-                      int64_t m, int64_t n, int64_t k, int64_t ld_a, int64_t ld_b, const Scratch& scratch,
-                      cudaStream_t stream) {
+Status RunGroupedGemm(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts, int64_t m,
+                      int64_t n, int64_t k, int64_t ld_a, int64_t ld_b, const Scratch& scratch, cudaStream_t stream) {
   const int experts = static_cast<int>(num_experts);
   GroupArrays<G> arrays;
   if (!CarveGroupArrays(experts, scratch, &arrays)) return "out of scratch memory for the grouped GEMM arguments";
   const int threads = 128;
   FillGroups<G, kGrouping><<<(experts + threads - 1) / threads, threads, 0, stream>>>(
       offsets, experts, static_cast<const Bf16*>(a), static_cast<const Bf16*>(b), static_cast<Bf16*>(d),
-      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), arrays,
-      LeadingStride<typename G::StrideA>(ld_a), LeadingStride<typename G::StrideB>(ld_b),
-      LeadingStride<typename G::StrideD>(n));
+      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), arrays, LeadingStride<typename G::StrideA>(ld_a),
+      LeadingStride<typename G::StrideB>(ld_b), LeadingStride<typename G::StrideD>(n));
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return std::string("grouped GEMM setup launch failed: ") + cudaGetErrorString(err);
   }
 
   static const int sm_count = MultiprocessorCount();
-  typename G::Gemm::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGrouped,
-      {experts, arrays.shapes, nullptr},
-      {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
-      {{}, nullptr, nullptr, arrays.d, arrays.stride_d},
-      HardwareInfo(sm_count)};
+  typename G::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                   {experts, arrays.shapes, nullptr},
+                                   {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
+                                   {{}, nullptr, nullptr, arrays.d, arrays.stride_d},
+                                   HardwareInfo(sm_count)};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
   return LaunchGroupedGemm<G>(args, scratch, stream);

@@ -71,7 +71,8 @@ std::string ForEachKernel(Visit visit) {
       return std::string("cudaGetKernel: ") + cudaGetErrorString(status);
     }
     CUlibrary library;
-    if (CUresult r = driver.kernel_get_library(&library, reinterpret_cast<CUkernel>(anchor_kernel)); r != CUDA_SUCCESS) {
+    if (CUresult r = driver.kernel_get_library(&library, reinterpret_cast<CUkernel>(anchor_kernel));
+        r != CUDA_SUCCESS) {
       return DriverError("cuKernelGetLibrary", r);
     }
     CUmodule module;  // the library's module in the current context; its functions load one by one

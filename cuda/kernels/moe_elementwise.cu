@@ -15,12 +15,18 @@ __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162fl
 template <typename T>
 __device__ __forceinline__ T FromFloat(float v);
 template <>
-__device__ __forceinline__ float FromFloat<float>(float v) { return v; }
+__device__ __forceinline__ float FromFloat<float>(float v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 
 template <typename T>
-__device__ __forceinline__ float Round(float v) { return ToFloat(FromFloat<T>(v)); }
+__device__ __forceinline__ float Round(float v) {
+  return ToFloat(FromFloat<T>(v));
+}
 
 // V consecutive elements moved as one access (16 bytes when the row width allows it).
 template <typename T, int V>
@@ -39,8 +45,8 @@ Status WithVectorWidth(int64_t width, Fn&& fn) {
 }
 
 template <typename T, int V>
-__global__ void GatherRowsKernel(const T* src, int64_t width, const int32_t* pair_of_row,
-                                 const int32_t* kept_rows, int top_k, T* dst) {
+__global__ void GatherRowsKernel(const T* src, int64_t width, const int32_t* pair_of_row, const int32_t* kept_rows,
+                                 int top_k, T* dst) {
   const int64_t r = blockIdx.x;
   if (r >= *kept_rows) return;
   const int32_t pair = pair_of_row[r];
@@ -75,8 +81,8 @@ __global__ void SwigluForwardKernel(T* gate_up, T* h, const int32_t* kept_rows, 
 }
 
 template <typename T, int V>
-__global__ void CombineRowsKernel(const T* row_values, const int32_t* row_of_pair, const float* weights,
-                                  int top_k, int64_t width, T* out) {
+__global__ void CombineRowsKernel(const T* row_values, const int32_t* row_of_pair, const float* weights, int top_k,
+                                  int64_t width, T* out) {
   const int64_t t = blockIdx.x;
   for (int64_t i = threadIdx.x; i < width / V; i += blockDim.x) {
     float acc[V];
@@ -119,10 +125,10 @@ constexpr int kLoadBatch = 4;
 static_assert(kSumGroups % kLoadBatch == 0, "a load batch must not straddle two rounds of summation threads");
 
 template <typename T, int V>
-__global__ void __launch_bounds__(kBackwardThreads) SwigluBackwardKernel(
-    const T* gate_up, const T* g, const float* __restrict__ weights,
-    const int32_t* __restrict__ pair_of_row, const int32_t* __restrict__ kept_rows, int64_t intermediate,
-    T* weighted_h, T* dz, float* __restrict__ d_weights) {
+__global__ void __launch_bounds__(kBackwardThreads)
+    SwigluBackwardKernel(const T* gate_up, const T* g, const float* __restrict__ weights,
+                         const int32_t* __restrict__ pair_of_row, const int32_t* __restrict__ kept_rows,
+                         int64_t intermediate, T* weighted_h, T* dz, float* __restrict__ d_weights) {
   // g and weighted_h may be one buffer, and gate_up and dz another (no __restrict__ on them): every vector of
   // g and gate_up is loaded by the lane that later stores that vector of weighted_h and dz, and a lane past
   // the row's end discards the vectors it loads.
@@ -241,8 +247,8 @@ Status GatherRows(Dtype dtype, const void* src, int64_t width, const int32_t* pa
   });
 }
 
-Status SwigluForward(Dtype dtype, void* gate_up, void* h, const int32_t* expert_offsets,
-                     int64_t num_experts, int64_t rows, int64_t intermediate, cudaStream_t stream) {
+Status SwigluForward(Dtype dtype, void* gate_up, void* h, const int32_t* expert_offsets, int64_t num_experts,
+                     int64_t rows, int64_t intermediate, cudaStream_t stream) {
   if (rows == 0) return {};
   return WithType(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -269,10 +275,9 @@ Status CombineRows(Dtype dtype, const void* row_values, const int32_t* row_of_pa
   });
 }
 
-Status SwigluBackward(Dtype dtype, const void* gate_up, const void* g, const float* weights,
-                      const int32_t* pair_of_row, const int32_t* row_of_pair, const int32_t* expert_offsets,
-                      int64_t num_experts, int64_t rows, int64_t intermediate, void* weighted_h, void* dz,
-                      float* d_weights, cudaStream_t stream) {
+Status SwigluBackward(Dtype dtype, const void* gate_up, const void* g, const float* weights, const int32_t* pair_of_row,
+                      const int32_t* row_of_pair, const int32_t* expert_offsets, int64_t num_experts, int64_t rows,
+                      int64_t intermediate, void* weighted_h, void* dz, float* d_weights, cudaStream_t stream) {
   if (rows == 0) return {};
   ZeroDroppedWeightsKernel<<<(rows + 255) / 256, 256, 0, stream>>>(row_of_pair, rows, d_weights);
   if (Status s = LaunchStatus("zero dropped weights"); !s.empty()) return s;
@@ -286,23 +291,22 @@ Status SwigluBackward(Dtype dtype, const void* gate_up, const void* g, const flo
         return "swiglu backward " + s;
       }
       const auto blocks = static_cast<unsigned>(std::min(resident, (rows + kBackwardWarps - 1) / kBackwardWarps));
-      kernel<<<blocks, kBackwardThreads, 0, stream>>>(static_cast<const T*>(gate_up), static_cast<const T*>(g),
-                                                      weights, pair_of_row, expert_offsets + num_experts,
-                                                      intermediate, static_cast<T*>(weighted_h), static_cast<T*>(dz),
-                                                      d_weights);
+      kernel<<<blocks, kBackwardThreads, 0, stream>>>(static_cast<const T*>(gate_up), static_cast<const T*>(g), weights,
+                                                      pair_of_row, expert_offsets + num_experts, intermediate,
+                                                      static_cast<T*>(weighted_h), static_cast<T*>(dz), d_weights);
       return LaunchStatus("swiglu backward");
     });
   });
 }
 
-Status ZeroEmptyExperts(Dtype dtype, const int32_t* expert_offsets, int64_t num_experts, int64_t per_expert,
-                        void* w, cudaStream_t stream) {
+Status ZeroEmptyExperts(Dtype dtype, const int32_t* expert_offsets, int64_t num_experts, int64_t per_expert, void* w,
+                        cudaStream_t stream) {
   if (num_experts == 0 || per_expert == 0) return {};
   return WithType(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const int64_t blocks = std::min<int64_t>((per_expert + 255) / 256, 64);
-    ZeroEmptyExpertsKernel<T><<<dim3(blocks, num_experts), 256, 0, stream>>>(expert_offsets, per_expert,
-                                                                             static_cast<T*>(w));
+    ZeroEmptyExpertsKernel<T>
+        <<<dim3(blocks, num_experts), 256, 0, stream>>>(expert_offsets, per_expert, static_cast<T*>(w));
     return LaunchStatus("zero empty experts");
   });
 }

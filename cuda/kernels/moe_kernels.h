@@ -53,9 +53,8 @@ inline size_t ElementBytes(Dtype dtype) { return dtype == Dtype::kBFloat16 ? 2 :
 //   row_of_pair [num_pairs]       sorted row of pair p, or -1 when its id is outside [0, num_experts)
 //   pair_of_row [num_pairs]       pair held by sorted row r, or -1 for r >= expert_offsets[num_experts]
 //   expert_offsets [num_experts+1] rows of expert e are [offsets[e], offsets[e+1]); stable in pair order
-Status SortPairsByExpert(const int32_t* experts, int64_t num_pairs, int64_t num_experts,
-                         int32_t* row_of_pair, int32_t* pair_of_row, int32_t* expert_offsets,
-                         const Scratch& scratch, cudaStream_t stream);
+Status SortPairsByExpert(const int32_t* experts, int64_t num_pairs, int64_t num_experts, int32_t* row_of_pair,
+                         int32_t* pair_of_row, int32_t* expert_offsets, const Scratch& scratch, cudaStream_t stream);
 
 // dst[r] = src[pair_of_row[r] / top_k] for every kept row r.
 Status GatherRows(Dtype dtype, const void* src, int64_t width, const int32_t* pair_of_row,
@@ -63,8 +62,8 @@ Status GatherRows(Dtype dtype, const void* src, int64_t width, const int32_t* pa
                   cudaStream_t stream);
 
 // h[r] = round(silu(gate) * up) for kept rows; gate_up rows past the kept ones are set to zero.
-Status SwigluForward(Dtype dtype, void* gate_up, void* h, const int32_t* expert_offsets,
-                     int64_t num_experts, int64_t rows, int64_t intermediate, cudaStream_t stream);
+Status SwigluForward(Dtype dtype, void* gate_up, void* h, const int32_t* expert_offsets, int64_t num_experts,
+                     int64_t rows, int64_t intermediate, cudaStream_t stream);
 
 // out[t] = sum_k (weights[t,k] or 1) * row_values[row_of_pair[t*K+k]], float32, k in order.
 Status CombineRows(Dtype dtype, const void* row_values, const int32_t* row_of_pair, const float* weights,
@@ -74,14 +73,13 @@ Status CombineRows(Dtype dtype, const void* row_values, const int32_t* row_of_pa
 //   weighted_h = round(w * h); d_weights[pair] = <g, h>; dz = round(w * g * d(silu(zg) * zu)).
 // weighted_h feeds d_W_down = weighted_h^T dy, so no copy of w * dy is needed; it may be written over g (the
 // same pointer), and dz over gate_up; no other buffers may overlap. d_weights of dropped pairs is set to zero.
-Status SwigluBackward(Dtype dtype, const void* gate_up, const void* g, const float* weights,
-                      const int32_t* pair_of_row, const int32_t* row_of_pair, const int32_t* expert_offsets,
-                      int64_t num_experts, int64_t rows, int64_t intermediate, void* weighted_h, void* dz,
-                      float* d_weights, cudaStream_t stream);
+Status SwigluBackward(Dtype dtype, const void* gate_up, const void* g, const float* weights, const int32_t* pair_of_row,
+                      const int32_t* row_of_pair, const int32_t* expert_offsets, int64_t num_experts, int64_t rows,
+                      int64_t intermediate, void* weighted_h, void* dz, float* d_weights, cudaStream_t stream);
 
 // Zeroes the `per_expert` elements of expert e in `w` for every expert without rows.
-Status ZeroEmptyExperts(Dtype dtype, const int32_t* expert_offsets, int64_t num_experts, int64_t per_expert,
-                        void* w, cudaStream_t stream);
+Status ZeroEmptyExperts(Dtype dtype, const int32_t* expert_offsets, int64_t num_experts, int64_t per_expert, void* w,
+                        cudaStream_t stream);
 
 // Tensor-core (CUTLASS sm90) grouped GEMMs need bf16 and 16-byte aligned rows; otherwise the SIMT path.
 bool UseTensorCores(Dtype dtype, int64_t hidden, int64_t intermediate);
@@ -103,15 +101,14 @@ inline std::string AcceptedGemmTiles() { return "0 (cooperative 128x256, no clus
 // Row-grouped GEMM: d[rows of e] = a[rows of e] @ B_e, a [rows, k], d [rows, n].
 // B_e = b + e*k*n holds [k, n] row-major, or [n, k] row-major when `b_transposed`. `tiles` picks the CUTLASS
 // instantiation (an error if it is not built).
-Status RowsGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, void* d,
-                const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t n, int64_t k,
-                bool b_transposed, GemmTiles tiles, const Scratch& scratch, cudaStream_t stream);
+Status RowsGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, void* d, const int32_t* expert_offsets,
+                int64_t num_experts, int64_t rows, int64_t n, int64_t k, bool b_transposed, GemmTiles tiles,
+                const Scratch& scratch, cudaStream_t stream);
 
 // Expert-grouped weight GEMM: d_e = a[rows of e]^T @ b[rows of e], a [rows, m], b [rows, n], d [E, m, n].
 // Experts without rows get zeros.
-Status WeightGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, void* d,
-                  const int32_t* expert_offsets, int64_t num_experts, int64_t rows, int64_t m, int64_t n,
-                  const Scratch& scratch, cudaStream_t stream);
+Status WeightGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, void* d, const int32_t* expert_offsets,
+                  int64_t num_experts, int64_t rows, int64_t m, int64_t n, const Scratch& scratch, cudaStream_t stream);
 
 // The CUTLASS instantiations behind RowsGemm / WeightGemm for bf16, one per .cu (grouped_gemm_{nn,nt,tn}.cu): NN
 // has row-major B_e, NT transposed B_e, both with GemmTiles::kCooperative128x256; TN is the weight GEMM.
@@ -120,17 +117,15 @@ namespace cutlass_gemm {
 // arrays of one element per expert, an element at most kMaxGroupArrayElement bytes, each array rounded up
 // to 128 bytes) and CUTLASS's workspace (TMA descriptors per SM, and the tile scheduler's).
 constexpr size_t kMaxGroupArrayElement = 32;
-inline size_t GroupArraysBound(int64_t experts) {
-  return 7 * ((kMaxGroupArrayElement * experts + 127) / 128 * 128);
-}
+inline size_t GroupArraysBound(int64_t experts) { return 7 * ((kMaxGroupArrayElement * experts + 127) / 128 * 128); }
 inline size_t CutlassWorkspaceBound(int sm_count) { return 1024 * static_cast<size_t>(sm_count) + 4096; }
 
-Status RowsGemmNN(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
-                  int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream);
-Status RowsGemmNT(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
-                  int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream);
-Status WeightGemmTN(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts,
-                    int64_t m, int64_t n, const Scratch& scratch, cudaStream_t stream);
+Status RowsGemmNN(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts, int64_t n,
+                  int64_t k, const Scratch& scratch, cudaStream_t stream);
+Status RowsGemmNT(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts, int64_t n,
+                  int64_t k, const Scratch& scratch, cudaStream_t stream);
+Status WeightGemmTN(const void* a, const void* b, void* d, const int32_t* offsets, int64_t num_experts, int64_t m,
+                    int64_t n, const Scratch& scratch, cudaStream_t stream);
 }  // namespace cutlass_gemm
 
 }  // namespace jmm::cuda

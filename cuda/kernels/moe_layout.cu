@@ -13,8 +13,7 @@ constexpr int kThreads = 256;
 int Blocks(int64_t n) { return static_cast<int>((n + kThreads - 1) / kThreads); }
 
 // Sort keys: the expert id, or num_experts for ids outside [0, num_experts); values: the pair index.
-__global__ void MakeSortKeys(const int32_t* experts, int num_pairs, int num_experts, int32_t* keys,
-                             int32_t* pairs) {
+__global__ void MakeSortKeys(const int32_t* experts, int num_pairs, int num_experts, int32_t* keys, int32_t* pairs) {
   const int p = blockIdx.x * blockDim.x + threadIdx.x;
   if (p >= num_pairs) return;
   const int32_t e = experts[p];
@@ -23,9 +22,8 @@ __global__ void MakeSortKeys(const int32_t* experts, int num_pairs, int num_expe
 }
 
 // Row r starts every expert in (key[r-1], key[r]]; the last row also closes (key[last], num_experts].
-__global__ void WriteLayout(const int32_t* sorted_keys, const int32_t* sorted_pairs, int num_pairs,
-                            int num_experts, int32_t* row_of_pair, int32_t* pair_of_row,
-                            int32_t* expert_offsets) {
+__global__ void WriteLayout(const int32_t* sorted_keys, const int32_t* sorted_pairs, int num_pairs, int num_experts,
+                            int32_t* row_of_pair, int32_t* pair_of_row, int32_t* expert_offsets) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= num_pairs) return;
   const int32_t key = sorted_keys[r];
@@ -64,9 +62,8 @@ size_t SortPairsScratchBytes(int64_t num_pairs, int64_t num_experts) {
          ScratchFootprint(SortTempBytes(static_cast<int>(num_pairs), num_experts));
 }
 
-Status SortPairsByExpert(const int32_t* experts, int64_t num_pairs, int64_t num_experts,
-                         int32_t* row_of_pair, int32_t* pair_of_row, int32_t* expert_offsets,
-                         const Scratch& scratch, cudaStream_t stream) {
+Status SortPairsByExpert(const int32_t* experts, int64_t num_pairs, int64_t num_experts, int32_t* row_of_pair,
+                         int32_t* pair_of_row, int32_t* expert_offsets, const Scratch& scratch, cudaStream_t stream) {
   const int n = static_cast<int>(num_pairs);
   if (n == 0) {
     return cudaMemsetAsync(expert_offsets, 0, (num_experts + 1) * sizeof(int32_t), stream) == cudaSuccess
@@ -82,8 +79,8 @@ Status SortPairsByExpert(const int32_t* experts, int64_t num_pairs, int64_t num_
   void* temp = scratch(temp_bytes);
   if (temp == nullptr) return "out of scratch memory for the expert sort";
   MakeSortKeys<<<Blocks(n), kThreads, 0, stream>>>(experts, n, static_cast<int>(num_experts), keys, pairs);
-  if (cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys, sorted_keys, pairs, sorted_pairs, n, 0, bits,
-                                      stream) != cudaSuccess) {
+  if (cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys, sorted_keys, pairs, sorted_pairs, n, 0, bits, stream) !=
+      cudaSuccess) {
     return std::string("cub radix sort failed: ") + cudaGetErrorString(cudaGetLastError());
   }
   WriteLayout<<<Blocks(n), kThreads, 0, stream>>>(sorted_keys, sorted_pairs, n, static_cast<int>(num_experts),

@@ -98,9 +98,9 @@ struct ArrivalGatedMainloop : Base {
   // the group changes); the load below cannot read the group from blk_coord, whose L is a constant 0 in the
   // ptr-array kernels.
   template <class TensorMaps, class ProblemShape>
-  CUTLASS_DEVICE void tensormaps_perform_update(typename Base::TensorMapStorage& shared_tensormaps, Params const& params,
-                                                TensorMaps const& input_tensormaps, ProblemShape problem_shape,
-                                                int32_t next_batch) {
+  CUTLASS_DEVICE void tensormaps_perform_update(typename Base::TensorMapStorage& shared_tensormaps,
+                                                Params const& params, TensorMaps const& input_tensormaps,
+                                                ProblemShape problem_shape, int32_t next_batch) {
     group_ = next_batch;
     Base::tensormaps_perform_update(shared_tensormaps, params, input_tensormaps, problem_shape, next_batch);
   }
@@ -115,8 +115,8 @@ struct ArrivalGatedMainloop : Base {
       detail::WaitForGroup(params.arrival, group_);
     }
     __syncwarp();
-    Base::load(params, pipeline, smem_pipe_write, load_inputs, input_tensormaps, blk_coord, k_tile_iter,
-               k_tile_count, thread_idx, block_rank_in_cluster, shared_tensors);
+    Base::load(params, pipeline, smem_pipe_write, load_inputs, input_tensormaps, blk_coord, k_tile_iter, k_tile_count,
+               thread_idx, block_rank_in_cluster, shared_tensors);
   }
 
  private:

@@ -17,18 +17,19 @@ constexpr int kThreads = 512;
 using SystemCounter = ::cuda::atomic_ref<unsigned long long, ::cuda::thread_scope_system>;
 
 // Spins until *counter >= target, for at most timeout_ns; then reports and traps (never hangs).
-__device__ void WaitAtLeast(uint64_t* counter, uint64_t target, uint64_t timeout_ns, const char* phase,
-                            int rank, int peer, uint64_t epoch) {
+__device__ void WaitAtLeast(uint64_t* counter, uint64_t target, uint64_t timeout_ns, const char* phase, int rank,
+                            int peer, uint64_t epoch) {
   SystemCounter ref(*reinterpret_cast<unsigned long long*>(counter));
   if (ref.load(::cuda::memory_order_acquire) >= target) return;
   const uint64_t start = GlobalTimerNs();
   while (ref.load(::cuda::memory_order_acquire) < target) {
     if (GlobalTimerNs() - start > timeout_ns) {
-      printf("jax_megamoe nvlink: shard %d timed out after %llu ms in phase '%s' waiting for shard %d "
-             "(epoch %llu, counter %llu < %llu)\n",
-             rank, static_cast<unsigned long long>(timeout_ns / 1000000), phase, peer,
-             static_cast<unsigned long long>(epoch), ref.load(::cuda::memory_order_relaxed),
-             static_cast<unsigned long long>(target));
+      printf(
+          "jax_megamoe nvlink: shard %d timed out after %llu ms in phase '%s' waiting for shard %d "
+          "(epoch %llu, counter %llu < %llu)\n",
+          rank, static_cast<unsigned long long>(timeout_ns / 1000000), phase, peer,
+          static_cast<unsigned long long>(epoch), ref.load(::cuda::memory_order_relaxed),
+          static_cast<unsigned long long>(target));
       __trap();
     }
     __nanosleep(256);
@@ -50,8 +51,8 @@ __device__ void BadCount(const char* what, int rank, int peer, int count, int64_
 // alignment allows. `Load` reads from L2 (.cg) when the source was written by another GPU.
 template <bool kFromPeer>
 __device__ void CopyShare(char* dst, const char* src, int64_t bytes, int part, int parts) {
-  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                          static_cast<uintptr_t>(bytes);
+  const uintptr_t align =
+      reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
   const int64_t stride = static_cast<int64_t>(parts) * blockDim.x;
   const int64_t first = static_cast<int64_t>(part) * blockDim.x + threadIdx.x;
   if (align % 16 == 0) {
@@ -84,16 +85,16 @@ __global__ void AdvanceEpochs(Peers peers, int first_rank, int count) {
 }
 
 // grid (blocks_per_peer, ranks): blockIdx.y is the destination.
-__global__ void __launch_bounds__(kThreads) SendBlocks(Peers peers, int ranks, int rank, Exchange call,
-                                                       int64_t block_bytes, uint64_t timeout_ns) {
+__global__ void __launch_bounds__(kThreads)
+    SendBlocks(Peers peers, int ranks, int rank, Exchange call, int64_t block_bytes, uint64_t timeout_ns) {
   const int dest = blockIdx.y;
   uint64_t* mine = peers.signals[rank];
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(mine + EpochSignal());
   const int count = call.send_counts[dest];
   if (count < 0 || count > call.capacity) BadCount("send count", rank, dest, count, call.capacity);
   if (threadIdx.x == 0) {
-    WaitAtLeast(mine + FreedSignal(ranks, dest), (epoch - 1) * gridDim.x, timeout_ns, "send (peer frees staging)",
-                rank, dest, epoch);
+    WaitAtLeast(mine + FreedSignal(ranks, dest), (epoch - 1) * gridDim.x, timeout_ns, "send (peer frees staging)", rank,
+                dest, epoch);
   }
   __syncthreads();
   CopyShare<false>(ExchangeBlock(peers, block_bytes, dest, rank), call.send + dest * call.capacity * call.row_bytes,
@@ -103,8 +104,8 @@ __global__ void __launch_bounds__(kThreads) SendBlocks(Peers peers, int ranks, i
 }
 
 // grid (blocks_per_peer, ranks): blockIdx.y is the source.
-__global__ void __launch_bounds__(kThreads) ReceiveBlocks(Peers peers, int ranks, int rank, Exchange call,
-                                                          int64_t block_bytes, uint64_t timeout_ns) {
+__global__ void __launch_bounds__(kThreads)
+    ReceiveBlocks(Peers peers, int ranks, int rank, Exchange call, int64_t block_bytes, uint64_t timeout_ns) {
   const int source = blockIdx.y;
   uint64_t* mine = peers.signals[rank];
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(mine + EpochSignal());
@@ -134,15 +135,14 @@ __global__ void WaitForPeers(PeerCounters wait, uint64_t target, int rank, bool 
   if (threadIdx.x != 0) return;
   for (int i = 0; i < wait.count; ++i) {
     WaitAtLeast(const_cast<uint64_t*>(wait.counters[i]), target, timeout_ns,
-                rows_arrive ? "push (rows arrive)" : "push (peer releases its push slot)",
-                rank, wait.peers[i], target);
+                rows_arrive ? "push (rows arrive)" : "push (peer releases its push slot)", rank, wait.peers[i], target);
   }
 }
 
 }  // namespace
 
-Status EnqueueWaitForPeers(const std::vector<const uint64_t*>& counters, const std::vector<int>& peers,
-                           uint64_t target, int rank, bool rows_arrive, uint64_t timeout_ns, cudaStream_t stream) {
+Status EnqueueWaitForPeers(const std::vector<const uint64_t*>& counters, const std::vector<int>& peers, uint64_t target,
+                           int rank, bool rows_arrive, uint64_t timeout_ns, cudaStream_t stream) {
   PeerCounters wait{};
   wait.count = static_cast<int>(counters.size());
   if (wait.count > kMaxRanks || peers.size() != counters.size()) return "bad peer wait";
@@ -165,8 +165,7 @@ Status EnqueueExchange(const ShardSet& shards, const std::vector<Exchange>& call
     SendBlocks<<<grid, kThreads, 0, stream>>>(peers, w.ranks, shards.rank(i), calls[i], w.block_bytes, w.timeout_ns);
   }
   for (int i = 0; i < shards.count; ++i) {
-    ReceiveBlocks<<<grid, kThreads, 0, stream>>>(peers, w.ranks, shards.rank(i), calls[i], w.block_bytes,
-                                                 w.timeout_ns);
+    ReceiveBlocks<<<grid, kThreads, 0, stream>>>(peers, w.ranks, shards.rank(i), calls[i], w.block_bytes, w.timeout_ns);
   }
   const cudaError_t status = cudaGetLastError();
   return status == cudaSuccess ? std::string() : std::string(cudaGetErrorString(status));

@@ -49,7 +49,7 @@ Status EnqueueExchange(const ShardSet& shards, const std::vector<Exchange>& call
 // peer and `call`, and traps) until counters[i] >= target for every i; peers[i] names counter i's writer.
 // `rows_arrive` picks the phase named: the push protocol's "push (rows arrive)" or "push (peer releases its push
 // slot)".
-Status EnqueueWaitForPeers(const std::vector<const uint64_t*>& counters, const std::vector<int>& peers,
-                           uint64_t target, int rank, bool rows_arrive, uint64_t timeout_ns, cudaStream_t stream);
+Status EnqueueWaitForPeers(const std::vector<const uint64_t*>& counters, const std::vector<int>& peers, uint64_t target,
+                           int rank, bool rows_arrive, uint64_t timeout_ns, cudaStream_t stream);
 
 }  // namespace jmm::nvlink

@@ -96,8 +96,8 @@ Status FusedGateUp(const ShardSet& shards, const FusedDims& d, const std::vector
             SourceBlocks slots{};
             for (int s = 0; s < ep; ++s) slots.rows[s] = s == me ? nullptr : push.Received(i, s);
             if (Status gather = GatherSourceRows(slots, ((1u << ep) - 1) & ~(1u << me), ep, me, d.capacity, H, K,
-                                                 calls[i].pair_of_row, calls[i].source_offsets, E, x_perms[i],
-                                                 kSideSMs, group_counters[i], push.side());
+                                                 calls[i].pair_of_row, calls[i].source_offsets, E, x_perms[i], kSideSMs,
+                                                 group_counters[i], push.side());
                 !gather.empty()) {
               return "gathering the peers' rows: " + gather;
             }
@@ -114,16 +114,16 @@ Status FusedGateUp(const ShardSet& shards, const FusedDims& d, const std::vector
         cuda::Scratch alloc = cursors[i].scratch();
         SourceBlocks own{};
         own.rows[me] = c.blocks + me * stride;
-        if (Status s = Step("own rows' gather", GatherSourceRows(own, 1u << me, ep, me, d.capacity, H, K,
-                                                                 c.pair_of_row, c.source_offsets, E, x_perms[i],
-                                                                 d.sms - kPushSMs, nullptr, stream));
+        if (Status s = Step("own rows' gather",
+                            GatherSourceRows(own, 1u << me, ep, me, d.capacity, H, K, c.pair_of_row, c.source_offsets,
+                                             E, x_perms[i], d.sms - kPushSMs, nullptr, stream));
             !s.empty()) {
           return s;
         }
-        return Step("gate_up GEMM", GatedGateUpGemm(x_perms[i], c.w_gate_up, c.gate_up, c.source_offsets, ep, me, E,
-                                                    2 * d.intermediate, H, group_counters[i],
-                                                    GatherArrivalsPerGroup(kSideSMs), shards.workspace->timeout_ns,
-                                                    d.sms - kSideSMs, alloc, stream));
+        return Step("gate_up GEMM",
+                    GatedGateUpGemm(x_perms[i], c.w_gate_up, c.gate_up, c.source_offsets, ep, me, E, 2 * d.intermediate,
+                                    H, group_counters[i], GatherArrivalsPerGroup(kSideSMs),
+                                    shards.workspace->timeout_ns, d.sms - kSideSMs, alloc, stream));
       });
       !status.empty()) {
     return status;
@@ -131,8 +131,7 @@ Status FusedGateUp(const ShardSet& shards, const FusedDims& d, const std::vector
   return push.Join(stream);
 }
 
-Status FusedDown(const ShardSet& shards, const FusedDims& d, const std::vector<DownShard>& calls,
-                 cudaStream_t stream) {
+Status FusedDown(const ShardSet& shards, const FusedDims& d, const std::vector<DownShard>& calls, cudaStream_t stream) {
   const int ep = d.ep;
   const int64_t C = d.capacity, H = d.hidden, K = d.top_k, E = d.experts, I = d.intermediate, block = d.block_bytes();
   std::vector<ScratchCursor> cursors;
@@ -163,9 +162,9 @@ Status FusedDown(const ShardSet& shards, const FusedDims& d, const std::vector<D
         }
         for (int s = 0; s < ep; ++s) {
           if (s == me) continue;
-          if (Status st = Step("peers' combine", cuda::CombineRows(Dtype::kBFloat16, row_outs[i],
-                                                                   c.row_of_pair + s * C * K, c.weights + s * C * K,
-                                                                   C, K, H, ys[i] + s * block, stream));
+          if (Status st =
+                  Step("peers' combine", cuda::CombineRows(Dtype::kBFloat16, row_outs[i], c.row_of_pair + s * C * K,
+                                                           c.weights + s * C * K, C, K, H, ys[i] + s * block, stream));
               !st.empty()) {
             return st;
           }
@@ -180,9 +179,9 @@ Status FusedDown(const ShardSet& shards, const FusedDims& d, const std::vector<D
   PushCall push(shards, block, "the results' push");
   const auto own_down_gemm = [&](int i) -> Status {
     cuda::Scratch alloc = cursors[i].scratch();
-    return Step("own down GEMM", SourceRowsGemm(hs[i], calls[i].w_down, row_outs[i], calls[i].source_offsets, ep,
-                                                shards.rank(i), E, /*own=*/true, H, I, d.sms - kPushSMs, alloc,
-                                                stream));
+    return Step("own down GEMM",
+                SourceRowsGemm(hs[i], calls[i].w_down, row_outs[i], calls[i].source_offsets, ep, shards.rank(i), E,
+                               /*own=*/true, H, I, d.sms - kPushSMs, alloc, stream));
   };
   if (Status status = push.Start(stream, [&](int i) { return ys[i]; }, block); !status.empty()) return status;
   if (!d.one_block) {
@@ -212,9 +211,9 @@ Status FusedDown(const ShardSet& shards, const FusedDims& d, const std::vector<D
         parts.count = ep;
         parts.own = shards.rank(i);
         for (int s = 0; s < ep; ++s) parts.rows[s] = s == parts.own ? nullptr : push.Received(i, s);
-        return Step("own combine and sum", CombineRowsIntoSum(Dtype::kBFloat16, row_outs[i], own_pairs(i),
-                                                              own_weights(i), C, K, H, parts, calls[i].returned,
-                                                              stream));
+        return Step("own combine and sum",
+                    CombineRowsIntoSum(Dtype::kBFloat16, row_outs[i], own_pairs(i), own_weights(i), C, K, H, parts,
+                                       calls[i].returned, stream));
       });
       !status.empty()) {
     return status;
@@ -225,8 +224,7 @@ Status FusedDown(const ShardSet& shards, const FusedDims& d, const std::vector<D
 }
 
 Status FusedBackward(const ShardSet& shards, const FusedDims& d, cuda::GemmTiles bwd_down_tiles,
-                     cuda::GemmTiles bwd_gate_up_tiles, const std::vector<BackwardShard>& calls,
-                     cudaStream_t stream) {
+                     cuda::GemmTiles bwd_gate_up_tiles, const std::vector<BackwardShard>& calls, cudaStream_t stream) {
   const int ep = d.ep;
   const int64_t C = d.capacity, H = d.hidden, K = d.top_k, E = d.experts, block = d.block_bytes();
   const int64_t dy_stride = d.one_block ? 0 : block;
@@ -242,11 +240,28 @@ Status FusedBackward(const ShardSet& shards, const FusedDims& d, cuda::GemmTiles
         cuda::Scratch alloc = cursors[i].scratch();
         dxs[i] = static_cast<char*>(alloc(d.tokens() * H * 2));
         if (dxs[i] == nullptr) return "out of workspace memory";
-        const cuda::MoeBackwardCall call{Dtype::kBFloat16, d.tokens(), K, H, d.intermediate, E,
-                                         bwd_down_tiles, bwd_gate_up_tiles,
-                                         /*dy=*/nullptr, c.recv_x, c.weights, c.w_gate_up, c.w_down, c.gate_up,
-                                         c.row_of_pair, c.pair_of_row, c.expert_offsets,
-                                         dxs[i], c.d_w_gate_up, c.d_w_down, c.dz, c.d_weights};
+        const cuda::MoeBackwardCall call{Dtype::kBFloat16,
+                                         d.tokens(),
+                                         K,
+                                         H,
+                                         d.intermediate,
+                                         E,
+                                         bwd_down_tiles,
+                                         bwd_gate_up_tiles,
+                                         /*dy=*/nullptr,
+                                         c.recv_x,
+                                         c.weights,
+                                         c.w_gate_up,
+                                         c.w_down,
+                                         c.gate_up,
+                                         c.row_of_pair,
+                                         c.pair_of_row,
+                                         c.expert_offsets,
+                                         dxs[i],
+                                         c.d_w_gate_up,
+                                         c.d_w_down,
+                                         c.dz,
+                                         c.d_weights};
         backwards.emplace_back(call, alloc);
         dy_rows[i] = backwards[i].GatheredDy();
         return dy_rows[i] == nullptr ? "out of workspace memory" : "";
@@ -278,9 +293,9 @@ Status FusedBackward(const ShardSet& shards, const FusedDims& d, cuda::GemmTiles
         const int me = shards.rank(i);
         SourceBlocks own{};
         own.rows[me] = calls[i].d_returned + me * dy_stride;
-        return Step("own dy gather", GatherSourceRows(own, 1u << me, ep, me, C, H, K, calls[i].pair_of_row,
-                                                      calls[i].source_offsets, E, dy_rows[i], d.sms - kPushSMs,
-                                                      nullptr, stream));
+        return Step("own dy gather",
+                    GatherSourceRows(own, 1u << me, ep, me, C, H, K, calls[i].pair_of_row, calls[i].source_offsets, E,
+                                     dy_rows[i], d.sms - kPushSMs, nullptr, stream));
       });
       !status.empty()) {
     return status;
@@ -297,9 +312,9 @@ Status FusedBackward(const ShardSet& shards, const FusedDims& d, cuda::GemmTiles
   };
   if (Status status = back.Start(stream, [&](int i) { return dxs[i]; }, block); !status.empty()) return status;
   if (!d.one_block) {
-    if (Status status = back.Receive(
-            [&](int i) { return back.CopyOut(i, dxs[i] + back.rank(i) * block, calls[i].d_send); },
-            /*release=*/true);
+    if (Status status =
+            back.Receive([&](int i) { return back.CopyOut(i, dxs[i] + back.rank(i) * block, calls[i].d_send); },
+                         /*release=*/true);
         !status.empty()) {
       return status;
     }

@@ -65,7 +65,7 @@ struct FusedDims {
   bool one_block = false;    // the blocks' operand (or result) is one block for every destination
   int sms = 0;               // the device's multiprocessors
 
-  int64_t tokens() const { return ep * capacity; }  // received rows
+  int64_t tokens() const { return ep * capacity; }   // received rows
   int64_t rows() const { return tokens() * top_k; }  // received pairs
   int64_t groups() const { return ep * experts; }    // (source, expert) groups
   int64_t block_bytes() const { return capacity * hidden * 2; }
@@ -96,17 +96,17 @@ struct DownShard {
 
 // One shard's buffers of the backward call.
 struct BackwardShard {
-  const char* d_returned;         // [ep or 1, C, H] bf16: the cotangent of the down call's result
-  const void* recv_x;             // [ep, C, H]
-  const float* weights;           // [ep*C, K]
+  const char* d_returned;  // [ep or 1, C, H] bf16: the cotangent of the down call's result
+  const void* recv_x;      // [ep, C, H]
+  const float* weights;    // [ep*C, K]
   const void *w_gate_up, *w_down;
-  const void* gate_up;            // [ep*C*K, 2I]
+  const void* gate_up;  // [ep*C*K, 2I]
   const int32_t *row_of_pair, *pair_of_row, *source_offsets, *expert_offsets;
-  char* d_send;                   // result [ep or 1, C, H]: the blocks' cotangent
-  float* d_weights;               // result [ep*C, K]
+  char* d_send;      // result [ep or 1, C, H]: the blocks' cotangent
+  float* d_weights;  // result [ep*C, K]
   void *d_w_gate_up, *d_w_down;
-  void* dz;                       // result [ep*C*K, 2I], gate_up's gradient: may be gate_up (aliased), its last reader
-  uint8_t* workspace;             // NvlinkMoeBackwardWorkspaceBytes
+  void* dz;            // result [ep*C*K, 2I], gate_up's gradient: may be gate_up (aliased), its last reader
+  uint8_t* workspace;  // NvlinkMoeBackwardWorkspaceBytes
 };
 
 // What one shard of each call takes of its workspace result (the handlers check it; the Python side sizes the result
@@ -122,7 +122,6 @@ Status FusedGateUp(const ShardSet& shards, const FusedDims& dims, const std::vec
 Status FusedDown(const ShardSet& shards, const FusedDims& dims, const std::vector<DownShard>& calls,
                  cudaStream_t stream);
 Status FusedBackward(const ShardSet& shards, const FusedDims& dims, cuda::GemmTiles bwd_down_tiles,
-                     cuda::GemmTiles bwd_gate_up_tiles, const std::vector<BackwardShard>& calls,
-                     cudaStream_t stream);
+                     cuda::GemmTiles bwd_gate_up_tiles, const std::vector<BackwardShard>& calls, cudaStream_t stream);
 
 }  // namespace jmm::nvlink

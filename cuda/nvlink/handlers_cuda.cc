@@ -53,15 +53,17 @@ ffi::Error Open(int64_t workspace_id, int device, const std::string& what, Shard
   if (Status status = OpenShards(workspace_id, device, shards); !status.empty()) {
     return InvalidArgument(what + ": " + status);
   }
-  if (cudaSetDevice(device) != cudaSuccess) return InvalidArgument(what + ": cannot select GPU " + std::to_string(device));
+  if (cudaSetDevice(device) != cudaSuccess)
+    return InvalidArgument(what + ": cannot select GPU " + std::to_string(device));
   return ffi::Error::Success();
 }
 
 ffi::Error NotBatched(const std::string& what, const ShardSet& shards, const std::string& shapes) {
-  return InvalidArgument(what + ": " + (shards.workspace->emulated
-                                            ? "an emulated workspace of " + std::to_string(shards.ranks()) +
-                                                  " shards needs every operand batched over the shards (jax.vmap)"
-                                            : "the operands must be " + shapes));
+  return InvalidArgument(what + ": " +
+                         (shards.workspace->emulated
+                              ? "an emulated workspace of " + std::to_string(shards.ranks()) +
+                                    " shards needs every operand batched over the shards (jax.vmap)"
+                              : "the operands must be " + shapes));
 }
 
 // What every fused call checks of its dimensions: bf16 tensor-core GEMMs, and reads the device's SM count.
@@ -77,7 +79,8 @@ ffi::Error CheckFused(const std::string& what, int device, FusedDims* d) {
 
 ffi::Error AllBf16(const std::string& what, std::initializer_list<const ffi::AnyBuffer*> buffers) {
   for (const ffi::AnyBuffer* b : buffers) {
-    if (b->element_type() != ffi::BF16) return InvalidArgument(what + ": the row blocks and expert weights must be bfloat16");
+    if (b->element_type() != ffi::BF16)
+      return InvalidArgument(what + ": the row blocks and expert weights must be bfloat16");
   }
   return ffi::Error::Success();
 }
@@ -139,9 +142,12 @@ ffi::Error NvlinkExchange(cudaStream_t stream, int32_t device, ffi::AnyBuffer se
   }
   std::vector<Exchange> calls(shards.count);
   shards.ForEach([&](int i) -> Status {
-    calls[i] = Exchange{Slice(send, shards, i),        send_counts.typed_data() + i * ranks,
-                        recv_counts.typed_data() + i * ranks, Slice(*out, shards, i),
-                        capacity,                       row_bytes,
+    calls[i] = Exchange{Slice(send, shards, i),
+                        send_counts.typed_data() + i * ranks,
+                        recv_counts.typed_data() + i * ranks,
+                        Slice(*out, shards, i),
+                        capacity,
+                        row_bytes,
                         static_cast<unsigned char>(fill_byte)};
     return {};
   });
@@ -152,11 +158,12 @@ ffi::Error NvlinkExchange(cudaStream_t stream, int32_t device, ffi::AnyBuffer se
 
 ffi::Error NvlinkMoeGateUp(cudaStream_t stream, int32_t device, ffi::AnyBuffer blocks, ffi::AnyBuffer w_gate_up,
                            ffi::Buffer<ffi::S32> pair_of_row, ffi::Buffer<ffi::S32> source_offsets,
-                           ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> gate_up, WorkspaceResult workspace,
-                           int64_t workspace_id) {
+                           ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> gate_up,
+                           WorkspaceResult workspace, int64_t workspace_id) {
   const std::string what = "nvlink moe_gate_up";
-  const std::string shapes = "blocks [ep or 1, C, H], w_gate_up [E, H, 2I], pair_of_row [ep*C*K], source_offsets "
-                             "[ep*E + 1], recv_x [ep, C, H] and gate_up [ep*C*K, 2I]";
+  const std::string shapes =
+      "blocks [ep or 1, C, H], w_gate_up [E, H, 2I], pair_of_row [ep*C*K], source_offsets "
+      "[ep*E + 1], recv_x [ep, C, H] and gate_up [ep*C*K, 2I]";
   DeviceGuard guard;
   ShardSet shards;
   if (auto err = Open(workspace_id, device, what, &shards); err.failure()) return err;
@@ -175,11 +182,13 @@ ffi::Error NvlinkMoeGateUp(cudaStream_t stream, int32_t device, ffi::AnyBuffer b
   d.one_block = bd[0] == 1 && d.ep > 1;
   const int64_t pairs = static_cast<int64_t>(pair_of_row.element_count()) / shards.count;
   d.top_k = d.tokens() > 0 ? pairs / d.tokens() : 0;
-  if (!(bd[0] == d.ep || d.one_block) || gd[1] != d.hidden || gd[2] % 2 != 0 || rd != std::vector<int64_t>{d.ep, d.capacity, d.hidden} ||
+  if (!(bd[0] == d.ep || d.one_block) || gd[1] != d.hidden || gd[2] % 2 != 0 ||
+      rd != std::vector<int64_t>{d.ep, d.capacity, d.hidden} ||
       zd != std::vector<int64_t>{d.rows(), 2 * d.intermediate} || d.rows() != pairs) {
     return InvalidArgument(what + ": shapes disagree with " + shapes);
   }
-  if (auto err = Counted(what, {{source_offsets.element_count(), d.groups() + 1}}, shards, shapes); err.failure()) return err;
+  if (auto err = Counted(what, {{source_offsets.element_count(), d.groups() + 1}}, shards, shapes); err.failure())
+    return err;
   if (auto err = CheckFused(what, device, &d); err.failure()) return err;
   if (auto err = CheckWorkspaceBytes(what, workspace, shards, GateUpWorkspaceBytes(d)); err.failure()) return err;
   if (blocks.size_bytes() == 0) return ffi::Error::Success();  // same static shapes on every shard: all skip
@@ -204,8 +213,9 @@ ffi::Error NvlinkMoeDown(cudaStream_t stream, int32_t device, ffi::AnyBuffer gat
                          ffi::Buffer<ffi::S32> expert_offsets, ffi::Result<ffi::AnyBuffer> returned,
                          WorkspaceResult workspace, int64_t workspace_id) {
   const std::string what = "nvlink moe_down";
-  const std::string shapes = "gate_up [ep*C*K, 2I], weights [ep*C, K] float32, w_down [E, I, H], row_of_pair "
-                             "[ep*C*K], source_offsets [ep*E + 1], expert_offsets [E + 1] and returned [ep or 1, C, H]";
+  const std::string shapes =
+      "gate_up [ep*C*K, 2I], weights [ep*C, K] float32, w_down [E, I, H], row_of_pair "
+      "[ep*C*K], source_offsets [ep*E + 1], expert_offsets [E + 1] and returned [ep or 1, C, H]";
   DeviceGuard guard;
   ShardSet shards;
   if (auto err = Open(workspace_id, device, what, &shards); err.failure()) return err;
@@ -224,13 +234,14 @@ ffi::Error NvlinkMoeDown(cudaStream_t stream, int32_t device, ffi::AnyBuffer gat
   d.intermediate = dd[1];
   d.hidden = dd[2];
   d.one_block = yd[0] == 1 && d.ep > 1;
-  if (wd[0] % d.ep != 0 || zd != std::vector<int64_t>{d.rows(), 2 * d.intermediate} || !(yd[0] == d.ep || d.one_block) ||
-      yd[1] != d.capacity || yd[2] != d.hidden) {
+  if (wd[0] % d.ep != 0 || zd != std::vector<int64_t>{d.rows(), 2 * d.intermediate} ||
+      !(yd[0] == d.ep || d.one_block) || yd[1] != d.capacity || yd[2] != d.hidden) {
     return InvalidArgument(what + ": shapes disagree with " + shapes);
   }
-  if (auto err = Counted(what, {{row_of_pair.element_count(), d.rows()},
-                                {source_offsets.element_count(), d.groups() + 1},
-                                {expert_offsets.element_count(), d.experts + 1}},
+  if (auto err = Counted(what,
+                         {{row_of_pair.element_count(), d.rows()},
+                          {source_offsets.element_count(), d.groups() + 1},
+                          {expert_offsets.element_count(), d.experts + 1}},
                          shards, shapes);
       err.failure()) {
     return err;
@@ -261,12 +272,14 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                              ffi::Buffer<ffi::S32> pair_of_row, ffi::Buffer<ffi::S32> source_offsets,
                              ffi::Buffer<ffi::S32> expert_offsets, ffi::Result<ffi::AnyBuffer> d_send,
                              ffi::Result<ffi::AnyBuffer> d_weights, ffi::Result<ffi::AnyBuffer> d_w_gate_up,
-                             ffi::Result<ffi::AnyBuffer> d_w_down, ffi::Result<ffi::AnyBuffer> dz, WorkspaceResult workspace,
-                             int64_t workspace_id, int64_t bwd_down_tiles, int64_t bwd_gate_up_tiles) {
+                             ffi::Result<ffi::AnyBuffer> d_w_down, ffi::Result<ffi::AnyBuffer> dz,
+                             WorkspaceResult workspace, int64_t workspace_id, int64_t bwd_down_tiles,
+                             int64_t bwd_gate_up_tiles) {
   const std::string what = "nvlink moe_backward";
-  const std::string shapes = "d_returned [ep or 1, C, H] (d_send: the same), recv_x [ep, C, H], weights [ep*C, K] "
-                             "float32, w_gate_up [E, H, 2I], w_down [E, I, H], gate_up [ep*C*K, 2I] (dz: the same), "
-                             "the layout and the gradients of the same shapes";
+  const std::string shapes =
+      "d_returned [ep or 1, C, H] (d_send: the same), recv_x [ep, C, H], weights [ep*C, K] "
+      "float32, w_gate_up [E, H, 2I], w_down [E, I, H], gate_up [ep*C*K, 2I] (dz: the same), "
+      "the layout and the gradients of the same shapes";
   cuda::GemmTiles down_tiles, gate_up_tiles;
   if (auto err = ReadGemmTiles("bwd_down_tiles", bwd_down_tiles, &down_tiles); err.failure()) return err;
   if (auto err = ReadGemmTiles("bwd_gate_up_tiles", bwd_gate_up_tiles, &gate_up_tiles); err.failure()) return err;
@@ -274,8 +287,8 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   ShardSet shards;
   if (auto err = Open(workspace_id, device, what, &shards); err.failure()) return err;
   std::vector<int64_t> yd, xd, wd, gd, dd;
-  if (!PerShard(d_returned, shards, 3, &yd) || !PerShard(recv_x, shards, 3, &xd) || !PerShard(weights, shards, 2, &wd) ||
-      !PerShard(w_gate_up, shards, 3, &gd) || !PerShard(w_down, shards, 3, &dd)) {
+  if (!PerShard(d_returned, shards, 3, &yd) || !PerShard(recv_x, shards, 3, &xd) ||
+      !PerShard(weights, shards, 2, &wd) || !PerShard(w_gate_up, shards, 3, &gd) || !PerShard(w_down, shards, 3, &dd)) {
     return NotBatched(what, shards, shapes);
   }
   if (auto err = AllBf16(what, {&d_returned, &recv_x, &w_gate_up, &w_down, &gate_up}); err.failure()) return err;
@@ -290,16 +303,18 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   d.one_block = yd[0] == 1 && d.ep > 1;  // the cotangent of the results' sum: one block for every source
   if (xd[0] != d.ep || !(yd[0] == d.ep || d.one_block) || yd[1] != d.capacity || yd[2] != d.hidden ||
       wd[0] != d.tokens() || gd[1] != d.hidden || gd[2] % 2 != 0 ||
-      dd != std::vector<int64_t>{d.experts, d.intermediate, d.hidden} || d_send->size_bytes() != d_returned.size_bytes() ||
-      d_weights->size_bytes() != weights.size_bytes() || d_w_gate_up->size_bytes() != w_gate_up.size_bytes() ||
-      d_w_down->size_bytes() != w_down.size_bytes() || dz->size_bytes() != gate_up.size_bytes()) {
+      dd != std::vector<int64_t>{d.experts, d.intermediate, d.hidden} ||
+      d_send->size_bytes() != d_returned.size_bytes() || d_weights->size_bytes() != weights.size_bytes() ||
+      d_w_gate_up->size_bytes() != w_gate_up.size_bytes() || d_w_down->size_bytes() != w_down.size_bytes() ||
+      dz->size_bytes() != gate_up.size_bytes()) {
     return InvalidArgument(what + ": shapes disagree with " + shapes);
   }
-  if (auto err = Counted(what, {{gate_up.element_count(), d.rows() * 2 * d.intermediate},
-                                {row_of_pair.element_count(), d.rows()},
-                                {pair_of_row.element_count(), d.rows()},
-                                {source_offsets.element_count(), d.groups() + 1},
-                                {expert_offsets.element_count(), d.experts + 1}},
+  if (auto err = Counted(what,
+                         {{gate_up.element_count(), d.rows() * 2 * d.intermediate},
+                          {row_of_pair.element_count(), d.rows()},
+                          {pair_of_row.element_count(), d.rows()},
+                          {source_offsets.element_count(), d.groups() + 1},
+                          {expert_offsets.element_count(), d.experts + 1}},
                          shards, shapes);
       err.failure()) {
     return err;
@@ -337,10 +352,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_nvlink_exchange, jmm::nvlink::NvlinkExcha
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()               // send [ranks, C, ...]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // send_counts [ranks]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // recv_counts [ranks]
-                                  .Ret<xla::ffi::AnyBuffer>()               // out [ranks, C, ...]
+                                  .Arg<xla::ffi::AnyBuffer>()              // send [ranks, C, ...]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // send_counts [ranks]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_counts [ranks]
+                                  .Ret<xla::ffi::AnyBuffer>()              // out [ranks, C, ...]
                                   .Attr<int64_t>("workspace")
                                   .Attr<int64_t>("fill_byte"));
 
@@ -348,27 +363,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_gate_up, jmm::nvlink::NvlinkMo
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()               // blocks [ep or 1, C, H] bf16
-                                  .Arg<xla::ffi::AnyBuffer>()               // w_gate_up [E, H, 2I] bf16
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // pair_of_row [ep*C*K]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // source_offsets [ep*E + 1]
-                                  .Ret<xla::ffi::AnyBuffer>()               // recv_x [ep, C, H]
-                                  .Ret<xla::ffi::AnyBuffer>()               // gate_up [ep*C*K, 2I]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()         // workspace (temporaries)
+                                  .Arg<xla::ffi::AnyBuffer>()              // blocks [ep or 1, C, H] bf16
+                                  .Arg<xla::ffi::AnyBuffer>()              // w_gate_up [E, H, 2I] bf16
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // pair_of_row [ep*C*K]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // source_offsets [ep*E + 1]
+                                  .Ret<xla::ffi::AnyBuffer>()              // recv_x [ep, C, H]
+                                  .Ret<xla::ffi::AnyBuffer>()              // gate_up [ep*C*K, 2I]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // workspace (temporaries)
                                   .Attr<int64_t>("workspace"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_down, jmm::nvlink::NvlinkMoeDown,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()               // gate_up [ep*C*K, 2I] bf16
-                                  .Arg<xla::ffi::AnyBuffer>()               // weights [ep*C, K] f32
-                                  .Arg<xla::ffi::AnyBuffer>()               // w_down [E, I, H] bf16
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // row_of_pair [ep*C*K]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // source_offsets [ep*E + 1]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // expert_offsets [E + 1]
-                                  .Ret<xla::ffi::AnyBuffer>()               // returned [ep, C, H], or [1, C, H] summed
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()         // workspace (temporaries)
+                                  .Arg<xla::ffi::AnyBuffer>()              // gate_up [ep*C*K, 2I] bf16
+                                  .Arg<xla::ffi::AnyBuffer>()              // weights [ep*C, K] f32
+                                  .Arg<xla::ffi::AnyBuffer>()              // w_down [E, I, H] bf16
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_of_pair [ep*C*K]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // source_offsets [ep*E + 1]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // expert_offsets [E + 1]
+                                  .Ret<xla::ffi::AnyBuffer>()              // returned [ep, C, H], or [1, C, H] summed
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // workspace (temporaries)
                                   .Attr<int64_t>("workspace"));
 
 // dz is written over gate_up (the caller aliases operand 5 to result 4), as in moe_backward.
@@ -376,22 +391,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_backward, jmm::nvlink::NvlinkM
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()               // d_returned [ep or 1, C, H]
-                                  .Arg<xla::ffi::AnyBuffer>()               // recv_x [ep, C, H]
-                                  .Arg<xla::ffi::AnyBuffer>()               // weights [ep*C, K] f32
-                                  .Arg<xla::ffi::AnyBuffer>()               // w_gate_up [E, H, 2I]
-                                  .Arg<xla::ffi::AnyBuffer>()               // w_down [E, I, H]
-                                  .Arg<xla::ffi::AnyBuffer>()               // gate_up [ep*C*K, 2I]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // row_of_pair
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // pair_of_row
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // source_offsets [ep*E + 1]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // expert_offsets [E + 1]
-                                  .Ret<xla::ffi::AnyBuffer>()               // d_send [ep or 1, C, H]
-                                  .Ret<xla::ffi::AnyBuffer>()               // d_weights [ep*C, K] f32
-                                  .Ret<xla::ffi::AnyBuffer>()               // d_w_gate_up [E, H, 2I]
-                                  .Ret<xla::ffi::AnyBuffer>()               // d_w_down [E, I, H]
-                                  .Ret<xla::ffi::AnyBuffer>()               // dz [ep*C*K, 2I] (aliased to gate_up)
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()         // workspace (temporaries)
+                                  .Arg<xla::ffi::AnyBuffer>()              // d_returned [ep or 1, C, H]
+                                  .Arg<xla::ffi::AnyBuffer>()              // recv_x [ep, C, H]
+                                  .Arg<xla::ffi::AnyBuffer>()              // weights [ep*C, K] f32
+                                  .Arg<xla::ffi::AnyBuffer>()              // w_gate_up [E, H, 2I]
+                                  .Arg<xla::ffi::AnyBuffer>()              // w_down [E, I, H]
+                                  .Arg<xla::ffi::AnyBuffer>()              // gate_up [ep*C*K, 2I]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_of_pair
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // pair_of_row
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // source_offsets [ep*E + 1]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // expert_offsets [E + 1]
+                                  .Ret<xla::ffi::AnyBuffer>()              // d_send [ep or 1, C, H]
+                                  .Ret<xla::ffi::AnyBuffer>()              // d_weights [ep*C, K] f32
+                                  .Ret<xla::ffi::AnyBuffer>()              // d_w_gate_up [E, H, 2I]
+                                  .Ret<xla::ffi::AnyBuffer>()              // d_w_down [E, I, H]
+                                  .Ret<xla::ffi::AnyBuffer>()              // dz [ep*C*K, 2I] (aliased to gate_up)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // workspace (temporaries)
                                   .Attr<int64_t>("workspace")
                                   .Attr<int64_t>("bwd_down_tiles")
                                   .Attr<int64_t>("bwd_gate_up_tiles"));

@@ -34,8 +34,7 @@ struct SourceBlocks {
 // grown by GatherArrivalsPerGroup(sms). hidden % 8 == 0.
 Status GatherSourceRows(const SourceBlocks& sources_rows, uint32_t sources, int ep, int me, int64_t capacity,
                         int64_t hidden, int64_t top_k, const int32_t* pair_of_row, const int32_t* source_offsets,
-                        int64_t local_experts, void* x_perm, int sms, uint64_t* group_counters,
-                        cudaStream_t stream);
+                        int64_t local_experts, void* x_perm, int sms, uint64_t* group_counters, cudaStream_t stream);
 
 // What one launch of GatherSourceRows on `sms` SMs adds to each gathered group's counter.
 int GatherArrivalsPerGroup(int sms);
@@ -45,10 +44,9 @@ int GatherArrivalsPerGroup(int sms);
 // persistent kernel walks the groups g = j * E_local + e (source (me + j) % ep): the own groups, ungated, then the
 // peers', each of whose tiles first waits (bounded by timeout_ns, then traps) until group_counters[g] >= target. It
 // runs `sm_count` CTAs: leave the SMs the rows' producers need.
-Status GatedGateUpGemm(const void* x_perm, const void* w_gate_up, void* gate_up, const int32_t* source_offsets,
-                       int ep, int me, int64_t local_experts, int64_t two_inter, int64_t hidden,
-                       const uint64_t* group_counters, uint64_t target, uint64_t timeout_ns, int sm_count,
-                       const Scratch& scratch, cudaStream_t stream);
+Status GatedGateUpGemm(const void* x_perm, const void* w_gate_up, void* gate_up, const int32_t* source_offsets, int ep,
+                       int me, int64_t local_experts, int64_t two_inter, int64_t hidden, const uint64_t* group_counters,
+                       uint64_t target, uint64_t timeout_ns, int sm_count, const Scratch& scratch, cudaStream_t stream);
 
 // d[rows of (s, e)] = a[rows of (s, e)] @ b[e] ([k, n] row-major) for the own source's groups (`own`, s = me) or
 // every peer's (s != me, in the order (me + 1) % ep, ...), without waits; the same kernel as GatedGateUpGemm, so

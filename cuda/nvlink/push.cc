@@ -53,8 +53,8 @@ Status PushCall::Push(int shard, const char* blocks, int64_t stride) {
   const std::vector<int> peers = PeersOf(me);
   std::vector<const uint64_t*> released;
   for (int d : peers) released.push_back(Signal(me, ReleasedSignal(ep_, d)));
-  if (Status status = EnqueueWaitForPeers(released, peers, f - 1, me, /*rows_arrive=*/false,
-                                          shards_.workspace->timeout_ns, side_);
+  if (Status status =
+          EnqueueWaitForPeers(released, peers, f - 1, me, /*rows_arrive=*/false, shards_.workspace->timeout_ns, side_);
       !status.empty()) {
     return Fail("waiting for the peers' push slots: " + status);
   }

@@ -26,9 +26,9 @@ constexpr int kLoadsInFlight = 8;  // per thread: a copy on few SMs is bound by 
 // so that no warp waits at a block barrier for the others; measured alone, this did not change the gather's time on
 // 16 SMs: 0.74-0.87 ms for the peer's rows at EP = 2, q30).
 __global__ void __launch_bounds__(kGatherThreads, 1)
-    GatherSourceRowsKernel(SourceBlocks blocks, uint32_t sources, int ep, int me, int64_t capacity,
-                           int chunks_per_row, int top_k, const int32_t* pair_of_row, const int32_t* source_offsets,
-                           int local_experts, uint4* x_perm, uint64_t* group_counters) {
+    GatherSourceRowsKernel(SourceBlocks blocks, uint32_t sources, int ep, int me, int64_t capacity, int chunks_per_row,
+                           int top_k, const int32_t* pair_of_row, const int32_t* source_offsets, int local_experts,
+                           uint4* x_perm, uint64_t* group_counters) {
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t step_rows = threads / chunks_per_row;
@@ -66,7 +66,8 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
         __syncwarp();
         if (threadIdx.x % 32 == 0) {
           asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(group_counters + j * local_experts + e),
-                       "l"(uint64_t{1}) : "memory");
+                       "l"(uint64_t{1})
+                       : "memory");
         }
       }
     }
@@ -142,8 +143,7 @@ Status SourceGroupsGemm(const void* a, const void* b, void* d, const int32_t* so
 
 Status GatherSourceRows(const SourceBlocks& sources_rows, uint32_t sources, int ep, int me, int64_t capacity,
                         int64_t hidden, int64_t top_k, const int32_t* pair_of_row, const int32_t* source_offsets,
-                        int64_t local_experts, void* x_perm, int sms, uint64_t* group_counters,
-                        cudaStream_t stream) {
+                        int64_t local_experts, void* x_perm, int sms, uint64_t* group_counters, cudaStream_t stream) {
   if (hidden % 8 != 0) return "GatherSourceRows needs hidden % 8 == 0 (16-byte rows)";
   GatherSourceRowsKernel<<<sms, kGatherThreads, 0, stream>>>(
       sources_rows, sources, ep, me, capacity, static_cast<int>(hidden / 8), static_cast<int>(top_k), pair_of_row,
@@ -158,10 +158,10 @@ size_t SourceGroupsGemmScratchBytes(int64_t groups) {
          ScratchFootprint(cg::CutlassWorkspaceBound(cg::MultiprocessorCount()));
 }
 
-Status GatedGateUpGemm(const void* x_perm, const void* w_gate_up, void* gate_up, const int32_t* source_offsets,
-                       int ep, int me, int64_t local_experts, int64_t two_inter, int64_t hidden,
-                       const uint64_t* group_counters, uint64_t target, uint64_t timeout_ns, int sm_count,
-                       const Scratch& scratch, cudaStream_t stream) {
+Status GatedGateUpGemm(const void* x_perm, const void* w_gate_up, void* gate_up, const int32_t* source_offsets, int ep,
+                       int me, int64_t local_experts, int64_t two_inter, int64_t hidden, const uint64_t* group_counters,
+                       uint64_t target, uint64_t timeout_ns, int sm_count, const Scratch& scratch,
+                       cudaStream_t stream) {
   return SourceGroupsGemm(x_perm, w_gate_up, gate_up, source_offsets, ep, me, local_experts, 0, ep, two_inter, hidden,
                           group_counters, target, timeout_ns, sm_count, scratch, stream);
 }
@@ -169,8 +169,8 @@ Status GatedGateUpGemm(const void* x_perm, const void* w_gate_up, void* gate_up,
 Status SourceRowsGemm(const void* a, const void* b, void* d, const int32_t* source_offsets, int ep, int me,
                       int64_t local_experts, bool own, int64_t n, int64_t k, int sm_count, const Scratch& scratch,
                       cudaStream_t stream) {
-  return SourceGroupsGemm(a, b, d, source_offsets, ep, me, local_experts, own ? 0 : 1, own ? 1 : ep - 1, n, k,
-                          nullptr, 0, 0, sm_count, scratch, stream);
+  return SourceGroupsGemm(a, b, d, source_offsets, ep, me, local_experts, own ? 0 : 1, own ? 1 : ep - 1, n, k, nullptr,
+                          0, 0, sm_count, scratch, stream);
 }
 
 }  // namespace jmm::nvlink

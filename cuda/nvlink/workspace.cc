@@ -35,7 +35,8 @@ void EnablePeerAccess(const std::vector<int>& devices) {
       Check(cudaDeviceCanAccessPeer(&can, a, b), "cudaDeviceCanAccessPeer");
       if (!can) {
         throw std::runtime_error("jax_megamoe nvlink workspace: GPU " + std::to_string(a) + " cannot access GPU " +
-                                 std::to_string(b) + " directly (no NVLink/PCIe peer access); use "
+                                 std::to_string(b) +
+                                 " directly (no NVLink/PCIe peer access); use "
                                  "moe_ffn_ep transport 'ragged' or 'xla' for this expert axis");
       }
       Check(cudaSetDevice(a), "cudaSetDevice");
@@ -106,7 +107,8 @@ void Allocate(Group& group, int ranks, int64_t block_bytes) {
 
 Workspace& Find(int64_t id) {
   auto it = registry.find(id);
-  if (it == registry.end()) throw std::runtime_error("jax_megamoe nvlink workspace " + std::to_string(id) + " is unknown");
+  if (it == registry.end())
+    throw std::runtime_error("jax_megamoe nvlink workspace " + std::to_string(id) + " is unknown");
   return *it->second;
 }
 
@@ -164,8 +166,9 @@ int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulat
                              std::to_string(kMaxRanks) + " GPUs, got " + std::to_string(ranks));
   }
   if (block_bytes <= 0 || timeout_ms <= 0 || blocks_per_peer < 1 || blocks_per_peer > 1024) {
-    throw std::runtime_error("jax_megamoe nvlink workspace: block_bytes and timeout_ms must be positive and "
-                             "blocks_per_peer in [1, 1024]");
+    throw std::runtime_error(
+        "jax_megamoe nvlink workspace: block_bytes and timeout_ms must be positive and "
+        "blocks_per_peer in [1, 1024]");
   }
   if (emulated && groups.size() != 1) {
     throw std::runtime_error("jax_megamoe nvlink workspace: an emulated workspace has exactly one group");
@@ -185,8 +188,9 @@ int64_t CreateWorkspace(const std::vector<std::vector<int>>& groups, bool emulat
       int local = 0;
       for (int device : devices) local += device != kRemote;
       if (local == 0 || (local < ranks && (local > 1 || emulated))) {
-        throw std::runtime_error("jax_megamoe nvlink workspace: an expert group spanning processes must have "
-                                 "exactly one GPU in each process (one process per GPU)");
+        throw std::runtime_error(
+            "jax_megamoe nvlink workspace: an expert group spanning processes must have "
+            "exactly one GPU in each process (one process per GPU)");
       }
       if (!emulated && local == ranks) EnablePeerAccess(devices);
       Group group;

@@ -1,4 +1,5 @@
-// How much of a row transfer hides behind the expert GEMM when the two run together (the nvlink transport's fused gate_up call).
+// How much of a row transfer hides behind the expert GEMM when the two run together (the nvlink transport's fused
+// gate_up call).
 //
 // The q30 gate_up GEMM of one GPU at EP = 2: 64 local experts, 1024 rows per (expert, source), K = 2048,
 // N = 1536. Source 0's rows are local; source 1's (268 MB) arrive during the GEMM, from GPU 1 over NVLink when
@@ -25,13 +26,15 @@ using namespace arrival_test;
 constexpr int kExperts = 64, kSources = 2, kRowsPerGroup = 1024, kK = 2048, kN = 1536;
 
 // Copies `chunks` 16-byte chunks; each block, when its share is stored, fences and adds 1 to `counter`.
-__global__ void __launch_bounds__(1024) CopyAndRelease(const uint4* src, uint4* dst, int64_t chunks, uint64_t* counter) {
+__global__ void __launch_bounds__(1024)
+    CopyAndRelease(const uint4* src, uint4* dst, int64_t chunks, uint64_t* counter) {
   const int64_t per_block = (chunks + gridDim.x - 1) / gridDim.x;
   const int64_t begin = blockIdx.x * per_block, end = begin + per_block < chunks ? begin + per_block : chunks;
   CopyChunks(src, dst, begin + threadIdx.x, end, blockDim.x, [](int64_t i) { return i; });
   __threadfence_system();
   __syncthreads();
-  if (threadIdx.x == 0) asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(counter), "l"(uint64_t{1}) : "memory");
+  if (threadIdx.x == 0)
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(counter), "l"(uint64_t{1}) : "memory");
 }
 
 // Buffers and streams shared by every configuration.
@@ -58,7 +61,7 @@ struct Transfer {
     Bf16* dst = s.a + s.half_rows * kK;
     if (blocks > 0) {
       CopyAndRelease<<<blocks, 1024, 0, stream>>>(reinterpret_cast<const uint4*>(s.peer_src),
-                                                 reinterpret_cast<uint4*>(dst), int64_t(s.peer_bytes / 16), counter);
+                                                  reinterpret_cast<uint4*>(dst), int64_t(s.peer_bytes / 16), counter);
     } else {
       CHECK_CUDA(cudaMemcpyAsync(dst, s.peer_src, s.peer_bytes, cudaMemcpyDefault, stream));
       if (s.stream_write_value(stream, reinterpret_cast<CUdeviceptr>(counter), next_value(),
@@ -96,17 +99,19 @@ void MeasureOrder(Setup& s, Transfer& transfer, float copy_ms, bool source_major
   const float gemm_ms = MedianMs(s.main_stream, [] {}, [&] { Run(plain, s.main_stream); });
   const float reserved_ms = MedianMs(s.main_stream, [] {}, [&] { Run(reserved, s.main_stream); });
   std::vector<uint64_t> targets(groups);
-  const float overlapped_ms = MedianMs(s.main_stream, [] {}, [&] {
-    for (int g = 0; g < groups; ++g) targets[g] = source_of[g] == 1 ? transfer.next_value() : 0;
-    CHECK_CUDA(cudaMemcpyAsync(d_targets, targets.data(), groups * sizeof(uint64_t), cudaMemcpyHostToDevice,
-                               s.main_stream));
-    CHECK_CUDA(cudaEventRecord(s.fork, s.main_stream));
-    CHECK_CUDA(cudaStreamWaitEvent(s.copy_stream, s.fork));
-    transfer.Enqueue(s, s.copy_stream);
-    Run(gated, s.main_stream);
-    CHECK_CUDA(cudaEventRecord(s.join, s.copy_stream));
-    CHECK_CUDA(cudaStreamWaitEvent(s.main_stream, s.join));
-  });
+  const float overlapped_ms = MedianMs(
+      s.main_stream, [] {},
+      [&] {
+        for (int g = 0; g < groups; ++g) targets[g] = source_of[g] == 1 ? transfer.next_value() : 0;
+        CHECK_CUDA(cudaMemcpyAsync(d_targets, targets.data(), groups * sizeof(uint64_t), cudaMemcpyHostToDevice,
+                                   s.main_stream));
+        CHECK_CUDA(cudaEventRecord(s.fork, s.main_stream));
+        CHECK_CUDA(cudaStreamWaitEvent(s.copy_stream, s.fork));
+        transfer.Enqueue(s, s.copy_stream);
+        Run(gated, s.main_stream);
+        CHECK_CUDA(cudaEventRecord(s.join, s.copy_stream));
+        CHECK_CUDA(cudaStreamWaitEvent(s.main_stream, s.join));
+      });
   std::printf("  %s, %s: gemm %.3f ms, gemm on %d SMs %.3f ms, overlapped %.3f ms (gemm + copy %.3f), hidden %.2f\n",
               transfer.name.c_str(), source_major ? "source-major" : "expert-major", gemm_ms, gemm_sms, reserved_ms,
               overlapped_ms, gemm_ms + copy_ms, (gemm_ms + copy_ms - overlapped_ms) / copy_ms);
@@ -148,9 +153,11 @@ int main(int argc, char** argv) {
   if (argc == 1) {
     for (const int blocks : {4, 8, 16}) transfers.push_back({"kernel:" + std::to_string(blocks), blocks});
   }
-  std::printf("q30 gate_up GEMM at EP = 2: %d experts x %d sources x %d rows, K %d, N %d, %d SMs; the peer's "
-              "%.0f MB of rows come %s\n", kExperts, kSources, kRowsPerGroup, kK, kN, s.sms, s.peer_bytes / 1e6,
-              over_nvlink ? "from GPU 1 over NVLink" : "from this GPU's memory (one GPU)");
+  std::printf(
+      "q30 gate_up GEMM at EP = 2: %d experts x %d sources x %d rows, K %d, N %d, %d SMs; the peer's "
+      "%.0f MB of rows come %s\n",
+      kExperts, kSources, kRowsPerGroup, kK, kN, s.sms, s.peer_bytes / 1e6,
+      over_nvlink ? "from GPU 1 over NVLink" : "from this GPU's memory (one GPU)");
   for (Transfer& transfer : transfers) {
     transfer.counter = Upload(std::vector<uint64_t>{0});
     const float copy_ms = MedianMs(s.main_stream, [] {}, [&] { transfer.Enqueue(s, s.main_stream); });

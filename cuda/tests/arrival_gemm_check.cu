@@ -134,7 +134,8 @@ int main(int argc, char** argv) {
     const float v = float(got[i]);
     if (!std::isfinite(v)) {
       return std::printf("FAILED: D[%zu, %zu] = %f (a tile read its A rows before they arrived, or was not written)\n",
-                         i / kN, i % kN, v), 1;
+                         i / kN, i % kN, v),
+             1;
     }
     err += (double(v) - want[i]) * (double(v) - want[i]);
     norm += double(want[i]) * want[i];

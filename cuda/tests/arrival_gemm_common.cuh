@@ -26,8 +26,7 @@ using Tiles = cg::TilesCooperative128x256Cluster1;
 using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, cutlass::layout::RowMajor*, cg::kAlignment, Bf16,
     cutlass::layout::RowMajor*, cg::kAlignment, float, Tiles::TileShape, Tiles::ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<Tiles::kEpilogueSmemBytes>,
-    Tiles::KernelSchedule>::CollectiveOp;
+    cutlass::gemm::collective::StageCountAutoCarveout<Tiles::kEpilogueSmemBytes>, Tiles::KernelSchedule>::CollectiveOp;
 using Mainloop = cg::ArrivalGatedMainloop<BaseMainloop>;
 using Kernel = cutlass::gemm::kernel::GemmUniversal<cg::ProblemShape, Mainloop, Tiles::CollectiveEpilogue>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -63,7 +62,10 @@ inline Gemm::Arguments MakeArguments(const GroupedProblem& problem, const Bf16* 
                        {{Upload(ptr_a), Upload(std::vector<StrideA>(groups, cg::LeadingStride<StrideA>(problem.k))),
                          Upload(ptr_b), Upload(std::vector<StrideB>(groups, cg::LeadingStride<StrideB>(problem.n)))},
                         arrival},
-                       {{}, nullptr, nullptr, Upload(ptr_d),
+                       {{},
+                        nullptr,
+                        nullptr,
+                        Upload(ptr_d),
                         Upload(std::vector<StrideD>(groups, cg::LeadingStride<StrideD>(problem.n)))},
                        hw_info};
   args.epilogue.thread.alpha = 1.0f;

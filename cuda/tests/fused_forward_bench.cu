@@ -27,7 +27,7 @@ constexpr int kRowsPerSource = kTokens * kPerToken, kRowsPerGroup = kRowsPerSour
 // dst[r] = src[token_of[r]] for rows [0, rows), 16-byte chunks; when `arrived` is set, first waits (bounded, 10 s)
 // until *arrived >= target; when `gathered` is set, each block adds 1 to it after its rows are stored.
 __global__ void __launch_bounds__(1024) GatherRows(const uint4* src, const int32_t* token_of, int64_t rows, uint4* dst,
-                           const uint64_t* arrived, uint64_t target, uint64_t* gathered) {
+                                                   const uint64_t* arrived, uint64_t target, uint64_t* gathered) {
   constexpr int kChunks = kK * sizeof(Bf16) / 16;
   if (arrived != nullptr) {
     if (threadIdx.x == 0) {
@@ -44,7 +44,8 @@ __global__ void __launch_bounds__(1024) GatherRows(const uint4* src, const int32
   if (gathered != nullptr) {
     __threadfence_system();
     __syncthreads();
-    if (threadIdx.x == 0) asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(gathered), "l"(uint64_t{1}) : "memory");
+    if (threadIdx.x == 0)
+      asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(gathered), "l"(uint64_t{1}) : "memory");
   }
 }
 
@@ -128,19 +129,22 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaStreamCreateWithFlags(&side_stream, cudaStreamNonBlocking));
   CHECK_CUDA(cudaStreamCreateWithFlags(&peer_stream, cudaStreamNonBlocking));
   cudaEvent_t fork, side_done, peer_done;
-  for (cudaEvent_t* e : {&fork, &side_done, &peer_done}) CHECK_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+  for (cudaEvent_t* e : {&fork, &side_done, &peer_done})
+    CHECK_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
 
   Gemm sequential_gemm;
   Initialise(sequential_gemm, MakeArguments(problem, x_perm, w, d_sequential, cg::GroupArrival{}, sms), main_stream);
 
-  const float sequential_ms = MedianMs(main_stream, [] {}, [&] {
-    CHECK_CUDA(cudaMemcpyAsync(received_x, peer_x, token_bytes, cudaMemcpyDefault, main_stream));
-    GatherRows<<<2 * sms, 256, 0, main_stream>>>(reinterpret_cast<const uint4*>(own_x), own_rows, kRowsPerSource,
-                                                 own_perm, nullptr, 0, nullptr);
-    GatherRows<<<2 * sms, 256, 0, main_stream>>>(reinterpret_cast<const uint4*>(received_x), peer_rows,
-                                                 kRowsPerSource, peer_perm, nullptr, 0, nullptr);
-    Run(sequential_gemm, main_stream);
-  });
+  const float sequential_ms = MedianMs(
+      main_stream, [] {},
+      [&] {
+        CHECK_CUDA(cudaMemcpyAsync(received_x, peer_x, token_bytes, cudaMemcpyDefault, main_stream));
+        GatherRows<<<2 * sms, 256, 0, main_stream>>>(reinterpret_cast<const uint4*>(own_x), own_rows, kRowsPerSource,
+                                                     own_perm, nullptr, 0, nullptr);
+        GatherRows<<<2 * sms, 256, 0, main_stream>>>(reinterpret_cast<const uint4*>(received_x), peer_rows,
+                                                     kRowsPerSource, peer_perm, nullptr, 0, nullptr);
+        Run(sequential_gemm, main_stream);
+      });
 
   const size_t d_bytes = size_t(kSources) * kRowsPerSource * kN * sizeof(Bf16);
   std::vector<char> d1(d_bytes), d2(d_bytes);
@@ -180,7 +184,7 @@ int main(int argc, char** argv) {
         std::printf("cuStreamWriteValue64 failed\n"), std::exit(2);
       }
       GatherRows<<<side_blocks, 1024, 0, side_stream>>>(reinterpret_cast<const uint4*>(received_x), peer_rows,
-                                                       kRowsPerSource, peer_perm, arrived, arrived_value, gathered);
+                                                        kRowsPerSource, peer_perm, arrived, arrived_value, gathered);
       GatherRows<<<2 * sms, 256, 0, main_stream>>>(reinterpret_cast<const uint4*>(own_x), own_rows, kRowsPerSource,
                                                    own_perm, nullptr, 0, nullptr);
       Run(fused_gemm, main_stream);
@@ -197,9 +201,10 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaMemcpy(d2.data(), d_fused, d_bytes, cudaMemcpyDeviceToHost));
     const bool same = std::memcmp(d1.data(), d2.data(), d_bytes) == 0 && early_reads == 0;
     all_same = all_same && same;
-    std::printf("  fused order, side gather on %d blocks (GEMM on %d SMs): %.3f ms, saving %.3f ms; non-finite "
-                "values over all runs: %llu; D bit for bit equal to the sequential order's: %s\n", side_blocks, sms - side_blocks,
-                fused_ms, sequential_ms - fused_ms, early_reads, same ? "yes" : "NO");
+    std::printf(
+        "  fused order, side gather on %d blocks (GEMM on %d SMs): %.3f ms, saving %.3f ms; non-finite "
+        "values over all runs: %llu; D bit for bit equal to the sequential order's: %s\n",
+        side_blocks, sms - side_blocks, fused_ms, sequential_ms - fused_ms, early_reads, same ? "yes" : "NO");
   }
   return all_same ? 0 : 1;
 }

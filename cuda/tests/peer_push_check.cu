@@ -152,14 +152,18 @@ int main(int argc, char** argv) {
   CHECK_CUDA(sent);
   CHECK_CUDA(received);
   const unsigned long long wrong = Download(mismatches, 1)[0];
-  if (wrong) return std::printf("FAILED: %llu of %lld x %d 16-byte chunks differ\n", wrong, static_cast<long long>(kBytes / 16), kRounds), 1;
+  if (wrong)
+    return std::printf("FAILED: %llu of %lld x %d 16-byte chunks differ\n", wrong, static_cast<long long>(kBytes / 16),
+                       kRounds),
+           1;
   CHECK_CUDA(cudaSetDevice(1));
   std::vector<float> push_ms(kRounds);
   for (int i = 0; i < kRounds; ++i) CHECK_CUDA(cudaEventElapsedTime(&push_ms[i], push_start[i], push_end[i]));
   std::sort(push_ms.begin(), push_ms.end());
   const float median = push_ms[push_ms.size() / 2];
-  std::printf("peer push ok: %d rounds of %lld MB, each waited for by both sides, DMA + stream write %.3f ms "
-              "(%.2f TB/s), every byte as expected\n",
-              kRounds, static_cast<long long>(kBytes >> 20), median, kBytes / (median * 1e-3) / 1e12);
+  std::printf(
+      "peer push ok: %d rounds of %lld MB, each waited for by both sides, DMA + stream write %.3f ms "
+      "(%.2f TB/s), every byte as expected\n",
+      kRounds, static_cast<long long>(kBytes >> 20), median, kBytes / (median * 1e-3) / 1e12);
   return 0;
 }

@@ -22,13 +22,13 @@ namespace test_util {
 
 using Bf16 = cutlass::bfloat16_t;
 
-#define CHECK_CUDA(expr)                                                                                   \
-  do {                                                                                                     \
-    cudaError_t err_ = (expr);                                                                             \
-    if (err_ != cudaSuccess) {                                                                             \
-      std::printf("CUDA error %s at %s:%d: %s\n", #expr, __FILE__, __LINE__, cudaGetErrorString(err_));   \
-      std::exit(2);                                                                                        \
-    }                                                                                                      \
+#define CHECK_CUDA(expr)                                                                                \
+  do {                                                                                                  \
+    cudaError_t err_ = (expr);                                                                          \
+    if (err_ != cudaSuccess) {                                                                          \
+      std::printf("CUDA error %s at %s:%d: %s\n", #expr, __FILE__, __LINE__, cudaGetErrorString(err_)); \
+      std::exit(2);                                                                                     \
+    }                                                                                                   \
   } while (0)
 
 // Call first in main. With CUDA's default lazy module loading, the first launch of a kernel loads it, and that load

@@ -19,8 +19,7 @@ def ragged_dot_ffn(x, weights, experts, w_gate_up, w_down):
     valid = (flat >= 0) & (flat < num_experts)
     order = jnp.argsort(jnp.where(valid, flat, num_experts), stable=True)  # invalid pairs sort last
     token_of_row = order // top_k
-    group_sizes = jnp.bincount(jnp.where(valid, flat, 0), weights=valid.astype(jnp.int32),
-                               length=num_experts)
+    group_sizes = jnp.bincount(jnp.where(valid, flat, 0), weights=valid.astype(jnp.int32), length=num_experts)
     gate_up = jax.lax.ragged_dot(x[token_of_row], w_gate_up, group_sizes)
     rows = jax.lax.ragged_dot(reference.swiglu(gate_up), w_down, group_sizes)
     row_weights = jnp.where(valid, weights.reshape(-1), 0)[order].astype(jnp.float32)

@@ -58,4 +58,4 @@ def batch_at(tokens: np.ndarray, step: int, batch: int, seq: int, seed: int) -> 
     """
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(tokens) - seq - 1, size=batch)
-    return np.stack([np.asarray(tokens[s:s + seq + 1], dtype=np.int32) for s in starts])
+    return np.stack([np.asarray(tokens[s : s + seq + 1], dtype=np.int32) for s in starts])

@@ -48,7 +48,7 @@ class MetricsLog:
     def __init__(self, out_dir: str, fresh: bool):
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
-        self._file = open(self.path, "w" if fresh else "a")
+        self._file = open(self.path, "w" if fresh else "a")  # noqa: SIM115 - open for the run, closed by close()
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -76,9 +76,9 @@ def plot_loss_curves(curves: dict[str, list[dict]], path: str) -> None:
         train = [(r["step"], r["lm_loss"]) for r in records if "lm_loss" in r]
         evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
         if train:
-            line, = ax.plot(*zip(*train), label=f"{name} train", lw=1)
+            (line,) = ax.plot(*zip(*train, strict=True), label=f"{name} train", lw=1)
             if evals:
-                ax.plot(*zip(*evals), "o--", color=line.get_color(), label=f"{name} eval", ms=3)
+                ax.plot(*zip(*evals, strict=True), "o--", color=line.get_color(), label=f"{name} eval", ms=3)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
     ax.grid(alpha=0.3)

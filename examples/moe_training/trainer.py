@@ -43,8 +43,7 @@ class TrainState:
 
 def make_mesh(data_size: int, expert_size: int) -> jax.sharding.Mesh:
     """A `data` x `expert` mesh over all devices (Auto axes: jit propagates the shardings)."""
-    return jax.make_mesh((data_size, expert_size), ("data", "expert"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return jax.make_mesh((data_size, expert_size), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
 def open_workspace(args, config, mesh) -> NvlinkWorkspace | None:
@@ -54,8 +53,14 @@ def open_workspace(args, config, mesh) -> NvlinkWorkspace | None:
     if args.transport != "nvlink":
         return None
     try:
-        return NvlinkWorkspace(mesh, "expert", max_tokens=args.batch * args.seq // mesh.size,
-                               hidden=config.hidden_size, top_k=config.num_experts_per_tok, dtype=jnp.dtype(args.dtype))
+        return NvlinkWorkspace(
+            mesh,
+            "expert",
+            max_tokens=args.batch * args.seq // mesh.size,
+            hidden=config.hidden_size,
+            top_k=config.num_experts_per_tok,
+            dtype=jnp.dtype(args.dtype),
+        )
     except ValueError as error:
         args.fail(f"--transport nvlink: {error}")
 
@@ -72,10 +77,19 @@ def create_model_fn(config, args, workspace: NvlinkWorkspace | None = None):
     transport = NvlinkTransport(workspace) if workspace is not None else args.transport
 
     def create():
-        return Qwen3MoeForCausalLM(config, dtype=jnp.dtype(args.dtype), param_dtype=jnp.float32,
-                                   implementation=implementation, expert_axis=expert_axis, transport=transport,
-                                   remat=args.remat, remat_policy=remat_policy(args), attention_impl=args.attention_impl,
-                                   scan_layers=args.scan_layers, rngs=nnx.Rngs(args.seed))
+        return Qwen3MoeForCausalLM(
+            config,
+            dtype=jnp.dtype(args.dtype),
+            param_dtype=jnp.float32,
+            implementation=implementation,
+            expert_axis=expert_axis,
+            transport=transport,
+            remat=args.remat,
+            remat_policy=remat_policy(args),
+            attention_impl=args.attention_impl,
+            scan_layers=args.scan_layers,
+            rngs=nnx.Rngs(args.seed),
+        )
 
     return create, expert_axis
 
@@ -87,8 +101,9 @@ def abstract_state(config, args, mesh, tx, workspace: NvlinkWorkspace | None = N
     create, expert_axis = create_model_fn(config, args, workspace)
     graphdef, params = nnx.split(nnx.eval_shape(create))
     state = TrainState(params, jax.eval_shape(tx.init, params))
-    shardings = sharding.tree_shardings(state, mesh, fsdp=args.fsdp, expert_axis=expert_axis,
-                                        fsdp_over_expert=args.fsdp_over_expert)
+    shardings = sharding.tree_shardings(
+        state, mesh, fsdp=args.fsdp, expert_axis=expert_axis, fsdp_over_expert=args.fsdp_over_expert
+    )
     return graphdef, create, state, shardings
 
 
@@ -101,15 +116,19 @@ def init_state(create, tx, shardings: TrainState) -> TrainState:
 
 def make_optimizer(args) -> optax.GradientTransformation:
     """AdamW (weight decay on matrices only) after global-norm clipping; warmup then cosine decay."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.lr_decay_steps, args.warmup + 1),
-                                                  end_value=args.lr * 0.1)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, args.warmup, max(args.lr_decay_steps, args.warmup + 1), end_value=args.lr * 0.1
+    )
 
     def decay_mask(params):  # a scanned stack's leading layer axis does not make a norm scale a matrix
         return jax.tree_util.tree_map_with_path(
-            lambda path, p: p.ndim - (sharding.STACKED in sharding.path_names(path)) >= 2, params)
+            lambda path, p: p.ndim - (sharding.STACKED in sharding.path_names(path)) >= 2, params
+        )
 
-    return optax.chain(optax.clip_by_global_norm(args.grad_clip),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay_mask))
+    return optax.chain(
+        optax.clip_by_global_norm(args.grad_clip),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay_mask),
+    )
 
 
 def cross_entropy(hidden, kernel, labels, mesh) -> jax.Array:
@@ -119,8 +138,7 @@ def cross_entropy(hidden, kernel, labels, mesh) -> jax.Array:
     count = labels.size
 
     def local_sum(hidden, kernel, labels):
-        return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), kernel, labels.reshape(-1),
-                                    reduction="sum")
+        return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), kernel, labels.reshape(-1), reduction="sum")
 
     if mesh.size == 1:
         return local_sum(hidden, kernel, labels) / count
@@ -131,8 +149,9 @@ def cross_entropy(hidden, kernel, labels, mesh) -> jax.Array:
     batch = P(BATCH_AXES)
     # check_vma=False: linear_cross_entropy's scan starts its sums from fresh (device-invariant) zeros; the
     # transpose then psums the LM head's gradient over the mesh, as an unmapped input's must be.
-    total = jax.shard_map(shard_sum, mesh=mesh, in_specs=(batch, P(), batch), out_specs=P(),
-                          check_vma=False)(hidden, kernel, labels)
+    total = jax.shard_map(shard_sum, mesh=mesh, in_specs=(batch, P(), batch), out_specs=P(), check_vma=False)(
+        hidden, kernel, labels
+    )
     return total / count
 
 
@@ -153,15 +172,25 @@ def make_steps(graphdef, tx, aux_coef: float, z_coef: float, state_shardings, ba
     def train_step(state: TrainState, tokens):
         (loss, (lm, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, tokens)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        stats = {"loss": loss, "lm_loss": lm, "load_balancing_loss": aux.load_balancing_loss,
-                 "router_z_loss": aux.router_z_loss, "dropped_pairs": aux.dropped_pairs,
-                 "grad_norm": optax.tree.norm(grads)}
+        stats = {
+            "loss": loss,
+            "lm_loss": lm,
+            "load_balancing_loss": aux.load_balancing_loss,
+            "router_z_loss": aux.router_z_loss,
+            "dropped_pairs": aux.dropped_pairs,
+            "grad_norm": optax.tree.norm(grads),
+        }
         return TrainState(optax.apply_updates(state.params, updates), opt_state), stats
 
-    eval_step = jax.jit(lambda params, tokens: lm_loss(params, tokens)[0],
-                        in_shardings=(state_shardings.params, batch_sharding))
-    train_step = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                         out_shardings=(state_shardings, None), donate_argnums=0)
+    eval_step = jax.jit(
+        lambda params, tokens: lm_loss(params, tokens)[0], in_shardings=(state_shardings.params, batch_sharding)
+    )
+    train_step = jax.jit(
+        train_step,
+        in_shardings=(state_shardings, batch_sharding),
+        out_shardings=(state_shardings, None),
+        donate_argnums=0,
+    )
     return train_step, eval_step
 
 
@@ -175,8 +204,10 @@ def restore_or_init(manager, state: TrainState, resume: bool) -> tuple[TrainStat
     latest = manager.latest_step() if manager else None
     if not resume:
         if latest is not None:
-            raise SystemExit(f"error: --ckpt-dir {manager.directory} already holds checkpoints up to step "
-                             f"{latest}; pass --resume to continue, or choose a fresh directory")
+            raise SystemExit(
+                f"error: --ckpt-dir {manager.directory} already holds checkpoints up to step "
+                f"{latest}; pass --resume to continue, or choose a fresh directory"
+            )
         return state, 0
     if latest is None:
         raise SystemExit(f"error: --resume found no checkpoint in {manager.directory}")
@@ -186,8 +217,10 @@ def restore_or_init(manager, state: TrainState, resume: bool) -> tuple[TrainStat
 
 def evaluate(eval_step, params, eval_tokens, args, sharding) -> float:
     """Mean LM loss over `--eval-batches` fixed batches of the held-out split."""
-    losses = [eval_step(params, global_batch(data.batch_at(eval_tokens, i, args.batch, args.seq, args.seed + 1),
-                                                 sharding)) for i in range(args.eval_batches)]
+    losses = [
+        eval_step(params, global_batch(data.batch_at(eval_tokens, i, args.batch, args.seq, args.seed + 1), sharding))
+        for i in range(args.eval_batches)
+    ]
     return float(np.mean(jax.device_get(losses)))
 
 
@@ -202,6 +235,7 @@ GB = 1e9
 
 def shard_bytes(abstract, shardings) -> int:
     """Bytes one device holds of the arrays `abstract` (shapes and dtypes) laid out by `shardings`."""
+
     def nbytes(x, s):
         return math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
 
@@ -212,11 +246,16 @@ def memory_analysis(compiled) -> dict:
     """XLA's per-device memory analysis of a compiled step, in bytes, with the total the device must hold:
     arguments + outputs - aliased (donated state reused for the outputs) + temporaries + generated code."""
     analysis = compiled.memory_analysis()
-    fields = {"arguments": analysis.argument_size_in_bytes, "outputs": analysis.output_size_in_bytes,
-              "aliased": analysis.alias_size_in_bytes, "temporaries": analysis.temp_size_in_bytes,
-              "generated_code": analysis.generated_code_size_in_bytes}
-    fields["total"] = (fields["arguments"] + fields["outputs"] - fields["aliased"] + fields["temporaries"]
-                       + fields["generated_code"])
+    fields = {
+        "arguments": analysis.argument_size_in_bytes,
+        "outputs": analysis.output_size_in_bytes,
+        "aliased": analysis.alias_size_in_bytes,
+        "temporaries": analysis.temp_size_in_bytes,
+        "generated_code": analysis.generated_code_size_in_bytes,
+    }
+    fields["total"] = (
+        fields["arguments"] + fields["outputs"] - fields["aliased"] + fields["temporaries"] + fields["generated_code"]
+    )
     return fields
 
 
@@ -232,7 +271,7 @@ def memory_plan(args, config) -> dict:
     graphdef, _, state, shardings = abstract_state(config, args, mesh, tx, workspace)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
     tokens = jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32, sharding=batch_sharding)
-    with jax.set_mesh(mesh), (workspace or contextlib.nullcontext()):
+    with jax.set_mesh(mesh), workspace or contextlib.nullcontext():
         train_step, _ = make_steps(graphdef, tx, args.aux_loss_coef, args.z_loss_coef, shardings, batch_sharding)
         began = time.perf_counter()
         lowered = train_step.lower(abstract, tokens)
@@ -243,20 +282,35 @@ def memory_plan(args, config) -> dict:
     total = fields.pop("total")
     device = jax.devices()[0]
     return {
-        "preset": args.preset, "layers": config.num_hidden_layers, "scan_layers": args.scan_layers,
-        "mesh": {"data": args.mesh_data, "expert": args.mesh_expert}, "fsdp": args.fsdp,
+        "preset": args.preset,
+        "layers": config.num_hidden_layers,
+        "scan_layers": args.scan_layers,
+        "mesh": {"data": args.mesh_data, "expert": args.mesh_expert},
+        "fsdp": args.fsdp,
         "fsdp_over_expert": args.fsdp_over_expert,
-        "batch": args.batch, "seq": args.seq, "tokens_per_device": args.batch * args.seq // mesh.size,
-        "dtype": args.dtype, "remat": args.remat, "remat_save_moe": args.remat_save_moe,
-        "attention_impl": args.attention_impl, "implementation": implementation_label(args),
-        "transport": args.transport, "platform": device.platform, "device_kind": device.device_kind,
+        "batch": args.batch,
+        "seq": args.seq,
+        "tokens_per_device": args.batch * args.seq // mesh.size,
+        "dtype": args.dtype,
+        "remat": args.remat,
+        "remat_save_moe": args.remat_save_moe,
+        "attention_impl": args.attention_impl,
+        "implementation": implementation_label(args),
+        "transport": args.transport,
+        "platform": device.platform,
+        "device_kind": device.device_kind,
         "estimate": device.platform == "cpu",
         "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
-        "per_device_bytes": {**fields, "total": total,
-                             "params": shard_bytes(state.params, shardings.params),
-                             "optimizer_state": shard_bytes(state.opt_state, shardings.opt_state)},
-        "budget_bytes": args.memory_budget_gb * GB, "fits": total <= args.memory_budget_gb * GB,
-        "lower_s": lowered_s, "compile_s": compile_s,
+        "per_device_bytes": {
+            **fields,
+            "total": total,
+            "params": shard_bytes(state.params, shardings.params),
+            "optimizer_state": shard_bytes(state.opt_state, shardings.opt_state),
+        },
+        "budget_bytes": args.memory_budget_gb * GB,
+        "fits": total <= args.memory_budget_gb * GB,
+        "lower_s": lowered_s,
+        "compile_s": compile_s,
         "program_bytes": len(lowered.as_text()),
     }
 
@@ -265,26 +319,37 @@ def format_memory_plan(plan: dict) -> str:
     """The plan as a few lines for the terminal."""
     sizes = plan["per_device_bytes"]
     mesh = plan["mesh"]
-    kind = (f"ESTIMATE on {plan['device_kind']} host devices standing in for GPUs (XLA:CPU's memory analysis)"
-            if plan["estimate"] else f"compiled for {plan['device_kind']}")
+    kind = (
+        f"ESTIMATE on {plan['device_kind']} host devices standing in for GPUs (XLA:CPU's memory analysis)"
+        if plan["estimate"]
+        else f"compiled for {plan['device_kind']}"
+    )
     fsdp = ("over data x expert" if plan["fsdp_over_expert"] else "over data") if plan["fsdp"] else "off"
-    lines = [(f"memory plan: {plan['preset']} ({plan['layers']} layers, {plan['parameters'] / 1e9:.2f}B parameters), "
-             f"mesh data={mesh['data']} x expert={mesh['expert']}, FSDP {fsdp}, "
-             f"{plan['tokens_per_device']:,} tokens per device ({plan['batch']} x {plan['seq']} global), "
-             f"{plan['dtype']} compute, remat {'on' if plan['remat'] else 'off'}"
-             f"{' saving the MoE residuals' if plan['remat_save_moe'] else ''}, attention "
-             f"{plan['attention_impl'] or 'default'}, experts {plan['implementation']}"),
-             f"  {kind}",
-             "  per device, GB (1e9 bytes):"]
+    lines = [
+        (
+            f"memory plan: {plan['preset']} ({plan['layers']} layers, {plan['parameters'] / 1e9:.2f}B parameters), "
+            f"mesh data={mesh['data']} x expert={mesh['expert']}, FSDP {fsdp}, "
+            f"{plan['tokens_per_device']:,} tokens per device ({plan['batch']} x {plan['seq']} global), "
+            f"{plan['dtype']} compute, remat {'on' if plan['remat'] else 'off'}"
+            f"{' saving the MoE residuals' if plan['remat_save_moe'] else ''}, attention "
+            f"{plan['attention_impl'] or 'default'}, experts {plan['implementation']}"
+        ),
+        f"  {kind}",
+        "  per device, GB (1e9 bytes):",
+    ]
     for name in ("arguments", "outputs", "aliased", "temporaries", "generated_code"):
         lines.append(f"    {name:<16}{sizes[name] / GB:10.3f}")
-    lines.append(f"    {'total':<16}{sizes['total'] / GB:10.3f}   (arguments + outputs - aliased + temporaries "
-                 "+ generated code)")
-    lines.append(f"    of which parameters {sizes['params'] / GB:.3f}, optimizer state "
-                 f"{sizes['optimizer_state'] / GB:.3f}")
+    lines.append(
+        f"    {'total':<16}{sizes['total'] / GB:10.3f}   (arguments + outputs - aliased + temporaries + generated code)"
+    )
+    lines.append(
+        f"    of which parameters {sizes['params'] / GB:.3f}, optimizer state {sizes['optimizer_state'] / GB:.3f}"
+    )
     verdict = "fits" if plan["fits"] else "does NOT fit"
-    lines.append(f"  {verdict} in {plan['budget_bytes'] / GB:.1f} GB; lowered in {plan['lower_s']:.1f} s, compiled "
-                 f"in {plan['compile_s']:.1f} s")
+    lines.append(
+        f"  {verdict} in {plan['budget_bytes'] / GB:.1f} GB; lowered in {plan['lower_s']:.1f} s, compiled "
+        f"in {plan['compile_s']:.1f} s"
+    )
     return "\n".join(lines)
 
 
@@ -297,11 +362,18 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
     graphdef, create, _, state_shardings = abstract_state(config, args, mesh, tx, workspace)
     state = init_state(create, tx, state_shardings)
     params = state.params
-    with jax.set_mesh(mesh), (workspace or contextlib.nullcontext()):  # the workspace is closed at the end
-        train_step, eval_step = make_steps(graphdef, tx, args.aux_loss_coef, args.z_loss_coef, state_shardings,
-                                           batch_sharding)
-        manager = (ocp.CheckpointManager(os.path.abspath(args.ckpt_dir), options=ocp.CheckpointManagerOptions(
-            max_to_keep=2, save_interval_steps=args.ckpt_every)) if args.ckpt_dir else None)
+    with jax.set_mesh(mesh), workspace or contextlib.nullcontext():  # the workspace is closed at the end
+        train_step, eval_step = make_steps(
+            graphdef, tx, args.aux_loss_coef, args.z_loss_coef, state_shardings, batch_sharding
+        )
+        manager = (
+            ocp.CheckpointManager(
+                os.path.abspath(args.ckpt_dir),
+                options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=args.ckpt_every),
+            )
+            if args.ckpt_dir
+            else None
+        )
         state, start = restore_or_init(manager, state, args.resume)
 
         tokens_per_step = args.batch * args.seq
@@ -321,12 +393,16 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
         compile_s = time.perf_counter() - began
         planned = memory_analysis(train_step)
         if is_main:
-            print(f"train step compiled in {compile_s:.1f} s; XLA's memory plan: {planned['total'] / GB:.2f} GB per "
-                  f"device", flush=True)
+            print(
+                f"train step compiled in {compile_s:.1f} s; XLA's memory plan: {planned['total'] / GB:.2f} GB per "
+                f"device",
+                flush=True,
+            )
 
         step_times, last_eval = [], None
-        bar = tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps, disable=not is_main,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            range(start + 1, args.steps + 1), initial=start, total=args.steps, disable=not is_main, dynamic_ncols=True
+        )
         for step in bar:
             batch = global_batch(data.batch_at(train_tokens, step, args.batch, args.seq, args.seed), batch_sharding)
             began = time.perf_counter()
@@ -339,8 +415,7 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
             if peak:
                 record["mfu"] = flops_per_step / seconds / peak
             if step % args.eval_every == 0 or step == args.steps:
-                last_eval = record["eval_loss"] = evaluate(eval_step, state.params, eval_tokens, args,
-                                                           batch_sharding)
+                last_eval = record["eval_loss"] = evaluate(eval_step, state.params, eval_tokens, args, batch_sharding)
             if not math.isfinite(stats["loss"]):
                 raise FloatingPointError(f"loss became {stats['loss']} at step {step}")
             if manager:
@@ -356,8 +431,9 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
     log.close()
     summary = summarize(args, config, log.path, step_times, tokens_per_step, flops_per_step, peak)
     summary.update(compile_s=compile_s, planned_memory_bytes=planned)
-    metrics.plot_loss_curves({implementation_label(args): metrics.read_metrics(log.path)},
-                             os.path.join(args.out_dir, "loss_curve.png"))
+    metrics.plot_loss_curves(
+        {implementation_label(args): metrics.read_metrics(log.path)}, os.path.join(args.out_dir, "loss_curve.png")
+    )
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
@@ -382,12 +458,14 @@ def implementation_label(args) -> str:
 def describe_run(config, args, mesh, params, flops_per_token: float, start: int) -> str:
     num_params = sum(x.size for x in jax.tree.leaves(params))
     implementation = implementation_label(args)
-    return (f"Qwen3-MoE {args.preset}: {num_params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers, "
-            f"{config.num_experts} experts top-{config.num_experts_per_tok}\n"
-            f"mesh data={mesh.shape['data']} x expert={mesh.shape['expert']} on {jax.device_count()} "
-            f"{jax.devices()[0].platform} device(s); MoE implementation {implementation}; compute {args.dtype}; "
-            f"batch {args.batch} x seq {args.seq}; {flops_per_token / 1e6:.1f} MFLOP/token"
-            + (f"; resuming after step {start}" if start else ""))
+    return (
+        f"Qwen3-MoE {args.preset}: {num_params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers, "
+        f"{config.num_experts} experts top-{config.num_experts_per_tok}\n"
+        f"mesh data={mesh.shape['data']} x expert={mesh.shape['expert']} on {jax.device_count()} "
+        f"{jax.devices()[0].platform} device(s); MoE implementation {implementation}; compute {args.dtype}; "
+        f"batch {args.batch} x seq {args.seq}; {flops_per_token / 1e6:.1f} MFLOP/token"
+        + (f"; resuming after step {start}" if start else "")
+    )
 
 
 def summarize(args, config, metrics_path, step_times, tokens_per_step, flops_per_step, peak) -> dict:
@@ -395,11 +473,21 @@ def summarize(args, config, metrics_path, step_times, tokens_per_step, flops_per
     median = float(np.median(step_times)) if step_times else None
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     return {
-        "preset": args.preset, "implementation": args.implementation, "transport": args.transport, "dtype": args.dtype,
-        "steps": args.steps, "batch": args.batch, "seq": args.seq, "layers": config.num_hidden_layers,
-        "scan_layers": args.scan_layers, "fsdp": args.fsdp, "remat": args.remat, "remat_save_moe": args.remat_save_moe,
+        "preset": args.preset,
+        "implementation": args.implementation,
+        "transport": args.transport,
+        "dtype": args.dtype,
+        "steps": args.steps,
+        "batch": args.batch,
+        "seq": args.seq,
+        "layers": config.num_hidden_layers,
+        "scan_layers": args.scan_layers,
+        "fsdp": args.fsdp,
+        "remat": args.remat,
+        "remat_save_moe": args.remat_save_moe,
         "mesh": {"data": args.mesh_data, "expert": args.mesh_expert},
-        "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
+        "device": jax.devices()[0].device_kind,
+        "num_devices": jax.device_count(),
         "median_step_time_s": median,
         "tokens_per_s": tokens_per_step / median if median else None,
         "mfu": flops_per_step / median / peak if (median and peak) else None,

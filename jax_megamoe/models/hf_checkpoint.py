@@ -41,7 +41,7 @@ class SafetensorsReader:
             raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
         files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
         self._handles = {name: safe_open(os.path.join(path, name), framework="numpy") for name in files}
-        self._file_of = weight_map or {key: SINGLE_FILE for key in self._handles[SINGLE_FILE].keys()}
+        self._file_of = weight_map or {key: SINGLE_FILE for key in self._handles[SINGLE_FILE].keys()}  # noqa: SIM118 - safetensors handles are not iterable
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
@@ -130,7 +130,9 @@ def read_param(reader: SafetensorsReader, key: tuple, config, index: tuple | Non
     index = _bounds(index or (), param_shape(reader, key, config))
     layers = unstacked_keys(key, config)
     if layers is not None:
-        return np.stack([read_param(reader, layers[j], config, index[1:]) for j in range(*index[0].indices(len(layers)))])
+        return np.stack(
+            [read_param(reader, layers[j], config, index[1:]) for j in range(*index[0].indices(len(layers)))]
+        )
     if key[-1] not in ("w_gate_up", "w_down"):
         name, transposed = hf_name(key)
         return reader.get(name, index[::-1]).T if transposed else reader.get(name, index)
@@ -145,8 +147,17 @@ def read_param(reader: SafetensorsReader, key: tuple, config, index: tuple | Non
     inter = param_shape(reader, key, config)[-1] // 2
     gate = slice(min(b.start, inter), min(b.stop, inter))
     up = slice(max(b.start, inter) - inter, max(b.stop, inter) - inter)
-    return np.stack([np.concatenate([reader.get(f"{prefix}.{e}.gate_proj.weight", (gate, a)),
-                                     reader.get(f"{prefix}.{e}.up_proj.weight", (up, a))]).T for e in experts])
+    return np.stack(
+        [
+            np.concatenate(
+                [
+                    reader.get(f"{prefix}.{e}.gate_proj.weight", (gate, a)),
+                    reader.get(f"{prefix}.{e}.up_proj.weight", (up, a)),
+                ]
+            ).T
+            for e in experts
+        ]
+    )
 
 
 def load_param(reader: SafetensorsReader, key: tuple, config) -> np.ndarray:
@@ -173,8 +184,8 @@ def load_sharded(reader: SafetensorsReader, key: tuple, config, shape: tuple, sh
 def _to_host(value: jax.Array, dtype) -> np.ndarray:
     if not value.is_fully_addressable:
         value = multihost_utils.process_allgather(value, tiled=True)
-    value = np.asarray(jax.device_get(value))
-    return value.astype(dtype) if dtype is not None else value
+    host = np.asarray(jax.device_get(value))
+    return host.astype(dtype) if dtype is not None else host
 
 
 def to_hf_tensors(params: dict[tuple, jax.Array], config, dtype=None) -> Iterator[tuple[str, np.ndarray]]:
@@ -203,8 +214,9 @@ def _hf_tensors(key: tuple, value: np.ndarray) -> Iterator[tuple[str, np.ndarray
         yield name, np.ascontiguousarray(value.T if transposed else value)
 
 
-def write(path: str | os.PathLike, config: dict, tensors: Iterator[tuple[str, np.ndarray]],
-          max_shard_bytes: int) -> None:
+def write(
+    path: str | os.PathLike, config: dict, tensors: Iterator[tuple[str, np.ndarray]], max_shard_bytes: int
+) -> None:
     """Writes `config.json` and the tensors: one `model.safetensors`, or shards of at most
     `max_shard_bytes` plus `model.safetensors.index.json`. Only JAX process 0 writes."""
     if jax.process_index() != 0:
@@ -215,7 +227,9 @@ def write(path: str | os.PathLike, config: dict, tensors: Iterator[tuple[str, np
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    shards, current, current_bytes = [], {}, 0
+    shards: list[tuple[str, list]] = []
+    current: dict = {}
+    current_bytes = 0
 
     def flush():
         name = f"model-{len(shards) + 1:05d}.safetensors.part"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,17 @@ from jax_megamoe.models import hf_checkpoint, sharding
 from jax_megamoe.models.qwen3_moe_config import Qwen3MoeConfig, qwen3_30b_a3b, qwen3_235b_a22b, tiny
 from jax_megamoe.nn import MoE, MoEAux, active_mesh
 
-__all__ = ["Qwen3MoeConfig", "Qwen3MoeForCausalLM", "chunked_attention", "from_pretrained", "layer_runs",
-           "qwen3_30b_a3b", "qwen3_235b_a22b", "save_pretrained", "tiny"]
+__all__ = [
+    "Qwen3MoeConfig",
+    "Qwen3MoeForCausalLM",
+    "chunked_attention",
+    "from_pretrained",
+    "layer_runs",
+    "qwen3_30b_a3b",
+    "qwen3_235b_a22b",
+    "save_pretrained",
+    "tiny",
+]
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -55,8 +65,10 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 
     @jax.checkpoint
     def one_block(carry, inputs):
         q_block, start = inputs
-        scores = jnp.einsum("bqhgd,bkhd->bhgqk", q_block, k, precision=precision,
-                            preferred_element_type=jnp.float32) * dim ** -0.5
+        scores = (
+            jnp.einsum("bqhgd,bkhd->bhgqk", q_block, k, precision=precision, preferred_element_type=jnp.float32)
+            * dim**-0.5
+        )
         causal = (start + jnp.arange(block))[:, None] >= jnp.arange(seq)[None, :]
         probs = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(jnp.float32).min), axis=-1)
         return carry, jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v)
@@ -69,11 +81,19 @@ class Attention(nnx.Module):
     """GQA self-attention; q and k are RMS-normalised over head_dim before RoPE; causal."""
 
     def __init__(self, config: Qwen3MoeConfig, *, dtype, param_dtype, attention_impl: str | None, rngs: nnx.Rngs):
-        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                                   kernel_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
-        norm = functools.partial(nnx.RMSNorm, head_dim, epsilon=config.rms_norm_eps, dtype=dtype,
-                                 param_dtype=param_dtype, rngs=rngs)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        head_dim = typing.cast(int, config.head_dim)  # set from hidden_size when the config leaves it None
+        linear = functools.partial(
+            nnx.Linear,
+            use_bias=False,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=nnx.initializers.normal(config.initializer_range),
+            rngs=rngs,
+        )
+        norm = functools.partial(
+            nnx.RMSNorm, head_dim, epsilon=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
         self.q_proj = linear(config.hidden_size, heads * head_dim)
         self.k_proj = linear(config.hidden_size, kv_heads * head_dim)
         self.v_proj = linear(config.hidden_size, kv_heads * head_dim)
@@ -92,7 +112,9 @@ class Attention(nnx.Module):
         if self.attention_impl == "chunked":
             out = chunked_attention(q, k, v)
         else:
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention_impl)
+            out = jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation=typing.cast(typing.Any, self.attention_impl)
+            )
         return self.o_proj(out.reshape(batch, seq, -1))
 
 
@@ -100,8 +122,14 @@ class DenseMLP(nnx.Module):
     """SwiGLU MLP `down(silu(gate(x)) * up(x))` of the non-sparse layers."""
 
     def __init__(self, config: Qwen3MoeConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                                   kernel_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
+        linear = functools.partial(
+            nnx.Linear,
+            use_bias=False,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=nnx.initializers.normal(config.initializer_range),
+            rngs=rngs,
+        )
         self.gate_proj = linear(config.hidden_size, config.intermediate_size)
         self.up_proj = linear(config.hidden_size, config.intermediate_size)
         self.down_proj = linear(config.intermediate_size, config.hidden_size)
@@ -113,27 +141,46 @@ class DenseMLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))` with a sparse or dense MLP."""
 
-    def __init__(self, config: Qwen3MoeConfig, layer_idx: int, *, dtype, param_dtype, attention_impl, moe_kwargs,
-                 rngs: nnx.Rngs):
-        norm = functools.partial(nnx.RMSNorm, config.hidden_size, epsilon=config.rms_norm_eps, dtype=dtype,
-                                 param_dtype=param_dtype, rngs=rngs)
+    def __init__(
+        self, config: Qwen3MoeConfig, layer_idx: int, *, dtype, param_dtype, attention_impl, moe_kwargs, rngs: nnx.Rngs
+    ):
+        norm = functools.partial(
+            nnx.RMSNorm,
+            config.hidden_size,
+            epsilon=config.rms_norm_eps,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
         self.input_layernorm = norm()
-        self.self_attn = Attention(config, dtype=dtype, param_dtype=param_dtype, attention_impl=attention_impl,
-                                   rngs=rngs)
+        self.self_attn = Attention(
+            config, dtype=dtype, param_dtype=param_dtype, attention_impl=attention_impl, rngs=rngs
+        )
         self.post_attention_layernorm = norm()
         self.is_moe = config.is_moe_layer(layer_idx)
+        self.mlp: MoE | DenseMLP
         if self.is_moe:
             init = nnx.initializers.normal(config.initializer_range)
-            self.mlp = MoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                           config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob, dtype=dtype,
-                           param_dtype=param_dtype, kernel_init=init, router_init=init, rngs=rngs, **moe_kwargs)
+            self.mlp = MoE(
+                config.hidden_size,
+                config.moe_intermediate_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                norm_topk_prob=config.norm_topk_prob,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                kernel_init=init,
+                router_init=init,
+                rngs=rngs,
+                **moe_kwargs,
+            )
         else:
             self.mlp = DenseMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, MoEAux | None]:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         h = self.post_attention_layernorm(x)
-        if self.is_moe:
+        if isinstance(self.mlp, MoE):
             y, aux = self.mlp(h)
             return x + y, aux
         return x + self.mlp(h), None
@@ -147,8 +194,12 @@ def combine_aux(layer_aux: list[MoEAux], num_experts: int) -> MoEAux:
         zero = jnp.zeros((), jnp.float32)
         return MoEAux(zero, zero, jnp.zeros((0, num_experts), jnp.int32), jnp.zeros((), jnp.int32))
     stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs), *layer_aux)
-    return MoEAux(jnp.mean(stacked.load_balancing_loss), jnp.mean(stacked.router_z_loss), stacked.expert_counts,
-                  jnp.sum(stacked.dropped_pairs))
+    return MoEAux(
+        jnp.mean(stacked.load_balancing_loss),
+        jnp.mean(stacked.router_z_loss),
+        stacked.expert_counts,
+        jnp.sum(stacked.dropped_pairs),
+    )
 
 
 def layer_runs(config: Qwen3MoeConfig) -> tuple[tuple[int, int, bool], ...]:
@@ -196,8 +247,7 @@ def gathered(module: nnx.Module, dtype, expert_axis: str | None) -> nnx.Module:
         if names[-1] in _COMPUTE_DTYPE_LEAVES and "router" not in names:
             value = value.astype(dtype)
         if mesh is not None:
-            value = jax.lax.with_sharding_constraint(value, sharding.compute_spec(names, value.ndim, mesh,
-                                                                                  expert_axis))
+            value = jax.lax.with_sharding_constraint(value, sharding.compute_spec(names, value.ndim, mesh, expert_axis))
         return value
 
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(compute_form, state))
@@ -233,10 +283,22 @@ class Qwen3MoeForCausalLM(nnx.Module):
     `jax_megamoe.models.sharding`) are whole on a device one layer at a time.
     """
 
-    def __init__(self, config: Qwen3MoeConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, implementation="auto",
-                 expert_axis: str | None = None, transport="xla",
-                 capacity_factor: float | None = None, remat: bool = False, remat_policy=None,
-                 attention_impl: str | None = None, scan_layers: bool = True, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: Qwen3MoeConfig,
+        *,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        implementation="auto",
+        expert_axis: str | None = None,
+        transport="xla",
+        capacity_factor: float | None = None,
+        remat: bool = False,
+        remat_policy=None,
+        attention_impl: str | None = None,
+        scan_layers: bool = True,
+        rngs: nnx.Rngs,
+    ):
         if remat_policy is not None and not remat:
             raise ValueError("remat_policy needs remat=True")
         self.config = config
@@ -246,22 +308,46 @@ class Qwen3MoeForCausalLM(nnx.Module):
         self.remat_policy = remat_policy
         self.scan_layers = scan_layers
         init = nnx.initializers.normal(config.initializer_range)
-        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
-                                      embedding_init=init, rngs=rngs)
-        moe_kwargs = dict(implementation=implementation, expert_axis=expert_axis, transport=transport,
-                          capacity_factor=capacity_factor)
-        layers = [DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, attention_impl=attention_impl,
-                               moe_kwargs=moe_kwargs, rngs=rngs) for i in range(config.num_hidden_layers)]
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype, embedding_init=init, rngs=rngs
+        )
+        moe_kwargs = dict(
+            implementation=implementation, expert_axis=expert_axis, transport=transport, capacity_factor=capacity_factor
+        )
+        layers = [
+            DecoderLayer(
+                config,
+                i,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                attention_impl=attention_impl,
+                moe_kwargs=moe_kwargs,
+                rngs=rngs,
+            )
+            for i in range(config.num_hidden_layers)
+        ]
         if scan_layers:
-            self.layer_runs = nnx.List([stack_layers(layers[first:first + count])
-                                        for first, count, _ in layer_runs(config)])
+            self.layer_runs = nnx.List(
+                [stack_layers(layers[first : first + count]) for first, count, _ in layer_runs(config)]
+            )
         else:
             self.layers = nnx.List(layers)
-        self.norm = nnx.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, dtype=dtype,
-                                param_dtype=param_dtype, rngs=rngs)
-        self.lm_head = None if config.tie_word_embeddings else nnx.Linear(
-            config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-            kernel_init=init, rngs=rngs)
+        self.norm = nnx.RMSNorm(
+            config.hidden_size, epsilon=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nnx.Linear(
+                config.hidden_size,
+                config.vocab_size,
+                use_bias=False,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                kernel_init=init,
+                rngs=rngs,
+            )
+        )
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, MoEAux]:
         """`input_ids [B, S]` -> `(logits [B, S, vocab] in the compute dtype, MoEAux)`.
@@ -270,15 +356,17 @@ class Qwen3MoeForCausalLM(nnx.Module):
         """
         x, aux = self.hidden_states(input_ids, positions)
         if self.lm_head is None:
-            return gathered(self.embed_tokens, self.dtype, None).attend(x), aux
+            embed = typing.cast(nnx.Embed, gathered(self.embed_tokens, self.dtype, None))
+            return embed.attend(x), aux
         return gathered(self.lm_head, self.dtype, None)(x), aux
 
     def lm_head_kernel(self) -> jax.Array:
         """The LM head as an `[H, vocab]` matrix in the compute dtype (the embedding table's transpose when
         tied), gathered whole (for `jax_megamoe.losses.linear_cross_entropy(model.hidden_states(ids)[0], ...)`)."""
         if self.lm_head is None:
-            return gathered(self.embed_tokens, self.dtype, None).embedding[...].T
-        return gathered(self.lm_head, self.dtype, None).kernel[...]
+            embed = typing.cast(nnx.Embed, gathered(self.embed_tokens, self.dtype, None))
+            return embed.embedding[...].T
+        return typing.cast(nnx.Linear, gathered(self.lm_head, self.dtype, None)).kernel[...]
 
     def _layer_fn(self):
         dtype, expert_axis = self.dtype, self.expert_axis
@@ -292,7 +380,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
         """`(final normed hidden states [B, S, H], MoEAux)`: the model without its LM head."""
         if positions is None:
             positions = jnp.arange(input_ids.shape[-1])
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        cos, sin = rope_tables(positions, typing.cast(int, self.config.head_dim), self.config.rope_theta)
         x = gathered(self.embed_tokens, self.dtype, None)(input_ids)
         apply = self._layer_fn()
         layer_aux = []
@@ -310,9 +398,17 @@ class Qwen3MoeForCausalLM(nnx.Module):
         return self.norm(x), combine_aux(layer_aux, self.config.num_experts)
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, mesh=None,
-                    expert_axis: str | None = None, fsdp: bool = True, fsdp_over_expert: bool = False,
-                    **model_kwargs) -> Qwen3MoeForCausalLM:
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    param_dtype=None,
+    mesh=None,
+    expert_axis: str | None = None,
+    fsdp: bool = True,
+    fsdp_over_expert: bool = False,
+    **model_kwargs,
+) -> Qwen3MoeForCausalLM:
     """Loads a Hugging Face Qwen3-MoE checkpoint directory (`config.json` + safetensors).
 
     Reads a single `model.safetensors` or a sharded `model.safetensors.index.json`, with experts stored
@@ -334,34 +430,47 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     if mesh is not None and expert_axis is None and "expert" in mesh.axis_names:
         expert_axis = "expert"
     param_dtype = param_dtype or dtype
-    abstract = nnx.eval_shape(lambda: Qwen3MoeForCausalLM(config, dtype=dtype, param_dtype=param_dtype,
-                                                          expert_axis=expert_axis, rngs=nnx.Rngs(0), **model_kwargs))
+    abstract = nnx.eval_shape(
+        lambda: Qwen3MoeForCausalLM(
+            config, dtype=dtype, param_dtype=param_dtype, expert_axis=expert_axis, rngs=nnx.Rngs(0), **model_kwargs
+        )
+    )
     graphdef, state = nnx.split(abstract)
-    specs = (dict(nnx.to_flat_state(sharding.tree_specs(state, mesh, fsdp=fsdp, expert_axis=expert_axis,
-                                                          fsdp_over_expert=fsdp_over_expert)))
-             if mesh is not None else {})
+    specs = (
+        dict(
+            nnx.to_flat_state(
+                sharding.tree_specs(state, mesh, fsdp=fsdp, expert_axis=expert_axis, fsdp_over_expert=fsdp_over_expert)
+            )
+        )
+        if mesh is not None
+        else {}
+    )
     with hf_checkpoint.SafetensorsReader(path) as reader:
         for key, variable in nnx.to_flat_state(state):
             expected = variable.get_value().shape
             shape = hf_checkpoint.param_shape(reader, key, config)
             if shape != expected:
-                raise ValueError(f"checkpoint tensor for {'.'.join(map(str, key))} has shape {shape}, "
-                                 f"the config implies {expected}")
+                raise ValueError(
+                    f"checkpoint tensor for {'.'.join(map(str, key))} has shape {shape}, the config implies {expected}"
+                )
             if mesh is None:
                 value = jax.device_put(hf_checkpoint.read_param(reader, key, config).astype(param_dtype))
             else:
-                value = hf_checkpoint.load_sharded(reader, key, config, shape, jax.sharding.NamedSharding(
-                    mesh, specs[key].get_value()), param_dtype)
+                value = hf_checkpoint.load_sharded(
+                    reader, key, config, shape, jax.sharding.NamedSharding(mesh, specs[key].get_value()), param_dtype
+                )
             variable.set_value(value)
     return nnx.merge(graphdef, state)
 
 
-def save_pretrained(model: Qwen3MoeForCausalLM, path: str | os.PathLike, *, max_shard_bytes: int = 5 << 30,
-                    dtype=None) -> None:
+def save_pretrained(
+    model: Qwen3MoeForCausalLM, path: str | os.PathLike, *, max_shard_bytes: int = 5 << 30, dtype=None
+) -> None:
     """Writes `config.json` and safetensors (per-expert layout, sharded past `max_shard_bytes` with an
     index) that transformers' `Qwen3MoeForCausalLM.from_pretrained` reads. `dtype` casts on the way out
     (default: the parameters' dtype). Under multi-process JAX, process 0 writes."""
     state = nnx.state(model, nnx.Param)
     params = {key: variable.get_value() for key, variable in nnx.to_flat_state(state)}
-    hf_checkpoint.write(path, model.config.to_dict(), hf_checkpoint.to_hf_tensors(params, model.config, dtype),
-                        max_shard_bytes)
+    hf_checkpoint.write(
+        path, model.config.to_dict(), hf_checkpoint.to_hf_tensors(params, model.config, dtype), max_shard_bytes
+    )

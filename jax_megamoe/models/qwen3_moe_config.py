@@ -15,6 +15,7 @@ class Qwen3MoeConfig:
     Defaults are transformers' `Qwen3MoeConfig` defaults, so a `config.json` that omits a key means the
     same here as there. `head_dim=None` means `hidden_size // num_attention_heads`.
     """
+
     vocab_size: int = 151936
     hidden_size: int = 2048
     intermediate_size: int = 6144
@@ -42,21 +43,29 @@ class Qwen3MoeConfig:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        unsupported = {"hidden_act": (self.hidden_act, "silu"), "attention_bias": (self.attention_bias, False),
-                       "use_sliding_window": (self.use_sliding_window, False)}
+        unsupported = {
+            "hidden_act": (self.hidden_act, "silu"),
+            "attention_bias": (self.attention_bias, False),
+            "use_sliding_window": (self.use_sliding_window, False),
+        }
         for key, (got, supported) in unsupported.items():
             if got != supported:
                 raise ValueError(f"Qwen3MoeConfig.{key}={got!r} is not supported (only {supported!r})")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
         if self.num_experts and self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer `layer_idx` has sparse experts (else a dense SwiGLU MLP), as in transformers."""
-        return (self.num_experts > 0 and (layer_idx + 1) % self.decoder_sparse_step == 0
-                and layer_idx not in self.mlp_only_layers)
+        return (
+            self.num_experts > 0
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+            and layer_idx not in self.mlp_only_layers
+        )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Qwen3MoeConfig:
@@ -97,23 +106,56 @@ class Qwen3MoeConfig:
 
 def qwen3_30b_a3b() -> Qwen3MoeConfig:
     """Qwen/Qwen3-30B-A3B."""
-    return Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1e6,
-                          max_position_embeddings=40960)
+    return Qwen3MoeConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+    )
 
 
 def qwen3_235b_a22b() -> Qwen3MoeConfig:
     """Qwen/Qwen3-235B-A22B."""
-    return Qwen3MoeConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
-                          num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
-                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1e6,
-                          max_position_embeddings=40960)
+    return Qwen3MoeConfig(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        num_hidden_layers=94,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+    )
 
 
 def tiny() -> Qwen3MoeConfig:
     """A small byte-level model (vocab 256) for tests and CPU runs."""
-    return Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, rope_theta=10000.0,
-                          max_position_embeddings=2048)
+    return Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+    )

@@ -18,6 +18,8 @@ Inside the step each layer is gathered back to its compute sharding (`compute_sp
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -43,12 +45,20 @@ def _axis_size(mesh_shape, axis) -> int:
     return mesh_shape.get(axis, 1) if axis is not None else 1
 
 
-def param_spec(names: tuple, shape: tuple, mesh_shape, *, fsdp: bool, data_axis: str = "data",
-               expert_axis: str | None = "expert", fsdp_over_expert: bool = False) -> P:
+def param_spec(
+    names: tuple,
+    shape: tuple,
+    mesh_shape,
+    *,
+    fsdp: bool,
+    data_axis: str = "data",
+    expert_axis: str | None = "expert",
+    fsdp_over_expert: bool = False,
+) -> P:
     """The `PartitionSpec` of parameter `names` (its path, e.g. `("layer_runs", 0, "mlp", "w_gate_up")`) with
     `shape` on a mesh of `mesh_shape` (`{axis: size}`); also right for the parameter's optimizer moments, whose
     paths end with the parameter's."""
-    spec = [None] * len(shape)
+    spec: list[Any] = [None] * len(shape)
     free = list(range(len(shape)))
     if STACKED in names and free:
         free.pop(0)  # the layer axis
@@ -79,20 +89,35 @@ def compute_spec(names: tuple, ndim: int, mesh, expert_axis: str | None) -> P:
     return P(*(None,) * ndim)
 
 
-def tree_specs(tree, mesh, *, fsdp: bool, data_axis: str = "data", expert_axis: str | None = "expert",
-               fsdp_over_expert: bool = False):
+def tree_specs(
+    tree,
+    mesh,
+    *,
+    fsdp: bool,
+    data_axis: str = "data",
+    expert_axis: str | None = "expert",
+    fsdp_over_expert: bool = False,
+):
     """`param_spec` for every array leaf of `tree` (parameters, an optimizer state, or a train state holding
     both; concrete or abstract), as a tree of `PartitionSpec`s of the same structure."""
     mesh_shape = dict(mesh.shape)
 
     def spec(path, leaf):
-        return param_spec(path_names(path), tuple(getattr(leaf, "shape", ())), mesh_shape, fsdp=fsdp,
-                          data_axis=data_axis, expert_axis=expert_axis, fsdp_over_expert=fsdp_over_expert)
+        return param_spec(
+            path_names(path),
+            tuple(getattr(leaf, "shape", ())),
+            mesh_shape,
+            fsdp=fsdp,
+            data_axis=data_axis,
+            expert_axis=expert_axis,
+            fsdp_over_expert=fsdp_over_expert,
+        )
 
     return jax.tree_util.tree_map_with_path(spec, tree)
 
 
 def tree_shardings(tree, mesh, **kwargs):
     """`tree_specs` as `NamedSharding`s on `mesh`."""
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), tree_specs(tree, mesh, **kwargs),
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), tree_specs(tree, mesh, **kwargs), is_leaf=lambda x: isinstance(x, P)
+    )

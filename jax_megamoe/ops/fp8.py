@@ -37,8 +37,8 @@ from jax_megamoe.ops.validation import check_float, check_moe_args, check_rank
 
 RECIPES = ("fp8_blockwise",)
 FP8_DTYPE = jnp.float8_e4m3fn
-FP8_MAX = 448.0   # the largest finite e4m3fn value
-BLOCK = 128       # tile length (activations, gradients) and block side (weights)
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+BLOCK = 128  # tile length (activations, gradients) and block side (weights)
 
 # The saved residuals keep moe_ffn's checkpoint names (see jax_megamoe.ops.moe).
 LAYOUT_NAME = "moe_layout"
@@ -56,6 +56,7 @@ def _round_up(n: int) -> int:
 
 # ---------------------------------------------------------------------------------------------------------------
 # The quantiser.
+
 
 def _div(a: jax.Array, b) -> jax.Array:
     """The correctly rounded float32 `a / b`. XLA:CPU turns a division by a divisor that is invariant along the
@@ -99,23 +100,25 @@ def fake_quantize(a: jax.Array, block: tuple[int, ...]) -> jax.Array:
     return dequantize(*quantize(a, block), block)
 
 
-def _rows(a):      # [R, C]: 1x128 tiles along the last (contraction) dimension
+def _rows(a):  # [R, C]: 1x128 tiles along the last (contraction) dimension
     return fake_quantize(a, (1, BLOCK))
 
 
-def _blocks(w):    # [E, R, C]: 128x128 blocks per expert
+def _blocks(w):  # [E, R, C]: 128x128 blocks per expert
     return fake_quantize(w, (1, BLOCK, BLOCK))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The expert-sorted row layout.
 
+
 class Layout(NamedTuple):
     """The (token, k) pairs sorted by expert, stable in pair order; dropped pairs (ids outside [0, E)) last."""
-    pair: jax.Array     # [P] int32: the pair (t * K + k) of sorted row r
-    token: jax.Array    # [P] int32: its token
-    expert: jax.Array   # [P] int32: its expert, E for a dropped pair
-    tile: jax.Array     # [P] int32: its token tile (expert * tiles_per_expert + position // 128), or num_tiles
+
+    pair: jax.Array  # [P] int32: the pair (t * K + k) of sorted row r
+    token: jax.Array  # [P] int32: its token
+    expert: jax.Array  # [P] int32: its expert, E for a dropped pair
+    tile: jax.Array  # [P] int32: its token tile (expert * tiles_per_expert + position // 128), or num_tiles
 
 
 def make_layout(experts: jax.Array, num_experts: int) -> Layout:
@@ -128,8 +131,9 @@ def make_layout(experts: jax.Array, num_experts: int) -> Layout:
     starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)
     position = jnp.arange(pair.size, dtype=jnp.int32) - starts[expert]
     tiles_per_expert = -(-pair.size // BLOCK)
-    tile = jnp.where(expert < num_experts, expert * tiles_per_expert + position // BLOCK,
-                     num_experts * tiles_per_expert)
+    tile = jnp.where(
+        expert < num_experts, expert * tiles_per_expert + position // BLOCK, num_experts * tiles_per_expert
+    )
     return Layout(pair, pair // top_k, expert, tile.astype(jnp.int32))
 
 
@@ -147,6 +151,7 @@ def _token_tiles(rows: jax.Array, layout: Layout, num_experts: int) -> jax.Array
 # ---------------------------------------------------------------------------------------------------------------
 # The GEMMs, in float32 on the dequantised values.
 
+
 def _mm(a, b):
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
@@ -154,15 +159,16 @@ def _mm(a, b):
 def _grouped(rows: jax.Array, w: jax.Array, expert: jax.Array) -> jax.Array:
     """`rows[r] @ w[expert[r]]` (zero for dropped rows): every row through every expert, then each row's pick; a
     map over experts, so that the compiled program does not grow with E (clarity over speed)."""
-    every = jax.lax.map(lambda w_e: _mm(rows, w_e), w)                       # [E, P, N]
+    every = jax.lax.map(lambda w_e: _mm(rows, w_e), w)  # [E, P, N]
     picked = every[jnp.clip(expert, 0, w.shape[0] - 1), jnp.arange(rows.shape[0])]
     return jnp.where((expert < w.shape[0])[:, None], picked, 0)
 
 
 def _per_expert_outer(a: jax.Array, b: jax.Array, expert: jax.Array, num_experts: int) -> jax.Array:
     """`[E, A, B]`: `sum_{r of expert e} a[r]^T b[r]`."""
-    return jax.lax.map(lambda e: _mm(jnp.where((expert == e)[:, None], a, 0).T, b),
-                       jnp.arange(num_experts, dtype=expert.dtype))
+    return jax.lax.map(
+        lambda e: _mm(jnp.where((expert == e)[:, None], a, 0).T, b), jnp.arange(num_experts, dtype=expert.dtype)
+    )
 
 
 def _swiglu(gate_up):
@@ -189,7 +195,7 @@ def _unpad_gate_up(dw, hidden, inter):
 
 
 class _Operands(NamedTuple):
-    x: jax.Array       # [T, Hp] fake-quantised rows
+    x: jax.Array  # [T, Hp] fake-quantised rows
     w_gate_up: jax.Array  # [E, Hp, 2Ip] fake-quantised blocks
     w_down: jax.Array  # [E, Ip, Hp]
     weights: jax.Array  # [P] float32 routing weight of each sorted row (0 when dropped)
@@ -218,20 +224,19 @@ def _moe_ffn_fp8(x, weights, experts, w_gate_up, w_down):
 def _moe_ffn_fp8_fwd(x, weights, experts, w_gate_up, w_down):
     layout = Layout(*(checkpoint_name(a, LAYOUT_NAME) for a in make_layout(experts, w_gate_up.shape[0])))
     ops = _operands(x, weights, w_gate_up, w_down, layout)
-    gate_up = checkpoint_name(_grouped(ops.x[layout.token], ops.w_gate_up, layout.expert).astype(x.dtype),
-                              GATE_UP_NAME)
+    gate_up = checkpoint_name(_grouped(ops.x[layout.token], ops.w_gate_up, layout.expert).astype(x.dtype), GATE_UP_NAME)
     out = _grouped(_hidden(gate_up, x.dtype), ops.w_down, layout.expert)
     y = jax.ops.segment_sum(ops.weights[:, None] * out, layout.token, num_segments=x.shape[0])
-    return y[:, :x.shape[1]].astype(x.dtype), (x, weights, experts, w_gate_up, w_down, gate_up, layout)
+    return y[:, : x.shape[1]].astype(x.dtype), (x, weights, experts, w_gate_up, w_down, gate_up, layout)
 
 
 def _moe_ffn_fp8_bwd(residuals, dy):
     x, weights, experts, w_gate_up, w_down, gate_up, layout = residuals
     num_experts, hidden, inter = w_gate_up.shape[0], x.shape[1], w_down.shape[1]
-    ops = _operands(x, weights, w_gate_up, w_down, layout)   # recomputed: the same values as the forward's
+    ops = _operands(x, weights, w_gate_up, w_down, layout)  # recomputed: the same values as the forward's
     hq = _hidden(gate_up, x.dtype)
     dyq = _rows(jnp.pad(dy.astype(x.dtype), ((0, 0), (0, ops.x.shape[1] - hidden))))[layout.token]
-    g = _grouped(dyq, jnp.swapaxes(ops.w_down, 1, 2), layout.expert)               # q(dy) . q(Wd)^T
+    g = _grouped(dyq, jnp.swapaxes(ops.w_down, 1, 2), layout.expert)  # q(dy) . q(Wd)^T
     d_row_weights = jnp.sum(hq * g, axis=-1)
     dz = _swiglu_bwd(gate_up.astype(jnp.float32), ops.weights[:, None] * g)
     dzq = _rows(dz)
@@ -239,15 +244,26 @@ def _moe_ffn_fp8_bwd(residuals, dy):
     dx = jax.ops.segment_sum(dx_rows, layout.token, num_segments=x.shape[0])[:, :hidden]
     valid = layout.expert < num_experts
     d_weights = jnp.zeros(weights.size, jnp.float32).at[layout.pair].add(jnp.where(valid, d_row_weights, 0))
-    d_w_down = _per_expert_outer(_token_tiles(hq, layout, num_experts),
-                                 _token_tiles(ops.weights[:, None] * dyq, layout, num_experts),
-                                 layout.expert, num_experts)
-    d_w_gate_up = _per_expert_outer(_token_tiles(ops.x[layout.token], layout, num_experts),
-                                    _token_tiles(dzq, layout, num_experts), layout.expert, num_experts)
+    d_w_down = _per_expert_outer(
+        _token_tiles(hq, layout, num_experts),
+        _token_tiles(ops.weights[:, None] * dyq, layout, num_experts),
+        layout.expert,
+        num_experts,
+    )
+    d_w_gate_up = _per_expert_outer(
+        _token_tiles(ops.x[layout.token], layout, num_experts),
+        _token_tiles(dzq, layout, num_experts),
+        layout.expert,
+        num_experts,
+    )
     d_experts = np.zeros(experts.shape, jax.dtypes.float0)
-    return (dx.astype(x.dtype), d_weights.reshape(weights.shape).astype(weights.dtype), d_experts,
-            _unpad_gate_up(d_w_gate_up, hidden, inter).astype(w_gate_up.dtype),
-            d_w_down[:, :inter, :hidden].astype(w_down.dtype))
+    return (
+        dx.astype(x.dtype),
+        d_weights.reshape(weights.shape).astype(weights.dtype),
+        d_experts,
+        _unpad_gate_up(d_w_gate_up, hidden, inter).astype(w_gate_up.dtype),
+        d_w_down[:, :inter, :hidden].astype(w_down.dtype),
+    )
 
 
 _moe_ffn_fp8.defvjp(_moe_ffn_fp8_fwd, _moe_ffn_fp8_bwd)
@@ -256,14 +272,16 @@ _moe_ffn_fp8.defvjp(_moe_ffn_fp8_fwd, _moe_ffn_fp8_bwd)
 # ---------------------------------------------------------------------------------------------------------------
 # The entry point moe_ffn dispatches to.
 
+
 def _dtype_stand_in(value, dtype):
     """A zero-memory array of `value`'s shape in `dtype`, so that moe_ffn's checks (which want one dtype) run on the
     shapes while the recipe accepts weights in their master dtype."""
     return np.broadcast_to(np.zeros((), dtype), np.shape(value))
 
 
-def check_fp8_args(x, weights, experts, w_gate_up, w_down, implementation: str | None = None,
-                   num_experts=None) -> tuple[int, int, int, int, int]:
+def check_fp8_args(
+    x, weights, experts, w_gate_up, w_down, implementation: str | None = None, num_experts=None
+) -> tuple[int, int, int, int, int]:
     """The recipe's checks (`implementation` resolved: "cpu", "cuda" or "reference"; None skips its check);
     returns `check_moe_args`'s `(T, H, I, E_local, K)`."""
     check_rank("x", x, 2, "[T, H]")
@@ -272,16 +290,27 @@ def check_fp8_args(x, weights, experts, w_gate_up, w_down, implementation: str |
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         check_float(name, w)
         if jnp.dtype(w.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-            raise TypeError(f"recipe='fp8_blockwise' takes {name} in bfloat16 or float32 (master weights), "
-                            f"got {w.dtype}")
-    sizes = check_moe_args(x, weights, experts, _dtype_stand_in(w_gate_up, x.dtype),
-                           _dtype_stand_in(w_down, x.dtype), num_experts=num_experts)
+            raise TypeError(
+                f"recipe='fp8_blockwise' takes {name} in bfloat16 or float32 (master weights), got {w.dtype}"
+            )
+    sizes = check_moe_args(
+        x,
+        weights,
+        experts,
+        _dtype_stand_in(w_gate_up, x.dtype),
+        _dtype_stand_in(w_down, x.dtype),
+        num_experts=num_experts,
+    )
     if jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16):
-        raise TypeError(f"recipe='fp8_blockwise' needs bfloat16 x (its outputs and saved projections are in x's "
-                        f"dtype), got {x.dtype}: cast x to bfloat16, or use recipe=None")
+        raise TypeError(
+            f"recipe='fp8_blockwise' needs bfloat16 x (its outputs and saved projections are in x's "
+            f"dtype), got {x.dtype}: cast x to bfloat16, or use recipe=None"
+        )
     if implementation == "cuda":
-        raise ValueError("recipe='fp8_blockwise' has no CUDA kernels yet (the sm90 FP8 grouped GEMMs are not built): "
-                         "use implementation='reference' or 'cpu'")
+        raise ValueError(
+            "recipe='fp8_blockwise' has no CUDA kernels yet (the sm90 FP8 grouped GEMMs are not built): "
+            "use implementation='reference' or 'cpu'"
+        )
     return sizes
 
 

@@ -45,7 +45,7 @@ GATE_UP_NAME = "moe_gate_up"
 
 def _array_platforms(arrays) -> set[str]:
     """The platforms of the devices that concrete arrays live on (tracers have none)."""
-    platforms = set()
+    platforms: set[str] = set()
     for a in arrays:
         if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
             platforms.update(d.platform for d in a.devices())
@@ -71,15 +71,19 @@ def resolve_implementation(implementation: str, arrays=()) -> str:
     if implementation == "reference":
         return implementation
     if implementation == "cuda" and not _ffi.has_cuda_kernels():
-        raise ValueError("implementation='cuda' needs jax_megamoe built with its CUDA kernels (nvcc present at "
-                         "install time, JMM_CUDA not OFF); this build has none: use implementation='auto'")
+        raise ValueError(
+            "implementation='cuda' needs jax_megamoe built with its CUDA kernels (nvcc present at "
+            "install time, JMM_CUDA not OFF); this build has none: use implementation='auto'"
+        )
     if implementation == "cpu" and not _ffi.has_cpu_kernels():
         raise ValueError("implementation='cpu' needs jax_megamoe's compiled extension; reinstall with `pip install .`")
     wanted = _JAX_PLATFORM[implementation]
     if platforms != {wanted}:
         where = "the arrays live on" if _array_platforms(arrays) else "jax.default_backend() is"
-        raise ValueError(f"implementation={implementation!r} runs on {wanted} devices, but {where} "
-                         f"{sorted(platforms)}: use implementation='auto' or the one for that platform")
+        raise ValueError(
+            f"implementation={implementation!r} runs on {wanted} devices, but {where} "
+            f"{sorted(platforms)}: use implementation='auto' or the one for that platform"
+        )
     return implementation
 
 
@@ -92,8 +96,9 @@ def drop_invalid_ids(experts: jax.Array, num_experts: int) -> jax.Array:
 
 class Layout(NamedTuple):
     """Expert-sorted order of the (token, k) pairs; see `moe_layout`."""
-    row_of_pair: jax.Array     # [T*K] int32, -1 for dropped pairs
-    pair_of_row: jax.Array     # [T*K] int32, -1 past the last valid row
+
+    row_of_pair: jax.Array  # [T*K] int32, -1 for dropped pairs
+    pair_of_row: jax.Array  # [T*K] int32, -1 past the last valid row
     expert_offsets: jax.Array  # [E+1] int32
 
 
@@ -101,10 +106,20 @@ def moe_layout(experts: jax.Array, num_experts: int, implementation: str) -> Lay
     """Sorts the (token, k) pairs by expert id, stable in pair order, on `implementation` ("cpu"/"cuda").
     `experts` are int32; ids outside `[0, num_experts)` are dropped."""
     num_pairs = experts.size
-    shapes = (jax.ShapeDtypeStruct((num_pairs,), jnp.int32), jax.ShapeDtypeStruct((num_pairs,), jnp.int32),
-              jax.ShapeDtypeStruct((num_experts + 1,), jnp.int32))
-    return Layout(*_ffi.call(_targets.MOE_LAYOUT[implementation], shapes, experts,
-                             workspace_args=(num_pairs, num_experts), num_experts=np.int64(num_experts)))
+    shapes = (
+        jax.ShapeDtypeStruct((num_pairs,), jnp.int32),
+        jax.ShapeDtypeStruct((num_pairs,), jnp.int32),
+        jax.ShapeDtypeStruct((num_experts + 1,), jnp.int32),
+    )
+    return Layout(
+        *_ffi.call(
+            _targets.MOE_LAYOUT[implementation],
+            shapes,
+            experts,
+            workspace_args=(num_pairs, num_experts),
+            num_experts=np.int64(num_experts),
+        )
+    )
 
 
 def _sizes(x, weights, w_gate_up) -> tuple:
@@ -123,12 +138,27 @@ def _forward(implementation, config, x, weights, w_gate_up, w_down, layout):
     """`(y, gate_up)`: the two forward calls (see the module docstring)."""
     sizes = _sizes(x, weights, w_gate_up)
     gate_up_shape = jax.ShapeDtypeStruct((layout.pair_of_row.shape[0], w_gate_up.shape[2]), x.dtype)
-    [gate_up] = _ffi.call(_targets.MOE_GATE_UP[implementation], (gate_up_shape,), x, w_gate_up, layout.pair_of_row,
-                          layout.expert_offsets, workspace_args=sizes,
-                          **_tiles(implementation, fwd_gate_up_tiles=config.fwd_gate_up))
-    [y] = _ffi.call(_targets.MOE_DOWN[implementation], (jax.ShapeDtypeStruct(x.shape, x.dtype),), gate_up, weights,
-                    w_down, layout.row_of_pair, layout.expert_offsets, workspace_args=sizes,
-                    **_tiles(implementation, fwd_down_tiles=config.fwd_down))
+    [gate_up] = _ffi.call(
+        _targets.MOE_GATE_UP[implementation],
+        (gate_up_shape,),
+        x,
+        w_gate_up,
+        layout.pair_of_row,
+        layout.expert_offsets,
+        workspace_args=sizes,
+        **_tiles(implementation, fwd_gate_up_tiles=config.fwd_gate_up),
+    )
+    [y] = _ffi.call(
+        _targets.MOE_DOWN[implementation],
+        (jax.ShapeDtypeStruct(x.shape, x.dtype),),
+        gate_up,
+        weights,
+        w_down,
+        layout.row_of_pair,
+        layout.expert_offsets,
+        workspace_args=sizes,
+        **_tiles(implementation, fwd_down_tiles=config.fwd_down),
+    )
     return y, gate_up
 
 
@@ -151,9 +181,18 @@ def _moe_ffn_kernels_bwd(implementation, config, residuals, dy):
     if implementation == "cuda":  # dz, the gradient of gate_up, written over gate_up (garbage to us)
         shapes.append(jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype))
     dx, d_weights, d_w_gate_up, d_w_down = _ffi.call(
-        _targets.MOE_BACKWARD[implementation], shapes, dy.astype(x.dtype), x, weights, w_gate_up, w_down, gate_up,
-        *layout, workspace_args=_sizes(x, weights, w_gate_up),
-        **_tiles(implementation, bwd_down_tiles=config.bwd_down, bwd_gate_up_tiles=config.bwd_gate_up))[:4]
+        _targets.MOE_BACKWARD[implementation],
+        shapes,
+        dy.astype(x.dtype),
+        x,
+        weights,
+        w_gate_up,
+        w_down,
+        gate_up,
+        *layout,
+        workspace_args=_sizes(x, weights, w_gate_up),
+        **_tiles(implementation, bwd_down_tiles=config.bwd_down, bwd_gate_up_tiles=config.bwd_gate_up),
+    )[:4]
     return dx, d_weights, None, d_w_gate_up, d_w_down
 
 
@@ -166,16 +205,26 @@ def kernel_operands(x, weights, experts, w_gate_up, w_down, implementation: str)
     alike for `shard_map`."""
     supported = [jnp.dtype(d) for d in KERNEL_DTYPES[implementation]]
     if jnp.dtype(x.dtype) not in supported:
-        raise TypeError(f"implementation={implementation!r} supports x dtypes {[str(d) for d in supported]}, "
-                        f"got {x.dtype}")
+        raise TypeError(
+            f"implementation={implementation!r} supports x dtypes {[str(d) for d in supported]}, got {x.dtype}"
+        )
     weights_dtype = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
-    return _ffi.vary_alike(x, weights.astype(weights_dtype), drop_invalid_ids(experts, w_gate_up.shape[0]),
-                           w_gate_up, w_down)
+    return _ffi.vary_alike(
+        x, weights.astype(weights_dtype), drop_invalid_ids(experts, w_gate_up.shape[0]), w_gate_up, w_down
+    )
 
 
-def moe_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-            *, implementation: str = "auto", gemm_config: GemmConfig | None = None,
-            recipe: str | None = None) -> jax.Array:
+def moe_ffn(
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    implementation: str = "auto",
+    gemm_config: GemmConfig | None = None,
+    recipe: str | None = None,
+) -> jax.Array:
     """Mixture-of-experts SwiGLU FFN: `y[t] = sum_k weights[t, k] * f_{experts[t, k]}(x[t])`.
 
     Args:
@@ -203,8 +252,9 @@ def moe_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax
     if recipe is not None:  # the FP8 recipe (ops/fp8.py); the CPU kernels do not emulate it yet
         implementation = resolve_implementation(implementation, (x, weights, experts, w_gate_up, w_down))
         fp8.check_fp8_args(x, weights, experts, w_gate_up, w_down, implementation)
-        return fp8.moe_ffn_fp8(*_ffi.vary_alike(x, weights, drop_invalid_ids(experts, w_gate_up.shape[0]),
-                                                w_gate_up, w_down))
+        return fp8.moe_ffn_fp8(
+            *_ffi.vary_alike(x, weights, drop_invalid_ids(experts, w_gate_up.shape[0]), w_gate_up, w_down)
+        )
     tokens, hidden, inter, experts_count, top_k = check_moe_args(x, weights, experts, w_gate_up, w_down)
     if gemm_config is not None and not isinstance(gemm_config, GemmConfig):
         raise TypeError(f"gemm_config must be None or a jax_megamoe.GemmConfig, got {gemm_config!r}")

@@ -12,8 +12,10 @@ FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 def check_array(name: str, value, layout: str) -> None:
     """Arrays only: a list, None or a Python scalar gets a TypeError naming the argument, not a failure deeper."""
     if not isinstance(value, (jax.Array, np.ndarray, np.generic)):
-        raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray) of shape {layout}, got "
-                        f"{type(value).__name__}; convert it with jnp.asarray")
+        raise TypeError(
+            f"{name} must be an array (jax.Array or numpy.ndarray) of shape {layout}, got "
+            f"{type(value).__name__}; convert it with jnp.asarray"
+        )
 
 
 def check_rank(name: str, value, rank: int, layout: str) -> None:
@@ -50,7 +52,9 @@ def check_route_args(router_logits, top_k) -> None:
     check_top_k(top_k, router_logits.shape[1])
 
 
-def check_moe_args(x, weights, experts, w_gate_up, w_down, num_experts: int | None = None) -> tuple[int, int, int, int, int]:
+def check_moe_args(
+    x, weights, experts, w_gate_up, w_down, num_experts: int | None = None
+) -> tuple[int, int, int, int, int]:
     """Checks `moe_ffn`'s arguments; returns `(T, H, I, E_local, K)`.
 
     `num_experts` is the global expert count where it differs from the local weights' (expert parallelism).
@@ -77,5 +81,6 @@ def check_moe_args(x, weights, experts, w_gate_up, w_down, num_experts: int | No
     if not (x.dtype == w_gate_up.dtype == w_down.dtype):
         raise TypeError(
             f"x, w_gate_up and w_down must share one dtype (cast the weights to the compute dtype), "
-            f"got x {x.dtype}, w_gate_up {w_gate_up.dtype}, w_down {w_down.dtype}")
+            f"got x {x.dtype}, w_gate_up {w_gate_up.dtype}, w_down {w_down.dtype}"
+        )
     return tokens, hidden, inter, local_experts, top_k

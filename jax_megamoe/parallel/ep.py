@@ -34,6 +34,7 @@ class EPStats(NamedTuple):
     pairs_dropped: pairs routed to this shard's experts that exceeded the capacity (zero when dropless).
     Sum `pairs_dropped` over the mesh (`jax.lax.psum`) for the global count.
     """
+
     expert_counts: jax.Array
     pairs_received: jax.Array
     pairs_dropped: jax.Array
@@ -45,8 +46,10 @@ def _axis_size(axis_name) -> int:
     try:
         return jax.lax.axis_size(axis_name)
     except NameError:
-        raise ValueError(f"axis_name {axis_name!r} is not bound: call moe_ffn_ep inside jax.shard_map over a "
-                         f"mesh that has an axis named {axis_name!r}") from None
+        raise ValueError(
+            f"axis_name {axis_name!r} is not bound: call moe_ffn_ep inside jax.shard_map over a "
+            f"mesh that has an axis named {axis_name!r}"
+        ) from None
 
 
 def _check_capacity_factor(capacity_factor) -> None:
@@ -54,7 +57,7 @@ def _check_capacity_factor(capacity_factor) -> None:
         return
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real):
         raise TypeError(f"capacity_factor must be None or a positive number, got {capacity_factor!r}")
-    if not capacity_factor > 0 or capacity_factor == float("inf"):
+    if not float(capacity_factor) > 0 or capacity_factor == float("inf"):
         raise ValueError(f"capacity_factor must be a finite number > 0 (or None for dropless), got {capacity_factor}")
 
 
@@ -66,33 +69,45 @@ def _check_num_experts(num_experts, ep: int, local_experts: int) -> None:
     if num_experts % ep:
         raise ValueError(f"num_experts={num_experts} is not divisible by the expert-axis size {ep}")
     if local_experts != num_experts // ep:
-        raise ValueError(f"w_gate_up_local and w_down_local must hold this shard's experts: leading dimension "
-                         f"num_experts / axis size = {num_experts} / {ep} = {num_experts // ep}, got {local_experts} "
-                         f"(shard the expert weights over the axis: in_specs P(axis_name) for them)")
+        raise ValueError(
+            f"w_gate_up_local and w_down_local must hold this shard's experts: leading dimension "
+            f"num_experts / axis size = {num_experts} / {ep} = {num_experts // ep}, got {local_experts} "
+            f"(shard the expert weights over the axis: in_specs P(axis_name) for them)"
+        )
 
 
-def _usable(transport: Transport, implementation: str, dtype, hidden: int, intermediate: int) -> Transport:
+def _usable(
+    transport: Transport, implementation: str, dtype, hidden: int, intermediate: int, recipe: str | None
+) -> Transport:
     """`transport`, or "xla" with a warning (once per reason) where it cannot run this problem."""
-    reason = transport.unsupported(implementation, dtype, hidden, intermediate)
+    reason = transport.unsupported(implementation, dtype, hidden, intermediate, recipe)
     if reason is None:
         return transport
     if reason not in _warned:
         _warned.add(reason)
-        warnings.warn(f"moe_ffn_ep: the {transport.name} transport cannot run this call ({reason}); "
-                      f"using transport='xla'", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"moe_ffn_ep: the {transport.name} transport cannot run this call ({reason}); using transport='xla'",
+            UserWarning,
+            stacklevel=3,
+        )
     return XLA
 
 
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(f"moe_ffn_ep: {message}", UserWarning, stacklevel=3)
-
-
-def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_local: jax.Array,
-               w_down_local: jax.Array, *, axis_name: str = "expert", transport: str | Transport = "xla",
-               implementation: str = "auto", capacity_factor: float | None = None, return_stats: bool = False,
-               num_experts: int | None = None, recipe: str | None = None):
+def moe_ffn_ep(
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    w_gate_up_local: jax.Array,
+    w_down_local: jax.Array,
+    *,
+    axis_name: str = "expert",
+    transport: str | Transport = "xla",
+    implementation: str = "auto",
+    capacity_factor: float | None = None,
+    return_stats: bool = False,
+    num_experts: int | None = None,
+    recipe: str | None = None,
+):
     """Expert-parallel `moe_ffn`; call inside `jax.shard_map` with the experts sharded over `axis_name`.
 
     Shard r of `axis_name` (of size ep) owns global experts `[r * E_local, (r + 1) * E_local)`, with
@@ -137,27 +152,38 @@ def moe_ffn_ep(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up_l
     check = check_moe_args if recipe is None else fp8.check_fp8_args  # the recipe takes float32 master weights
     fp8.check_recipe(recipe)
     tokens, hidden, inter, local_experts, top_k = check(
-        x, weights, experts, w_gate_up_local, w_down_local, num_experts=local_experts * ep)
+        x, weights, experts, w_gate_up_local, w_down_local, num_experts=local_experts * ep
+    )
     implementation = resolve_implementation(implementation, (x, weights, experts, w_gate_up_local, w_down_local))
     experts = drop_invalid_ids(experts, local_experts * ep)
 
     pair_capacity, row_capacity = capacities(tokens, top_k, ep, capacity_factor)
     if ep > 1:
-        transport = _usable(transport, implementation, x.dtype, hidden, inter)
-        if recipe is not None and transport.name not in ("xla", "ragged"):  # fused nvlink path: no FP8 yet
-            _warn_once(f"the {transport.name} transport has no {recipe} kernels yet; using transport='xla'")
-            transport = XLA
-    plan = make_plan(experts, ep, local_experts, pair_capacity, row_capacity,
-                     compact=ep == 1 or transport.compact_rows(tokens, row_capacity))
+        transport = _usable(transport, implementation, x.dtype, hidden, inter, recipe)
+    plan = make_plan(
+        experts,
+        ep,
+        local_experts,
+        pair_capacity,
+        row_capacity,
+        compact=ep == 1 or transport.compact_rows(tokens, row_capacity),
+    )
     if ep == 1:  # nothing moves: moe_ffn itself, bit for bit, minus the pairs over capacity
         kept_ids = experts if capacity_factor is None else jnp.where(plan.pair_mask[..., 0], experts, INVALID_EXPERT)
-        y = moe_ffn(x, weights, kept_ids, w_gate_up_local, w_down_local, implementation=implementation,
-                    recipe=recipe)
+        y = moe_ffn(x, weights, kept_ids, w_gate_up_local, w_down_local, implementation=implementation, recipe=recipe)
     else:
-        y = transport.experts(x, weights, plan, w_gate_up_local, w_down_local, axis_name=axis_name,
-                              implementation=implementation, **({} if recipe is None else {"recipe": recipe}))
+        y = transport.experts(
+            x,
+            weights,
+            plan,
+            w_gate_up_local,
+            w_down_local,
+            axis_name=axis_name,
+            implementation=implementation,
+            recipe=recipe,
+        )
     if not return_stats:
         return y
-    counts = jnp.stack([plan.kept_counts, plan.dropped_counts], axis=1)              # [ep, 2, E_local]
+    counts = jnp.stack([plan.kept_counts, plan.dropped_counts], axis=1)  # [ep, 2, E_local]
     counts = jnp.sum(all_to_all_blocks(counts, axis_name), axis=0) if ep > 1 else counts[0]
     return y, EPStats(expert_counts=counts[0], pairs_received=jnp.sum(counts[0]), pairs_dropped=jnp.sum(counts[1]))

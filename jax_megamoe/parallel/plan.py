@@ -9,8 +9,8 @@ accepts at most `pair_capacity` pairs from each source, in (token, k) order; lat
 (contribute zero) and counted. Dropless means `pair_capacity = T * K`.
 
 Rows are compacted by default: the rows sent to shard d fill the first slots of its buffer, so a transport can
-move only those. A transport that moves whole buffers anyway (the nvlink transport's fused calls) asks for uncompacted rows when
-every token fits (`C = T`): token t keeps slot t in every buffer, so each buffer is x itself.
+move only those. A transport that moves whole buffers anyway (the nvlink transport's fused calls) asks for
+uncompacted rows when every token fits (`C = T`): token t keeps slot t in every buffer, so each buffer is x itself.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ INVALID_EXPERT = -1  # local id of an empty slot; moe_ffn drops ids outside [0, 
 
 class Plan(NamedTuple):
     """Where each token goes. `ep` shards, `C` row slots per (source, destination) pair."""
-    slot: jax.Array            # [T, ep] int32: slot of token t in the buffer to shard d, -1 if not sent
-    token: jax.Array           # [ep, C] int32: token in slot c of the buffer to shard d, T if empty
-    row_counts: jax.Array      # [ep] int32: rows sent to each shard
-    pair_mask: jax.Array       # [T, K, ep] bool: pair (t, k) is sent to shard d
-    local_ids: jax.Array       # [T, K] int32: expert id within its shard (garbage where not sent)
-    kept_counts: jax.Array     # [ep, E_local] int32: pairs sent to each expert
+
+    slot: jax.Array  # [T, ep] int32: slot of token t in the buffer to shard d, -1 if not sent
+    token: jax.Array  # [ep, C] int32: token in slot c of the buffer to shard d, T if empty
+    row_counts: jax.Array  # [ep] int32: rows sent to each shard
+    pair_mask: jax.Array  # [T, K, ep] bool: pair (t, k) is sent to shard d
+    local_ids: jax.Array  # [T, K] int32: expert id within its shard (garbage where not sent)
+    kept_counts: jax.Array  # [ep, E_local] int32: pairs sent to each expert
     dropped_counts: jax.Array  # [ep, E_local] int32: pairs over capacity, per expert
 
 
@@ -47,8 +48,9 @@ def capacities(tokens: int, top_k: int, ep: int, capacity_factor: float | None) 
     return pair_capacity, min(tokens, pair_capacity)
 
 
-def make_plan(experts: jax.Array, ep: int, local_experts: int, pair_capacity: int, row_capacity: int,
-              compact: bool = True) -> Plan:
+def make_plan(
+    experts: jax.Array, ep: int, local_experts: int, pair_capacity: int, row_capacity: int, compact: bool = True
+) -> Plan:
     """Builds the dispatch plan from GLOBAL expert ids `[T, K]`; ids outside `[0, ep*E_local)` are ignored.
 
     `compact=False` (needs `row_capacity == T`) gives token t slot t at every destination it is sent to."""
@@ -59,7 +61,7 @@ def make_plan(experts: jax.Array, ep: int, local_experts: int, pair_capacity: in
     valid = (experts >= 0) & (experts < num_experts)  # before the cast, which could wrap a wide id into range
     experts = jnp.where(valid, experts, 0).astype(jnp.int32)
     dest = jnp.where(valid, experts // local_experts, ep)
-    to_dest = dest[..., None] == jnp.arange(ep, dtype=jnp.int32)                  # [T, K, ep]
+    to_dest = dest[..., None] == jnp.arange(ep, dtype=jnp.int32)  # [T, K, ep]
     if pair_capacity >= tokens * top_k:
         kept = valid
     else:
@@ -69,7 +71,7 @@ def make_plan(experts: jax.Array, ep: int, local_experts: int, pair_capacity: in
         kept = valid & (pair_rank < pair_capacity)
     pair_mask = to_dest & kept[..., None]
 
-    row_sent = jnp.any(pair_mask, axis=1)                                           # [T, ep]
+    row_sent = jnp.any(pair_mask, axis=1)  # [T, ep]
     if compact:
         rank = jnp.cumsum(row_sent.astype(jnp.int32), axis=0) - 1
     else:
@@ -78,17 +80,25 @@ def make_plan(experts: jax.Array, ep: int, local_experts: int, pair_capacity: in
     dest_index = jnp.broadcast_to(jnp.arange(ep, dtype=jnp.int32), (tokens, ep))
     token_index = jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32)[:, None], (tokens, ep))
     # Unsent (slot -1 -> row_capacity) writes fall off the end; each (d, c) gets at most one token.
-    token = jnp.full((ep, row_capacity), tokens, jnp.int32).at[
-        dest_index, jnp.where(slot >= 0, slot, row_capacity)].set(token_index, mode="drop", unique_indices=True)
+    token = (
+        jnp.full((ep, row_capacity), tokens, jnp.int32)
+        .at[dest_index, jnp.where(slot >= 0, slot, row_capacity)]
+        .set(token_index, mode="drop", unique_indices=True)
+    )
 
     flat = jnp.where(valid, experts, num_experts).reshape(-1)
     kept_counts = jnp.zeros(num_experts + 1, jnp.int32).at[jnp.where(kept.reshape(-1), flat, num_experts)].add(1)
     dropped = valid & ~kept
     dropped_counts = jnp.zeros(num_experts + 1, jnp.int32).at[jnp.where(dropped.reshape(-1), flat, num_experts)].add(1)
-    return Plan(slot=slot.astype(jnp.int32), token=token, row_counts=jnp.sum(row_sent, axis=0, dtype=jnp.int32),
-                pair_mask=pair_mask, local_ids=experts - dest * local_experts,
-                kept_counts=kept_counts[:num_experts].reshape(ep, local_experts),
-                dropped_counts=dropped_counts[:num_experts].reshape(ep, local_experts))
+    return Plan(
+        slot=slot.astype(jnp.int32),
+        token=token,
+        row_counts=jnp.sum(row_sent, axis=0, dtype=jnp.int32),
+        pair_mask=pair_mask,
+        local_ids=experts - dest * local_experts,
+        kept_counts=kept_counts[:num_experts].reshape(ep, local_experts),
+        dropped_counts=dropped_counts[:num_experts].reshape(ep, local_experts),
+    )
 
 
 def row_routing(plan: Plan, weights: jax.Array, local_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -99,7 +109,7 @@ def row_routing(plan: Plan, weights: jax.Array, local_experts: int) -> tuple[jax
     of the row's pairs to it (repeated ids in a token's top-k are rare but legal).
     """
     top_k = weights.shape[1]
-    mask = jnp.swapaxes(plan.pair_mask, 1, 2)                                       # [T, ep, K]
+    mask = jnp.swapaxes(plan.pair_mask, 1, 2)  # [T, ep, K]
     if top_k <= local_experts:
         ids = jnp.where(mask, plan.local_ids[:, None, :], INVALID_EXPERT)
         return ids, jnp.where(mask, weights[:, None, :], 0)

@@ -31,8 +31,9 @@ def all_to_all_blocks(buffer: jax.Array, axis_name: str) -> jax.Array:
     return jax.lax.all_to_all(buffer, axis_name, split_axis=0, concat_axis=0, tiled=True)
 
 
-def ragged_blocks(buffer: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, axis_name: str,
-                  fill_value) -> jax.Array:
+def ragged_blocks(
+    buffer: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, axis_name: str, fill_value
+) -> jax.Array:
     """As `all_to_all_blocks`, moving only the first `send_counts[d]` rows of block d.
 
     Rows past `recv_counts[s]` in block s of the result hold `fill_value`.
@@ -42,8 +43,14 @@ def ragged_blocks(buffer: jax.Array, send_counts: jax.Array, recv_counts: jax.Ar
     blocks = jnp.arange(ep, dtype=jnp.int32) * capacity
     me = jax.lax.axis_index(axis_name).astype(jnp.int32)
     received = jax.lax.ragged_all_to_all(
-        flat, jnp.full_like(flat, fill_value), blocks, send_counts.astype(jnp.int32),
-        jnp.full((ep,), me * capacity, jnp.int32), recv_counts.astype(jnp.int32), axis_name=axis_name)
+        flat,
+        jnp.full_like(flat, fill_value),
+        blocks,
+        send_counts.astype(jnp.int32),
+        jnp.full((ep,), me * capacity, jnp.int32),
+        recv_counts.astype(jnp.int32),
+        axis_name=axis_name,
+    )
     return received.reshape(buffer.shape)
 
 
@@ -67,9 +74,11 @@ class Transport(abc.ABC):
     def check(self, ep: int) -> None:  # noqa: B027 - most transports run on any mesh
         """Raises ValueError if the transport cannot run over an expert axis of `ep` shards here."""
 
-    def unsupported(self, implementation: str, dtype, hidden: int, intermediate: int) -> str | None:
+    def unsupported(
+        self, implementation: str, dtype, hidden: int, intermediate: int, recipe: str | None = None
+    ) -> str | None:
         """Why this transport cannot run the problem (then `moe_ffn_ep` falls back to "xla"), or None."""
-        del implementation, dtype, hidden, intermediate
+        del implementation, dtype, hidden, intermediate, recipe
         return None
 
     def compact_rows(self, tokens: int, row_capacity: int) -> bool:
@@ -78,14 +87,25 @@ class Transport(abc.ABC):
         return True
 
     @abc.abstractmethod
-    def exchange(self, buffer: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, axis_name: str,
-                 fill_value=0) -> jax.Array:
+    def exchange(
+        self, buffer: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, axis_name: str, fill_value=0
+    ) -> jax.Array:
         """Sends block d of `buffer [ep, C, ...]` (its first `send_counts[d]` rows are live) to shard d; rows of
         received block s past `recv_counts[s]` hold `fill_value` (or whatever was sent, for whole-block
         transports)."""
 
-    def experts(self, x: jax.Array, weights: jax.Array, plan: Plan, w_gate_up: jax.Array, w_down: jax.Array, *,
-                axis_name: str, implementation: str, recipe: str | None = None) -> jax.Array:
+    def experts(
+        self,
+        x: jax.Array,
+        weights: jax.Array,
+        plan: Plan,
+        w_gate_up: jax.Array,
+        w_down: jax.Array,
+        *,
+        axis_name: str,
+        implementation: str,
+        recipe: str | None = None,
+    ) -> jax.Array:
         """One shard's expert step: its tokens' rows to their expert shards, the local experts on the rows that
         arrive, the results back and summed per token in destination order. Returns `[T, H]`."""
         ep, row_capacity = plan.token.shape
@@ -99,8 +119,15 @@ class Transport(abc.ABC):
         recv_ids = there(ids, INVALID_EXPERT)
         recv_weights = there(row_weights)
         rows = ep * row_capacity
-        recv_y = moe_ffn(recv_x.reshape(rows, -1), recv_weights.reshape(rows, -1), recv_ids.reshape(rows, -1),
-                         w_gate_up, w_down, implementation=implementation, recipe=recipe).reshape(ep, row_capacity, -1)
+        recv_y = moe_ffn(
+            recv_x.reshape(rows, -1),
+            recv_weights.reshape(rows, -1),
+            recv_ids.reshape(rows, -1),
+            w_gate_up,
+            w_down,
+            implementation=implementation,
+            recipe=recipe,
+        ).reshape(ep, row_capacity, -1)
         returned = self.exchange(recv_y, recv_counts, send_counts, axis_name)
         return combine_rows(returned, plan.slot, plan.token)
 
@@ -122,9 +149,11 @@ class RaggedTransport(Transport):
 
     def check(self, ep: int) -> None:
         if not ragged_supported():
-            raise ValueError(f"transport='ragged' needs jax.lax.ragged_all_to_all, which XLA implements on GPUs "
-                             f"only and within one process (default backend here: {jax.default_backend()!r}, "
-                             f"{jax.process_count()} process(es)); use transport='xla'")
+            raise ValueError(
+                f"transport='ragged' needs jax.lax.ragged_all_to_all, which XLA implements on GPUs "
+                f"only and within one process (default backend here: {jax.default_backend()!r}, "
+                f"{jax.process_count()} process(es)); use transport='xla'"
+            )
 
     def exchange(self, buffer, send_counts, recv_counts, axis_name, fill_value=0):
         return ragged_blocks(buffer, send_counts, recv_counts, axis_name, fill_value)
@@ -143,11 +172,15 @@ def resolve_transport(transport) -> Transport:
     if transport == "ragged":
         return RAGGED
     if transport == "nvlink":
-        raise ValueError("transport='nvlink' needs its workspace: create `ws = jax_megamoe.NvlinkWorkspace(mesh, "
-                         "axis_name, max_tokens=..., hidden=..., top_k=...)` once outside jit and pass "
-                         "transport=jax_megamoe.NvlinkTransport(ws)")
-    raise ValueError(f"transport must be one of {TRANSPORT_NAMES} or a Transport object such as "
-                     f"jax_megamoe.NvlinkTransport(workspace), got {transport!r}")
+        raise ValueError(
+            "transport='nvlink' needs its workspace: create `ws = jax_megamoe.NvlinkWorkspace(mesh, "
+            "axis_name, max_tokens=..., hidden=..., top_k=...)` once outside jit and pass "
+            "transport=jax_megamoe.NvlinkTransport(ws)"
+        )
+    raise ValueError(
+        f"transport must be one of {TRANSPORT_NAMES} or a Transport object such as "
+        f"jax_megamoe.NvlinkTransport(workspace), got {transport!r}"
+    )
 
 
 @functools.cache

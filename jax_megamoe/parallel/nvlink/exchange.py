@@ -28,22 +28,34 @@ def _fill_byte(dtype, fill_value) -> int:
     raise ValueError(f"the nvlink transport fills with 0 (or -1 for integers), got {fill_value!r} for {dtype}")
 
 
-def exchange(buffer: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, workspace: NvlinkWorkspace,
-             fill_value=0) -> jax.Array:
+def exchange(
+    buffer: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, workspace: NvlinkWorkspace, fill_value=0
+) -> jax.Array:
     """`transport.ragged_blocks` through the workspace: the first `send_counts[d]` rows of block d go to
     shard d; in the result, rows of block s past `recv_counts[s]` hold `fill_value`. Linear; its
     transpose is the reverse exchange."""
     row_bytes = math.prod(buffer.shape[2:]) * buffer.dtype.itemsize
     workspace.check_fits(buffer.shape[1], row_bytes)
-    return _exchange(buffer, send_counts.astype(jnp.int32), recv_counts.astype(jnp.int32), workspace.id,
-                     _fill_byte(buffer.dtype, fill_value))
+    return _exchange(
+        buffer,
+        send_counts.astype(jnp.int32),
+        recv_counts.astype(jnp.int32),
+        workspace.id,
+        _fill_byte(buffer.dtype, fill_value),
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _exchange(buffer, send_counts, recv_counts, workspace_id: int, fill_byte: int):
-    (out,) = _ffi.call(_targets.NVLINK_EXCHANGE, (jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),),
-                       buffer, send_counts, recv_counts, workspace=np.int64(workspace_id),
-                       fill_byte=np.int64(fill_byte))
+    (out,) = _ffi.call(
+        _targets.NVLINK_EXCHANGE,
+        (jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),),
+        buffer,
+        send_counts,
+        recv_counts,
+        workspace=np.int64(workspace_id),
+        fill_byte=np.int64(fill_byte),
+    )
     return out
 
 

@@ -52,8 +52,15 @@ def fine_keys(recv_ids: jax.Array) -> jax.Array:
     return keys.reshape(-1, recv_ids.shape[-1])
 
 
-def fused_experts(send: jax.Array, recv_ids: jax.Array, recv_weights: jax.Array, w_gate_up: jax.Array,
-                  w_down: jax.Array, workspace, gemm_config) -> jax.Array:
+def fused_experts(
+    send: jax.Array,
+    recv_ids: jax.Array,
+    recv_weights: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    workspace,
+    gemm_config,
+) -> jax.Array:
     """The rows `send` to their expert shards, the local experts on the rows that arrive, their results back.
 
     Equals `exchange(moe_ffn(exchange(send, send_counts, recv_counts), recv_weights, recv_ids, ...), recv_counts,
@@ -78,8 +85,15 @@ def fused_experts(send: jax.Array, recv_ids: jax.Array, recv_weights: jax.Array,
     return _fused(*operands, workspace.id, _backward_tiles(gemm_config))
 
 
-def fused_experts_on_tokens(x: jax.Array, recv_ids: jax.Array, recv_weights: jax.Array, w_gate_up: jax.Array,
-                            w_down: jax.Array, workspace, gemm_config) -> jax.Array:
+def fused_experts_on_tokens(
+    x: jax.Array,
+    recv_ids: jax.Array,
+    recv_weights: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    workspace,
+    gemm_config,
+) -> jax.Array:
     """`fused_experts` with `x [T, H]` itself as every destination's block, its results summed per token:
     `rows.sum_blocks(fused_experts(send, ...))` where `send[d]` is x with the rows not sent to d zeroed, bit for bit,
     without building `send` or, in the backward, the blocks of the results' cotangent. The down call adds the
@@ -125,19 +139,46 @@ def _fused_fwd(blocks, keys, weights, w_gate_up, w_down, workspace_id, backward_
     ep, tokens, top_k, hidden, inter, local_experts = _sizes(capacity, weights, w_gate_up)
     groups = local_experts * ep
     # Same row order as moe_layout(ids, E_local): a valid layout for moe_ffn's backward.
-    row_of_pair, pair_of_row, source_offsets = (checkpoint_name(a, LAYOUT_NAME)
-                                                for a in moe_layout(keys, groups, "cuda"))
+    row_of_pair, pair_of_row, source_offsets = (
+        checkpoint_name(a, LAYOUT_NAME) for a in moe_layout(keys, groups, "cuda")
+    )
     attrs = {"workspace": np.int64(workspace_id)}
     sizes = (tokens, top_k, hidden, inter, groups)
     recv_x, gate_up = _ffi.call(
-        _targets.NVLINK_MOE_GATE_UP, (jax.ShapeDtypeStruct((ep, capacity, hidden), blocks.dtype),
-                                      jax.ShapeDtypeStruct((tokens * top_k, 2 * inter), blocks.dtype)),
-        blocks, w_gate_up, pair_of_row, source_offsets, workspace_args=sizes, **attrs)
+        _targets.NVLINK_MOE_GATE_UP,
+        (
+            jax.ShapeDtypeStruct((ep, capacity, hidden), blocks.dtype),
+            jax.ShapeDtypeStruct((tokens * top_k, 2 * inter), blocks.dtype),
+        ),
+        blocks,
+        w_gate_up,
+        pair_of_row,
+        source_offsets,
+        workspace_args=sizes,
+        **attrs,
+    )
     [returned] = _ffi.call(
-        _targets.NVLINK_MOE_DOWN, (jax.ShapeDtypeStruct(blocks.shape, blocks.dtype),),
-        gate_up, weights, w_down, row_of_pair, source_offsets, source_offsets[::ep], workspace_args=sizes, **attrs)
-    residuals = (checkpoint_name(recv_x, ROWS_NAME), checkpoint_name(weights, ROWS_NAME), w_gate_up, w_down,
-                 checkpoint_name(gate_up, GATE_UP_NAME), row_of_pair, pair_of_row, source_offsets)
+        _targets.NVLINK_MOE_DOWN,
+        (jax.ShapeDtypeStruct(blocks.shape, blocks.dtype),),
+        gate_up,
+        weights,
+        w_down,
+        row_of_pair,
+        source_offsets,
+        source_offsets[::ep],
+        workspace_args=sizes,
+        **attrs,
+    )
+    residuals = (
+        checkpoint_name(recv_x, ROWS_NAME),
+        checkpoint_name(weights, ROWS_NAME),
+        w_gate_up,
+        w_down,
+        checkpoint_name(gate_up, GATE_UP_NAME),
+        row_of_pair,
+        pair_of_row,
+        source_offsets,
+    )
     return returned, residuals
 
 
@@ -151,10 +192,23 @@ def _fused_bwd(workspace_id, backward_tiles, residuals, d_returned):
     # 5, result 4), as in moe_backward.
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (d_returned, weights, w_gate_up, w_down, gate_up)]
     d_send, d_weights, d_w_gate_up, d_w_down = _ffi.call(
-        _targets.NVLINK_MOE_BACKWARD, shapes, d_returned.astype(recv_x.dtype), recv_x, weights, w_gate_up, w_down,
-        gate_up, row_of_pair, pair_of_row, source_offsets, source_offsets[::ep],
-        workspace_args=(tokens, top_k, hidden, inter, local_experts), workspace=np.int64(workspace_id),
-        bwd_down_tiles=np.int64(bwd_down), bwd_gate_up_tiles=np.int64(bwd_gate_up))[:4]
+        _targets.NVLINK_MOE_BACKWARD,
+        shapes,
+        d_returned.astype(recv_x.dtype),
+        recv_x,
+        weights,
+        w_gate_up,
+        w_down,
+        gate_up,
+        row_of_pair,
+        pair_of_row,
+        source_offsets,
+        source_offsets[::ep],
+        workspace_args=(tokens, top_k, hidden, inter, local_experts),
+        workspace=np.int64(workspace_id),
+        bwd_down_tiles=np.int64(bwd_down),
+        bwd_gate_up_tiles=np.int64(bwd_gate_up),
+    )[:4]
     return d_send, None, d_weights, d_w_gate_up, d_w_down
 
 

@@ -42,14 +42,18 @@ class NvlinkTransport(Transport):
         if self.workspace.ranks != ep:
             raise ValueError(f"the nvlink workspace spans {self.workspace.ranks} shards, the expert axis has {ep}")
 
-    def unsupported(self, implementation, dtype, hidden, intermediate):
+    def unsupported(self, implementation, dtype, hidden, intermediate, recipe=None):
+        if recipe is not None:
+            return f"its fused kernels have no {recipe} path yet"
         if implementation != "cuda":
             return f"its kernels are CUDA kernels, the call's implementation is {implementation!r}"
         if jnp.dtype(dtype) != jnp.bfloat16:
             return f"its GEMMs take bfloat16, x is {jnp.dtype(dtype)}"
         if hidden % TENSOR_CORE_MULTIPLE or intermediate % TENSOR_CORE_MULTIPLE:
-            return (f"its tensor-core GEMMs need H and I multiples of {TENSOR_CORE_MULTIPLE}, got H={hidden}, "
-                    f"I={intermediate}")
+            return (
+                f"its tensor-core GEMMs need H and I multiples of {TENSOR_CORE_MULTIPLE}, got H={hidden}, "
+                f"I={intermediate}"
+            )
         return None
 
     def compact_rows(self, tokens: int, row_capacity: int) -> bool:
@@ -60,8 +64,19 @@ class NvlinkTransport(Transport):
         del axis_name  # the workspace knows its axis
         return exchange.exchange(buffer, send_counts, recv_counts, self.workspace, fill_value)
 
-    def experts(self, x: jax.Array, weights: jax.Array, plan: Plan, w_gate_up: jax.Array, w_down: jax.Array, *,
-                axis_name: str, implementation: str) -> jax.Array:
+    def experts(
+        self,
+        x: jax.Array,
+        weights: jax.Array,
+        plan: Plan,
+        w_gate_up: jax.Array,
+        w_down: jax.Array,
+        *,
+        axis_name: str,
+        implementation: str,
+        recipe: str | None = None,
+    ) -> jax.Array:
+        del implementation, recipe  # the fused kernels are CUDA's, without a recipe (`unsupported` says so)
         ep, row_capacity = plan.token.shape
         local_experts, _, two_inter = w_gate_up.shape
         ids, row_weights = routing_blocks(plan, weights, local_experts)
@@ -72,8 +87,9 @@ class NvlinkTransport(Transport):
             send_counts, recv_counts = plan.row_counts, all_to_all_blocks(plan.row_counts, axis_name)
         recv_ids = self.exchange(ids, send_counts, recv_counts, axis_name, INVALID_EXPERT)
         recv_weights = self.exchange(row_weights, send_counts, recv_counts, axis_name)
-        config = GemmConfig.for_problem(ep * row_capacity, recv_ids.shape[-1], x.shape[1], two_inter // 2,
-                                        local_experts)
+        config = GemmConfig.for_problem(
+            ep * row_capacity, recv_ids.shape[-1], x.shape[1], two_inter // 2, local_experts
+        )
         if x_as_blocks:
             return fused.fused_experts_on_tokens(x, recv_ids, recv_weights, w_gate_up, w_down, self.workspace, config)
         send = dispatch_rows(x, plan.token, plan.slot)

@@ -44,14 +44,16 @@ def block_bytes(max_tokens: int, hidden: int, top_k: int, dtype) -> int:
 
 
 def _check_positive(name: str, value, limit: int = 2**62) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= limit:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= int(value) <= limit:
         raise ValueError(f"{name} must be an int in [1, {limit}], got {value!r}")
 
 
 def _cuda_extension():
     if not _ffi.has_cuda_kernels():
-        raise ValueError("the nvlink transport needs jax_megamoe built with its CUDA kernels (nvcc present at "
-                         "install time); use transport='xla' or 'ragged'")
+        raise ValueError(
+            "the nvlink transport needs jax_megamoe built with its CUDA kernels (nvcc present at "
+            "install time); use transport='xla' or 'ragged'"
+        )
     return _ffi.extension()
 
 
@@ -73,6 +75,7 @@ def _exchange_handles(ext, workspace_id: int, groups, global_index, serial: int)
     the position of groups[i] among all the mesh's groups, the same in every process.
     """
     from jax._src import distributed  # the key-value store has no public API yet
+
     client = distributed.global_state.client
     if client is None:
         raise ValueError("the expert axis spans processes: call jax.distributed.initialize() first")
@@ -80,7 +83,7 @@ def _exchange_handles(ext, workspace_id: int, groups, global_index, serial: int)
     # Each entry is "host\n" + handles: an IPC handle only opens on the host that made it, so a peer on
     # another host gets a clear error instead of a CUDA failure.
     host = socket.gethostname()
-    for g, (row, handles) in enumerate(zip(groups, ext.nvlink_export(workspace_id))):
+    for g, (row, handles) in enumerate(zip(groups, ext.nvlink_export(workspace_id), strict=True)):
         if REMOTE not in row:
             continue
         mine = next(r for r, ordinal in enumerate(row) if ordinal != REMOTE)
@@ -92,7 +95,8 @@ def _exchange_handles(ext, workspace_id: int, groups, global_index, serial: int)
                 if peer_host.decode() != host:
                     raise ValueError(
                         f"the nvlink transport needs the expert axis on GPUs of one host: rank {r} is on "
-                        f"host {peer_host.decode()!r}, this process on {host!r}; use transport='xla' across hosts")
+                        f"host {peer_host.decode()!r}, this process on {host!r}; use transport='xla' across hosts"
+                    )
                 ext.nvlink_attach(workspace_id, g, r, peer)
 
 
@@ -125,9 +129,18 @@ class NvlinkWorkspace:
 
     _serial = 0  # multi-process workspaces made so far: names their key-value entries
 
-    def __init__(self, mesh, axis_name: str = "expert", *, max_tokens: int, hidden: int, top_k: int,
-                 dtype=jnp.bfloat16, timeout_ms: int = DEFAULT_TIMEOUT_MS,
-                 blocks_per_peer: int = DEFAULT_BLOCKS_PER_PEER):
+    def __init__(
+        self,
+        mesh,
+        axis_name: str = "expert",
+        *,
+        max_tokens: int,
+        hidden: int,
+        top_k: int,
+        dtype=jnp.bfloat16,
+        timeout_ms: int = DEFAULT_TIMEOUT_MS,
+        blocks_per_peer: int = DEFAULT_BLOCKS_PER_PEER,
+    ):
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
         devices = np.moveaxis(np.asarray(mesh.devices), mesh.axis_names.index(axis_name), -1)
@@ -142,15 +155,29 @@ class NvlinkWorkspace:
             _exchange_handles(_ffi.extension(), self.id, groups, global_index, NvlinkWorkspace._serial)
 
     @classmethod
-    def emulated(cls, ranks: int, *, max_tokens: int, hidden: int, top_k: int, dtype=jnp.bfloat16,
-                 device=None, timeout_ms: int = DEFAULT_TIMEOUT_MS,
-                 blocks_per_peer: int = DEFAULT_BLOCKS_PER_PEER) -> NvlinkWorkspace:
+    def emulated(
+        cls,
+        ranks: int,
+        *,
+        max_tokens: int,
+        hidden: int,
+        top_k: int,
+        dtype=jnp.bfloat16,
+        device=None,
+        timeout_ms: int = DEFAULT_TIMEOUT_MS,
+        blocks_per_peer: int = DEFAULT_BLOCKS_PER_PEER,
+    ) -> NvlinkWorkspace:
         """R emulated shards on one GPU (`device`, default the first): for `moe_ffn_ep` under
         `jax.vmap(..., axis_name=...)` over R, running the real kernels and protocol without NVLink."""
         device = jax.devices()[0] if device is None else device
         workspace = cls.__new__(cls)
-        workspace._create([[_ordinal(device)] * ranks], True, block_bytes(max_tokens, hidden, top_k, dtype),
-                          timeout_ms, blocks_per_peer)
+        workspace._create(
+            [[_ordinal(device)] * ranks],
+            True,
+            block_bytes(max_tokens, hidden, top_k, dtype),
+            timeout_ms,
+            blocks_per_peer,
+        )
         return workspace
 
     def _create(self, groups, emulated: bool, size: int, timeout_ms: int, blocks_per_peer: int) -> None:
@@ -165,7 +192,7 @@ class NvlinkWorkspace:
         except RuntimeError as err:
             raise ValueError(str(err)) from None
         self.ranks = ranks
-        self.emulated = emulated
+        self.is_emulated = emulated
         self.block_bytes = size
         self._finalizer = weakref.finalize(self, ext.nvlink_destroy, self.id)
 
@@ -182,6 +209,8 @@ class NvlinkWorkspace:
     def check_fits(self, capacity: int, row_bytes: int) -> None:
         """Raises if blocks of `capacity` rows of `row_bytes` bytes do not fit the staging blocks."""
         if capacity * row_bytes > self.block_bytes:
-            raise ValueError(f"nvlink workspace too small: blocks of {capacity} rows x {row_bytes} bytes need "
-                             f"{capacity * row_bytes} bytes, it holds {self.block_bytes} per block; create it with "
-                             f"max_tokens >= the tokens per shard and the layer's hidden size, top_k and dtype")
+            raise ValueError(
+                f"nvlink workspace too small: blocks of {capacity} rows x {row_bytes} bytes need "
+                f"{capacity * row_bytes} bytes, it holds {self.block_bytes} per block; create it with "
+                f"max_tokens >= the tokens per shard and the layer's hidden size, top_k and dtype"
+            )
