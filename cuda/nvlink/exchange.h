@@ -1,5 +1,5 @@
-// The plain block exchange of the nvlink transport (docs/nvlink_design.md), what moves the routing's expert ids and
-// weights (and the weights' cotangent) between the GPUs of an expert group, by direct stores into the peers'
+// The plain block exchange of the nvlink transport (docs/expert_parallelism.md), what moves the routing's expert ids
+// and weights (and the weights' cotangent) between the GPUs of an expert group, by direct stores into the peers'
 // staging (nvlink/workspace.h); and the push protocol's bounded wait kernel. Called by cuda/nvlink/handlers_cuda.cc
 // (`jmm_cuda_nvlink_exchange`) and nvlink/push.h.
 //

@@ -1,8 +1,8 @@
-// The nvlink transport's fused exchange + experts + combine (docs/nvlink_design.md), no XLA header: what the handlers
-// jmm_cuda_nvlink_moe_gate_up, jmm_cuda_nvlink_moe_down and jmm_cuda_nvlink_moe_backward (nvlink/handlers_cuda.cc)
-// run once they have read their buffers. Together they compute, bit for bit, "the rows' exchange, moe_ffn's CUDA
-// kernels on the received rows, the results' reverse exchange" and its gradient, but move the rows and the results by
-// the copy engines (nvlink/push.h) beside the expert GEMMs.
+// The nvlink transport's fused exchange + experts + combine (docs/expert_parallelism.md), no XLA header: what the
+// handlers jmm_cuda_nvlink_moe_gate_up, jmm_cuda_nvlink_moe_down and jmm_cuda_nvlink_moe_backward
+// (nvlink/handlers_cuda.cc) run once they have read their buffers. Together they compute, bit for bit, "the rows'
+// exchange, moe_ffn's CUDA kernels on the received rows, the results' reverse exchange" and its gradient, but move the
+// rows and the results by the copy engines (nvlink/push.h) beside the expert GEMMs.
 //
 // The forward is two calls, like moe_ffn's: under jax.checkpoint the backward's recomputation needs only what the
 // gate_up call returns (the received rows and the gate_up projections), and XLA drops the down call whose result

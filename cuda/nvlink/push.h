@@ -1,4 +1,4 @@
-// The push protocol (docs/nvlink_design.md): how the fused calls of the nvlink transport (nvlink/fused.h) move one
+// The push protocol (docs/expert_parallelism.md): how the fused calls of the nvlink transport (nvlink/fused.h) move one
 // block of C rows per peer by the copy engines, on the rank's side stream, so that the transfer takes no SMs from
 // the expert GEMMs:
 //

@@ -1,4 +1,4 @@
-// The nvlink transport's workspaces (docs/nvlink_design.md): memory outside XLA on every GPU of an expert group,
+// The nvlink transport's workspaces (docs/expert_parallelism.md): memory outside XLA on every GPU of an expert group,
 // which the peers store into directly, and the registry through which the handlers (cuda/nvlink/handlers_cuda.cc)
 // and the extension (nvlink_create, ..., cuda/ffi/extension.h) reach it. No XLA header: plain CUDA programs can use
 // it too.

@@ -1,4 +1,4 @@
-// The front half of the nvlink transport's fused forward (the gate_up call, docs/nvlink_design.md) on the GPU that
+// The front half of the nvlink transport's fused forward (the gate_up call, docs/expert_parallelism.md) on the GPU that
 // receives, against the sequential order (the rows there first, then the gather and the GEMM).
 //
 // q30 at EP = 2 as one GPU sees it: 16384 own tokens and 16384 of the peer's (H = 2048), each token with 4 of

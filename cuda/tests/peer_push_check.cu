@@ -1,4 +1,4 @@
-// The push protocol of the nvlink transport between two GPUs, with its whole handshake (docs/nvlink_design.md).
+// The push protocol of the nvlink transport between two GPUs, with its whole handshake (docs/expert_parallelism.md).
 // Per round e (epochs only grow):
 //   receiver (GPU 0) stream: poison the landing rows -> stream write ready = e into GPU 1's memory ->
 //                            one-block bounded wait for arrived >= e -> compare every byte with the expected rows;

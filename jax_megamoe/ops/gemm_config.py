@@ -37,8 +37,9 @@ class GemmConfig:
     @classmethod
     def for_problem(cls, tokens: int, top_k: int, hidden: int, intermediate: int, experts: int) -> GemmConfig:
         """The tiles for a problem of these sizes. Cooperative 128 x 256 tiles without a cluster measured
-        fastest, or within run-to-run spread of the fastest, for every GEMM at every Qwen3-MoE size
-        (benchmarks/README.md): a cluster's padding of row tiles costs more than its weight multicast saves,
-        and 64-row pingpong tiles win only within the spread at 16 rows per expert."""
+        fastest, or within run-to-run spread of the fastest, for every GEMM at the q30s, q30 and q235 sizes
+        (bench_moe.py with explicit configs, before the other instantiations were removed): a cluster's padding of
+        row tiles costs more than its weight multicast saves, and 64-row pingpong tiles won only within the spread
+        at 16 rows per expert and lost under skewed routing. A new instantiation earns a rule here once it wins."""
         del tokens, top_k, hidden, intermediate, experts  # one configuration serves every measured shape
         return cls()
