@@ -1,4 +1,4 @@
-"""The arrival-gated grouped GEMM (cuda/include/jmm/arrival_mainloop_sm90.hpp) on a GPU (marker `gpu`).
+"""The arrival-gated grouped GEMM (cuda/nvlink/arrival_mainloop_sm90.hpp) on a GPU (marker `gpu`).
 
 Builds cuda/tests/arrival_gemm_check.cu with nvcc against the installed CUTLASS headers and runs it twice:
 - `overlap`: peer groups' A rows are NaN until a sender kernel on another stream, launched first and sleeping
