@@ -1,4 +1,4 @@
-"""The push protocol of the nvlink transport between two GPUs, with its handshake (marker `gpu`): cuda/tests/peer_push_check.cu.
+"""The nvlink transport's push between two GPUs, with its handshake (marker `gpu`): cuda/tests/peer_push_check.cu.
 
 - The receiving GPU's stream poisons its landing rows and signals `ready` into the sender's memory; the sending
   GPU's stream waits (one bounded block) for it, moves the rows by DMA into the receiver's memory and writes
