@@ -32,7 +32,7 @@ def build(name: str, out_dir: pathlib.Path) -> pathlib.Path:
         ],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1200,
     )
     assert built.returncode == 0, built.stderr[-3000:]
     return binary
