@@ -69,7 +69,7 @@ def hf_checkpoint(tmp_path_factory):
 
 def test_logits_match_transformers(hf_checkpoint):
     model, path = hf_checkpoint
-    ours = qwen3_moe.from_pretrained(path, implementation="cpu")
+    ours = qwen3_moe.from_pretrained(path, implementation="cpu", scan_layers=False)  # layers to look at one by one
     assert [layer.is_moe for layer in ours.layers] == [True, False, True]
     ids = token_ids()
     logits, aux = ours(jnp.asarray(ids))
@@ -125,7 +125,7 @@ def test_router_matches_transformers():
 def test_loads_onto_a_mesh_with_experts_sharded(hf_checkpoint):
     model, path = hf_checkpoint
     mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    ours = qwen3_moe.from_pretrained(path, mesh=mesh)
+    ours = qwen3_moe.from_pretrained(path, mesh=mesh, fsdp=False, scan_layers=False)
     assert ours.layers[0].mlp.w_gate_up[...].sharding.spec == jax.sharding.PartitionSpec("expert", None, None)
     assert ours.embed_tokens.embedding[...].sharding.is_fully_replicated
     ids = token_ids(5, shape=(8, 6))
@@ -161,7 +161,12 @@ def test_remat_recomputes_only_the_experts_gate_up_projections():
 
     def calls(remat, remat_policy=None):
         model = qwen3_moe.Qwen3MoeForCausalLM(
-            config, remat=remat, remat_policy=remat_policy, implementation="cpu", rngs=nnx.Rngs(0)
+            config,
+            remat=remat,
+            remat_policy=remat_policy,
+            implementation="cpu",
+            scan_layers=False,  # per-layer counts: a scan lowers each run's layer once
+            rngs=nnx.Rngs(0),
         )
         graph, state = nnx.split(model)
 
@@ -227,7 +232,12 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
 def test_implementation_and_transport_reach_every_moe_layer():
     config = qwen3_moe.tiny()
     model = qwen3_moe.Qwen3MoeForCausalLM(
-        config, implementation="reference", transport="ragged", expert_axis="expert", rngs=nnx.Rngs(0)
+        config,
+        implementation="reference",
+        transport="ragged",
+        expert_axis="expert",
+        scan_layers=False,
+        rngs=nnx.Rngs(0),
     )
     moe_layers = [layer.mlp for layer in model.layers if layer.is_moe]
     assert moe_layers
