@@ -49,10 +49,11 @@ def test_matches_optax_float32(monkeypatch, reduction, chunk_bytes):
     ref_value, ref_grads = jax.value_and_grad(ref, argnums=(0, 1))(h, kernel)
     assert value.dtype == jnp.float32
     assert abs(float(value - ref_value)) <= 1e-5 * abs(float(ref_value))
-    for g, r in zip(grads, ref_grads):
+    for g, r in zip(grads, ref_grads, strict=True):
         assert _rel(g, r) <= 1e-5
     assert float(losses.linear_cross_entropy(h, kernel, labels, where=where, reduction=reduction)) == pytest.approx(
-        float(ref_value) / 3.0, rel=1e-5)
+        float(ref_value) / 3.0, rel=1e-5
+    )
 
 
 def test_bf16_inputs(monkeypatch):
@@ -80,13 +81,16 @@ def test_all_tokens_ignored_gives_zero():
     assert float(value) == 0.0 and not np.any(np.asarray(gh)) and not np.any(np.asarray(gk))
 
 
-@pytest.mark.parametrize("bad, error", [
-    (dict(labels=[1, 2]), TypeError),
-    (dict(labels=jnp.array([0, 10, 1])), ValueError),       # a concrete label >= V
-    (dict(reduction="max"), ValueError),
-    (dict(where=jnp.ones(3, jnp.int32)), ValueError),
-    (dict(kernel=jnp.ones((5, 10))), ValueError),
-])
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (dict(labels=[1, 2]), TypeError),
+        (dict(labels=jnp.array([0, 10, 1])), ValueError),  # a concrete label >= V
+        (dict(reduction="max"), ValueError),
+        (dict(where=jnp.ones(3, jnp.int32)), ValueError),
+        (dict(kernel=jnp.ones((5, 10))), ValueError),
+    ],
+)
 def test_bad_arguments(bad, error):
     args = dict(hidden=jnp.ones((3, 4)), kernel=jnp.ones((4, 10)), labels=jnp.array([0, 1, 2]))
     args.update(bad)
