@@ -182,12 +182,35 @@ def reference_value_and_grads(args, dy) -> tuple:
     w_gate_up, w_down)` and cotangent `dy`, as numpy arrays; bf16 and float16 inputs are promoted to float32.
 
     Computed by one jit on the host CPU, wherever the inputs live: there the reference is exact float32 and
-    compiles in seconds. Jitted on a GPU, XLA autotunes each of its unrolled per-expert matmuls, which took
-    minutes per problem and stalled parallel GPU test workers (2026-11-30 H200 runs). One jitted function
-    for every call, so problems of one shape (in any of the promoted dtypes) compile it once."""
+    compiles in seconds. Jitted on a GPU, XLA autotunes each of its unrolled per-expert matmuls, which takes
+    minutes per problem and stalls parallel GPU test workers. One jitted function for every call, so
+    problems of one shape (in any of the promoted dtypes) compile it once."""
     args, dy = jax.device_put((tuple(args), dy), jax.devices("cpu")[0])
     out = _jitted_reference()(tuple(map(widen, args)), widen(dy))
     return tuple(np.asarray(o) for o in out)
+
+
+@jax.jit
+def _d_weights_scale(x, experts, w_gate_up, w_down, dy):
+    per_expert = jnp.stack(
+        [
+            jnp.sum(jnp.abs(dy) * jnp.abs(reference.expert_mlp(x, w_gate_up[e], w_down[e])), axis=-1)
+            for e in range(w_gate_up.shape[0])
+        ]
+    )  # [E, T]
+    valid = (experts >= 0) & (experts < w_gate_up.shape[0])
+    ids = jnp.where(valid, experts, 0)
+    return jnp.where(valid, jnp.take_along_axis(per_expert.T, ids, axis=1), 0)
+
+
+def d_weights_scale(args, dy) -> np.ndarray:
+    """`sum_h |dy[t, h]| * |f_e(x[t])[h]|` per pair (t, k) with e = experts[t, k] (0 for dropped pairs): the
+    scale of d_weights' rounding error. d_weights[t, k] is a dot product over H, whose error is bounded by
+    eps times this sum whatever the cancellation, so tiny problems (T = 1: two entries) are judged against it
+    rather than against |d_weights| itself. float32 on the host CPU, like the reference."""
+    x, _, experts, w_gate_up, w_down = jax.device_put(tuple(args), jax.devices("cpu")[0])
+    dy = jax.device_put(dy, jax.devices("cpu")[0])
+    return np.asarray(_d_weights_scale(widen(x), experts, widen(w_gate_up), widen(w_down), widen(dy)))
 
 
 def rel_error(actual, expected) -> float:

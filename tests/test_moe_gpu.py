@@ -1,7 +1,7 @@
 """The CUDA implementation of moe_ffn beyond parity (marker `gpu`; parity itself: tests/test_parity.py, whose
 "cuda" parametrisation runs every case there): the kernels are built and chosen by "auto", their expert
 layout is the CPU kernels', float16 is refused clearly, and XLA captures the calls into CUDA graphs (observed
-from outside, in XLA's dump of the optimized program) with outputs bit for bit those of the run without
+from outside, in XLA's dump of the final thunk sequence) with outputs bit for bit those of the run without
 command buffers. Run on an H200 by scripts/gpu_check.sh.
 """
 
@@ -99,40 +99,52 @@ def _run_graph_script(tmp_path, name, xla_flags):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return np.load(out), sorted(dump.glob("*after_optimizations.txt"))
+    return np.load(out), sorted(dump.glob("*gpu_after_optimizations.txt"))
 
 
-def computations(hlo_text: str) -> dict[str, str]:
-    """Computation name -> its body, from an HLO module's text."""
-    found, name, body = {}, None, []
-    for line in hlo_text.splitlines():
-        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if name is None and header:
-            name, body = header.group(1), []
-        elif name is not None and line.startswith("}"):
-            found[name] = "\n".join(body)
-            name = None
-        elif name is not None:
-            body.append(line)
+def custom_call_targets(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> custom-call target, for our targets in an optimized module's text."""
+    return dict(re.findall(r'%?([\w.\-]+) = [^\n]*custom_call_target="(jmm_[a-z_]+)"', hlo_text))
+
+
+def thunk_annotations(metadata_text: str) -> dict[int, str]:
+    """Thunk id -> its profile annotation (the HLO instruction it runs), from `*.thunk_metadata.txt`."""
+    found = {}
+    for block in metadata_text.split("thunk_metadata {")[1:]:
+        annotation = re.search(r'profile_annotation: "([^"]+)"', block)
+        thunk_id = re.search(r"thunk_id: (\d+)", block)
+        if annotation and thunk_id:
+            found[int(thunk_id.group(1))] = annotation.group(1)
     return found
 
 
 def captured_targets(dumps) -> tuple[set[str], set[str]]:
-    """`(targets inside a command buffer, targets outside one)`: our custom calls in XLA's optimized programs,
-    by whether the computation holding them is a command buffer (CommandBufferScheduling outlines each captured
-    sequence into a computation named "command_buffer", run through one call)."""
+    """`(targets inside a command buffer, targets outside one)`: our custom calls in XLA's final thunk sequence
+    (`*.thunk_sequence_after_thunk_passes.txt`, one thunk per line as `ID: KIND`, the thunks a command buffer
+    records indented under its `kCommandBuffer` line), named through the thunk metadata and the optimized HLO."""
     inside, outside = set(), set()
-    for path in dumps:
-        for name, body in computations(path.read_text()).items():
-            targets = set(re.findall(r'custom_call_target="(jmm_[a-z_]+)"', body))
-            (inside if name.startswith("command_buffer") else outside).update(targets)
+    for hlo_path in dumps:
+        stem = hlo_path.name.split(".sm_")[0]
+        targets = custom_call_targets(hlo_path.read_text())
+        if not targets:
+            continue
+        annotations = thunk_annotations((hlo_path.parent / f"{stem}.thunk_metadata.txt").read_text())
+        # XLA writes the sequence after its thunk passes (where command buffers are formed) only when they ran.
+        final = hlo_path.parent / f"{stem}.thunk_sequence_after_thunk_passes.txt"
+        sequence = (final if final.exists() else hlo_path.parent / f"{stem}.thunk_sequence.txt").read_text()
+        for line in sequence.splitlines():
+            entry = re.match(r"^(\s*)(\d+): (\w+)", line)
+            if entry and entry.group(3) == "kCustomCall":
+                target = targets.get(annotations.get(int(entry.group(2)), ""))
+                assert target is not None, f"{stem}: custom-call thunk {line.strip()!r} not named by its metadata"
+                (inside if entry.group(1) else outside).add(target)
     return inside, outside
 
 
 def test_cuda_graph_capture_matches_uncaptured_run(tmp_path):
     """The handlers claim command-buffer compatibility (their temporaries are a workspace result): with custom
     calls allowed into command buffers, XLA's optimized program puts every jmm_cuda_moe_* call inside a command
-    buffer (read from its dump), and every output, on two inputs per dtype (a recorded graph replayed with other
+    buffer (read from its thunk dumps), and every output, on two inputs per dtype (a recorded graph replayed with other
     buffers), equals the run without command buffers bit for bit."""
     captured, captured_dumps = _run_graph_script(tmp_path, "captured", GRAPH_FLAGS)
     plain, plain_dumps = _run_graph_script(tmp_path, "plain", "--xla_gpu_enable_command_buffer=")
