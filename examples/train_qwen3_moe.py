@@ -86,6 +86,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(GPUs of one host) opens one NvlinkWorkspace for the run",
     )
     model.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
+    model.add_argument(
+        "--param-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="storage dtype of the parameters and of AdamW's moments (float32: master weights)",
+    )
+    model.add_argument(
+        "--recipe",
+        choices=["fp8_blockwise"],
+        default=None,
+        help="moe_ffn's recipe: fp8_blockwise runs the experts' GEMMs on e4m3 operands with blockwise scales "
+        "(needs --dtype bfloat16; see docs/fp8.md)",
+    )
     model.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
     model.add_argument(
         "--remat-save-moe",
@@ -205,6 +218,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--remat-save-moe needs --remat")
     if args.fsdp_over_expert and not args.fsdp:
         parser.error("--fsdp-over-expert needs --fsdp")
+    if args.recipe and args.dtype != "bfloat16":
+        parser.error(f"--recipe {args.recipe} needs --dtype bfloat16")
+    if args.recipe and args.implementation in ("cuda", "ragged_dot"):
+        parser.error(
+            f"--recipe {args.recipe} runs on --implementation auto, cpu or reference (no CUDA FP8 kernels yet)"
+        )
     manual = (args.num_processes, args.process_id)
     if any(v is not None for v in manual) and None in manual:
         parser.error("--num-processes and --process-id go together")
@@ -281,6 +300,8 @@ def main(argv=None) -> None:
     from moe_training import data, trainer
 
     config = model_config(args.preset, args.layers)
+    if args.recipe and args.implementation == "auto" and jax.default_backend() == "gpu":
+        args.fail(f"--recipe {args.recipe} has no CUDA kernels yet: add --implementation reference on GPUs")
     choose_mesh(args, jax.device_count(), config.num_experts)
     if args.aux_loss_coef is None:
         args.aux_loss_coef = config.router_aux_loss_coef

@@ -21,8 +21,9 @@ class MoE(nn.Module):
 
     Parameters `router/kernel [H, E]`, `w_gate_up [E, H, 2I]`, `w_down [E, I, H]`, the expert dimension
     boxed with `nn.with_partitioning` on `expert_axis`. Arguments as in `jax_megamoe.nn.MoE` (H is taken
-    from the input), including `implementation` and `transport` (`"xla"`, `"ragged"` or a
-    `jax_megamoe.NvlinkTransport`; a module attribute, not a variable).
+    from the input), including `implementation`, `transport` (`"xla"`, `"ragged"` or a
+    `jax_megamoe.NvlinkTransport`; a module attribute, not a variable) and `recipe` (None or
+    `"fp8_blockwise"`, docs/fp8.md).
     """
 
     intermediate_size: int
@@ -33,6 +34,7 @@ class MoE(nn.Module):
     implementation: str | ExpertFn = "auto"
     expert_axis: str | None = None
     transport: str | Transport = "xla"
+    recipe: str | None = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Any = None
@@ -70,5 +72,6 @@ class MoE(nn.Module):
             implementation=self.implementation,
             expert_axis=self.expert_axis,
             transport=self.transport,
+            recipe=self.recipe,
         )
         return y.reshape(*x.shape[:-1], hidden), aux

@@ -105,3 +105,17 @@ def test_implementation_and_transport_are_the_attribute_names():
     assert (module.implementation, module.transport) == ("reference", "xla")
     for old in ("backend", "ep_backend", "ep_workspace"):
         assert not hasattr(module, old), old
+
+
+def test_fp8_recipe_reaches_the_experts():
+    """`recipe="fp8_blockwise"` on the Linen layer: the NNX layer's result with the same recipe bit for bit, and not
+    the bf16 result (the experts' GEMMs see quantised operands), though close to it."""
+    module = jmlinen.MoE(I, E, K, dtype=jnp.bfloat16, recipe="fp8_blockwise", implementation="reference")
+    x = normal("linen fp8", (64, H))
+    params = module.init(jax.random.key(4), x)["params"]
+    y, _ = module.apply({"params": params}, x)
+    want, _ = nnx_twin(params, dtype=jnp.bfloat16, recipe="fp8_blockwise", implementation="reference")(x)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+    plain, _ = nnx_twin(params, dtype=jnp.bfloat16, implementation="reference")(x)
+    err = np.linalg.norm(np.asarray(y, np.float32) - np.asarray(plain, np.float32))
+    assert 0 < err <= 0.1 * np.linalg.norm(np.asarray(plain, np.float32))

@@ -260,8 +260,9 @@ class Qwen3MoeForCausalLM(nnx.Module):
       config: the hyper-parameters (`Qwen3MoeConfig`).
       dtype: compute dtype (e.g. `jnp.bfloat16`); norms, softmax and the router run in float32.
       param_dtype: parameter storage dtype.
-      implementation, expert_axis, transport, capacity_factor: passed to every `jax_megamoe.nn.MoE` layer (one
-        `NvlinkTransport` serves them all).
+      implementation, expert_axis, transport, capacity_factor, recipe: passed to every `jax_megamoe.nn.MoE`
+        layer (one `NvlinkTransport` serves them all; `recipe="fp8_blockwise"` runs the experts' GEMMs in FP8,
+        docs/fp8.md).
       remat: recompute each decoder layer in the backward pass (`nnx.remat`) to save activation memory.
       remat_policy: with `remat`, a `jax.checkpoint_policies` policy of what to save instead; e.g.
         `save_only_these_names("moe_layout", "moe_gate_up")` keeps the experts' gate/up projections, so the MoE
@@ -293,6 +294,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
         expert_axis: str | None = None,
         transport="xla",
         capacity_factor: float | None = None,
+        recipe: str | None = None,
         remat: bool = False,
         remat_policy=None,
         attention_impl: str | None = None,
@@ -312,7 +314,11 @@ class Qwen3MoeForCausalLM(nnx.Module):
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype, embedding_init=init, rngs=rngs
         )
         moe_kwargs = dict(
-            implementation=implementation, expert_axis=expert_axis, transport=transport, capacity_factor=capacity_factor
+            implementation=implementation,
+            expert_axis=expert_axis,
+            transport=transport,
+            capacity_factor=capacity_factor,
+            recipe=recipe,
         )
         layers = [
             DecoderLayer(
