@@ -19,12 +19,18 @@ import numpy as np
 from jax_megamoe.ops.validation import check_array, check_float, check_rank
 
 REDUCTIONS = ("mean", "sum")
-# Each chunk's float32 logits take at most about this many bytes (with as many again for their gradient).
-_CHUNK_LOGITS_BYTES = 256 << 20
+# Each chunk's float32 logits take at most about this many bytes (with about half again for their bf16
+# gradient). Each chunk also adds its [H, V] float32 kernel gradient into the accumulator, a read and a write of
+# 8·H·V bytes: below ~600 tokens per chunk that traffic outlasts the chunk's GEMMs on an H200, so the budget
+# allows large chunks (1766 tokens at V = 151936).
+_CHUNK_LOGITS_BYTES = 1 << 30
 
 
 def _chunk_tokens(tokens: int, vocab: int) -> int:
-    return max(1, min(tokens, _CHUNK_LOGITS_BYTES // (4 * vocab)))
+    """Tokens per chunk: the fewest chunks within the logits budget, of equal size (little padding)."""
+    largest = max(1, min(tokens, _CHUNK_LOGITS_BYTES // (4 * vocab)))
+    chunks = -(-tokens // largest)
+    return -(-tokens // chunks)
 
 
 def _matmul_precision(dtype):
