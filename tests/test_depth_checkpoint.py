@@ -5,6 +5,7 @@ mesh restores on another and continues with the same loss."""
 import sys
 from pathlib import Path
 
+import hf_models
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,6 @@ import torch
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from safetensors.torch import save_file
 
 from jax_megamoe.models import hf_checkpoint, qwen3_moe
 
@@ -22,22 +22,7 @@ transformers = pytest.importorskip("transformers")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 # Four layers with a dense one (layer 1): stacks [0], [1], [2, 3].
-HF_CONFIG = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    num_experts=8,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    mlp_only_layers=[1],
-    initializer_range=0.3,
-    rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-)
+HF_CONFIG = hf_models.HF_CONFIG | dict(num_hidden_layers=4, num_experts=8)
 MESH = ((2, 4), ("data", "expert"))
 
 
@@ -48,19 +33,10 @@ def mesh_of(shape):
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
     """A random transformers model saved in both expert layouts: per expert (its save_pretrained) and fused."""
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**HF_CONFIG)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
+    model = hf_models.tiny_hf_model(0, num_hidden_layers=4, num_experts=8)
     root = tmp_path_factory.mktemp("hf")
     model.save_pretrained(root / "per_expert")
-    (root / "fused").mkdir()
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state
-    save_file(state, root / "fused" / "model.safetensors", metadata={"format": "pt"})
-    model.config.to_json_file(root / "fused" / "config.json")
+    hf_models.save_fused(model, root / "fused")
     ids = np.random.default_rng(0).integers(0, HF_CONFIG["vocab_size"], (8, 6))
     with torch.no_grad():
         logits = model(torch.tensor(ids)).logits.numpy()

@@ -9,41 +9,13 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from hf_models import HF_CONFIG, save_fused, tiny_hf_model
 from moe_cases import seeded_rng
-from safetensors.torch import save_file
 
 import jax_megamoe as jmm
 from jax_megamoe.models import qwen3_moe
 
 transformers = pytest.importorskip("transformers")
-
-HF_CONFIG = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    mlp_only_layers=[1],
-    initializer_range=0.3,
-    rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-)
-
-
-def hf_model(seed=0, **overrides):
-    """A tiny random float32 transformers Qwen3-MoE; norms randomised too, so their mapping is tested."""
-    torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**(HF_CONFIG | overrides))).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-    return model
 
 
 def token_ids(seed=0, shape=(2, 13)):
@@ -61,7 +33,7 @@ def assert_logits_close(got, want):
 
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory):
-    model = hf_model()
+    model = tiny_hf_model()
     path = tmp_path_factory.mktemp("hf")
     model.save_pretrained(path)
     return model, path
@@ -79,11 +51,8 @@ def test_logits_match_transformers(hf_checkpoint):
 
 
 def test_fused_expert_layout_loads(tmp_path):
-    model = hf_model(seed=1)
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state  # transformers' in-memory (fused) layout
-    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    model.config.to_json_file(tmp_path / "config.json")
+    model = tiny_hf_model(seed=1)
+    save_fused(model, tmp_path)
     ids = token_ids(1)
     assert_logits_close(qwen3_moe.from_pretrained(tmp_path)(jnp.asarray(ids))[0], hf_logits(model, ids))
 
@@ -103,7 +72,7 @@ def test_save_round_trip_through_transformers_sharded(tmp_path):
 
 
 def test_tied_embeddings(tmp_path):
-    model = hf_model(seed=2, tie_word_embeddings=True)
+    model = tiny_hf_model(seed=2, tie_word_embeddings=True)
     model.save_pretrained(tmp_path)
     ours = qwen3_moe.from_pretrained(tmp_path)
     assert ours.lm_head is None
@@ -112,7 +81,7 @@ def test_tied_embeddings(tmp_path):
 
 
 def test_router_matches_transformers():
-    model = hf_model(seed=4)
+    model = tiny_hf_model(seed=4)
     router = model.model.layers[0].mlp.gate
     hidden = torch.randn(50, HF_CONFIG["hidden_size"])
     with torch.no_grad():
