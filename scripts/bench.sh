@@ -36,20 +36,10 @@ failed=()
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 (( gpus > 0 )) || gpus=1
 
-want() { [[ " $STEPS " == *" $1 "* ]]; }
-step() {  # step NAME LOG CMD...: runs CMD, tees its output into OUTDIR/LOG, records a failure
-  local name=$1 log=$2 start=$SECONDS
-  shift 2
-  echo "=== $name"
-  "$@" 2>&1 | tee "$OUTDIR/$log"
-  local rc=${PIPESTATUS[0]}
-  echo "=== $name: rc=$rc in $((SECONDS - start)) s"
-  [[ $rc == 0 ]] || failed+=("$name")
-}
+source scripts/steps.sh
 
 {
-  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv 2>&1
-  git log -1 --format='commit %H %cd' 2>/dev/null
+  gpu_record
 } | tee "$OUTDIR/gpu.txt"
 
 want moe && step bench-moe bench_moe.log $PY benchmarks/bench_moe.py --json "$OUTDIR/bench_moe.json" \

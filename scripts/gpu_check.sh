@@ -29,16 +29,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 failed=()
 
-want() { [[ " $STEPS " == *" $1 "* ]]; }
-step() {  # step NAME LOG CMD...: runs CMD, tees its output into OUTDIR/LOG, records a failure
-  local name=$1 log=$2 start=$SECONDS
-  shift 2
-  echo "=== $name"
-  "$@" 2>&1 | tee "$OUTDIR/$log"
-  local rc=${PIPESTATUS[0]}
-  echo "=== $name: rc=$rc in $((SECONDS - start)) s"
-  [[ $rc == 0 ]] || failed+=("$name")
-}
+source scripts/steps.sh
 
 if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/jmm-site .whl/*.whl
@@ -46,8 +37,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 
 {
-  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv 2>&1
-  git log -1 --format='commit %H %cd' 2>/dev/null
+  gpu_record
   # The tree hash of the files present, through a throw-away index: it names what ran even where the
   # copy's git metadata lags its files (compare with `git rev-parse COMMIT^{tree}`).
   index=$(mktemp -u)
