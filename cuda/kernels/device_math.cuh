@@ -1,9 +1,50 @@
-// Device functions that several kernels must evaluate identically: the SwiGLU math of the memory-bound passes
-// (moe_elementwise.cu). A kernel that fuses SwiGLU elsewhere must match those passes bit for bit, so it takes these
-// expressions.
+// Device functions that several kernels must evaluate identically: the storage-type conversions and vector accesses of
+// the memory-bound passes (moe_elementwise.cu, nvlink/sums.cu), and their SwiGLU math. A kernel that fuses SwiGLU or
+// a sum elsewhere must match those passes bit for bit, so it takes these expressions.
 #pragma once
 
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <type_traits>
+
 namespace jmm::cuda {
+
+__device__ __forceinline__ float ToFloat(float v) { return v; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float v);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// v rounded to the storage type T, back in float32.
+template <typename T>
+__device__ __forceinline__ float Round(float v) {
+  return ToFloat(FromFloat<T>(v));
+}
+
+// V consecutive elements moved as one access (16 bytes when the row width allows it).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+template <typename T>
+constexpr int kWideVec = 16 / sizeof(T);
+
+// Calls fn(std::integral_constant<int, V>) with the widest V that divides `width`.
+template <typename T, typename Fn>
+auto WithVectorWidth(int64_t width, Fn&& fn) {
+  if (width % kWideVec<T> == 0) return fn(std::integral_constant<int, kWideVec<T>>{});
+  return fn(std::integral_constant<int, 1>{});
+}
 
 __device__ __forceinline__ float Sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 

@@ -3,6 +3,7 @@
 // plain FMAs (no tf32), so float32 results match the CPU kernels to float32 rounding.
 #include <cuda_bf16.h>
 
+#include "kernels/device_math.cuh"
 #include "kernels/kernel_module.cuh"
 #include "kernels/moe_kernels.h"
 
@@ -13,10 +14,10 @@ constexpr int kTile = 64;   // output tile edge
 constexpr int kDepth = 16;  // contraction step held in shared memory
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float ToFloat(float v) { return v; }
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ void Store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void Store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+template <typename T>
+__device__ __forceinline__ void Store(T* p, float v) {
+  *p = FromFloat<T>(v);
+}
 
 // Each thread owns a 4 x 4 block of the 64 x 64 tile: rows ty + 16*i, columns tx + 16*j.
 struct TileAcc {

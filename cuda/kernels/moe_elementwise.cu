@@ -9,41 +9,6 @@
 namespace jmm::cuda {
 namespace {
 
-__device__ __forceinline__ float ToFloat(float v) { return v; }
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T FromFloat(float v);
-template <>
-__device__ __forceinline__ float FromFloat<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-template <typename T>
-__device__ __forceinline__ float Round(float v) {
-  return ToFloat(FromFloat<T>(v));
-}
-
-// V consecutive elements moved as one access (16 bytes when the row width allows it).
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Vec {
-  T v[V];
-};
-
-template <typename T>
-constexpr int kWideVec = 16 / sizeof(T);
-
-// Calls fn(std::integral_constant<int, V>) with the widest V that divides `width`.
-template <typename T, typename Fn>
-Status WithVectorWidth(int64_t width, Fn&& fn) {
-  if (width % kWideVec<T> == 0) return fn(std::integral_constant<int, kWideVec<T>>{});
-  return fn(std::integral_constant<int, 1>{});
-}
-
 template <typename T, int V>
 __global__ void GatherRowsKernel(const T* src, int64_t width, const int32_t* pair_of_row, const int32_t* kept_rows,
                                  int top_k, T* dst) {

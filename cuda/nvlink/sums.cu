@@ -9,6 +9,7 @@
 
 #include <type_traits>
 
+#include "kernels/device_math.cuh"
 #include "kernels/kernel_module.cuh"
 #include "nvlink/kernels.h"
 
@@ -17,40 +18,12 @@ namespace {
 
 using cuda::LaunchStatus;
 
-__device__ __forceinline__ float ToFloat(float v) { return v; }
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T FromFloat(float v);
-template <>
-__device__ __forceinline__ float FromFloat<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-template <typename T>
-__device__ __forceinline__ float Round(float v) {
-  return ToFloat(FromFloat<T>(v));
-}
-
-// V consecutive elements moved as one access (16 bytes when the row width allows it).
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Vec {
-  T v[V];
-};
-
-template <typename T>
-constexpr int kWideVec = 16 / sizeof(T);
-
-// Calls fn(std::integral_constant<int, V>) with the widest V that divides `width`.
-template <typename T, typename Fn>
-Status WithVectorWidth(int64_t width, Fn&& fn) {
-  if (width % kWideVec<T> == 0) return fn(std::integral_constant<int, kWideVec<T>>{});
-  return fn(std::integral_constant<int, 1>{});
-}
+using cuda::FromFloat;
+using cuda::kWideVec;
+using cuda::Round;
+using cuda::ToFloat;
+using cuda::Vec;
+using cuda::WithVectorWidth;
 
 template <typename Fn>
 Status WithType(Dtype dtype, Fn&& fn) {
