@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def set_nccl_env(opts) -> None:
     """NCCL reads these when the first communicator is made, so they must be set before JAX starts."""
-    os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast (not lent on these machines)
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast: not every NVLink system offers it
     if opts.nccl_max_ctas is not None:
         os.environ["NCCL_MAX_CTAS"] = str(opts.nccl_max_ctas)
 

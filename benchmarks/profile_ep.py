@@ -1,8 +1,8 @@
 """Where the time of one `moe_ffn_ep` step goes, per GPU and per kernel, from a JAX profiler trace.
 
 Nsight Compute serialises kernel launches across a process's GPUs, which deadlocks every kernel that
-waits on a peer (the nvlink transport's and NCCL's), and Nsight Systems is not usable on the lent
-machines; the JAX profiler (CUPTI) records every kernel with its real duration and concurrency. This
+waits on a peer (the nvlink transport's and NCCL's), and Nsight Systems is not installed everywhere;
+the JAX profiler (CUPTI) records every kernel with its real duration and concurrency. This
 script runs the forward+backward of `moe_ffn_ep` (bench_ep's inputs and transports; `--ep N` GPUs of
 this process, or `--emulate R` shards on one GPU) `--iters` times inside `jax.profiler.trace`, reads
 the Perfetto trace the profiler writes, and sums the duration of the complete events of each device

@@ -70,7 +70,7 @@ def test_cuda_loss_curve_matches_reference_implementation(tmp_path):
 @pytest.mark.alone  # tens of GiB: beside other test processes it could run out of memory
 def test_qwen3_30b_a3b_width_preset_trains(tmp_path):
     """The CUDA implementation trains the 30B-width model. The ragged_dot baseline cannot on one H200: it asks for
-    64-66 GiB in one allocation (measured 2026-11-29 and 2026-11-30)."""
+    64-66 GiB in one allocation (measured on an H200)."""
     records = train(
         tmp_path / "cuda",
         "--preset",
