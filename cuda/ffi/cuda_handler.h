@@ -26,26 +26,11 @@ inline ffi::Error Internal(const std::string& stage, const std::string& message)
 
 using Workspace = ffi::Result<ffi::Buffer<ffi::U8>>;
 
-// Hands out workspace bytes front to back (XLA's buffers are 256-byte aligned, and so is every piece).
-class WorkspaceCursor {
+// The handler's workspace result handed out front to back (cuda::ScratchCursor).
+class WorkspaceCursor : public cuda::ScratchCursor {
  public:
-  WorkspaceCursor(uint8_t* begin, size_t bytes) : next_(begin), end_(begin + bytes) {}
   explicit WorkspaceCursor(Workspace& workspace)
-      : WorkspaceCursor(workspace->typed_data(), workspace->element_count()) {}
-  size_t bytes_left() const { return static_cast<size_t>(end_ - next_); }
-  cuda::Scratch scratch() {
-    return [this](size_t bytes) -> void* {
-      const size_t take = cuda::ScratchFootprint(bytes);
-      if (take > bytes_left()) return nullptr;
-      void* piece = next_;
-      next_ += take;
-      return piece;
-    };
-  }
-
- private:
-  uint8_t* next_;
-  uint8_t* end_;
+      : cuda::ScratchCursor(workspace->typed_data(), workspace->element_count()) {}
 };
 
 // A workspace smaller than the handler needs (sized for other shapes) is an error naming both sizes.

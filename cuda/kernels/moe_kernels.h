@@ -29,6 +29,27 @@ inline size_t ScratchFootprint(size_t bytes) {
   return (std::max<size_t>(bytes, 1) + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment;
 }
 
+// Hands out `bytes` of workspace at `begin` front to back as a Scratch (XLA's buffers are kScratchAlignment-aligned,
+// and so is every piece). The Scratch refers to the cursor, which must outlive it and not move.
+class ScratchCursor {
+ public:
+  ScratchCursor(uint8_t* begin, size_t bytes) : next_(begin), end_(begin + bytes) {}
+  size_t bytes_left() const { return static_cast<size_t>(end_ - next_); }
+  Scratch scratch() {
+    return [this](size_t bytes) -> void* {
+      const size_t take = ScratchFootprint(bytes);
+      if (take > bytes_left()) return nullptr;
+      void* piece = next_;
+      next_ += take;
+      return piece;
+    };
+  }
+
+ private:
+  uint8_t* next_;
+  uint8_t* end_;
+};
+
 // Upper bounds of what the steps below take from Scratch, for sizing the workspace: SortPairsByExpert (CUB's
 // own size query; needs the current device), and one tensor-core RowsGemm or WeightGemm of any tile
 // configuration (the SIMT path takes nothing).

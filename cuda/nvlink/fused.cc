@@ -12,29 +12,11 @@
 namespace jmm::nvlink {
 namespace {
 
+using cuda::ScratchCursor;  // one per shard, over its slice of the workspace
 using cuda::ScratchFootprint;
 
 // The sum of the results takes one part per source.
 static_assert(SummedBlocks::kMaxParts >= kMaxRanks);
-
-// Hands out one shard's workspace bytes front to back (XLA's buffers are 256-byte aligned, and so is every piece).
-class ScratchCursor {
- public:
-  ScratchCursor(uint8_t* begin, size_t bytes) : next_(begin), end_(begin + bytes) {}
-  cuda::Scratch scratch() {
-    return [this](size_t bytes) -> void* {
-      const size_t take = ScratchFootprint(bytes);
-      if (take > static_cast<size_t>(end_ - next_)) return nullptr;
-      void* piece = next_;
-      next_ += take;
-      return piece;
-    };
-  }
-
- private:
-  uint8_t* next_;
-  uint8_t* end_;
-};
 
 // Prefixes a failed step's message with what the step was.
 Status Step(const char* what, Status status) { return status.empty() ? status : std::string(what) + ": " + status; }
