@@ -39,6 +39,25 @@ struct alignas(sizeof(T) * V) Vec {
 template <typename T>
 constexpr int kWideVec = 16 / sizeof(T);
 
+// Token t's combine over its pairs at vector i of the row: acc[j] = sum over k (in k order, from zero, in float32) of
+// weights[t, k] (1 without weights) times row_values[row_of_pair[t, k], i * V + j], pairs without a row (-1)
+// skipped. CombineRows rounds it to the storage type; nvlink's sums add it to the peers' parts, bit for bit the row
+// CombineRows would have written.
+template <typename T, int V>
+__device__ __forceinline__ void CombinePairs(const T* row_values, const int32_t* row_of_pair, const float* weights,
+                                             int top_k, int64_t width, int64_t t, int64_t i, float (&acc)[V]) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) acc[j] = 0.0f;
+  for (int k = 0; k < top_k; ++k) {
+    const int32_t r = row_of_pair[t * top_k + k];
+    if (r < 0) continue;
+    const float w = weights ? weights[t * top_k + k] : 1.0f;
+    const Vec<T, V> v = reinterpret_cast<const Vec<T, V>*>(row_values + r * width)[i];
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] += w * ToFloat(v.v[j]);
+  }
+}
+
 // Calls fn(std::integral_constant<int, V>) with the widest V that divides `width`.
 template <typename T, typename Fn>
 auto WithVectorWidth(int64_t width, Fn&& fn) {

@@ -51,16 +51,7 @@ __global__ void CombineRowsKernel(const T* row_values, const int32_t* row_of_pai
   const int64_t t = blockIdx.x;
   for (int64_t i = threadIdx.x; i < width / V; i += blockDim.x) {
     float acc[V];
-#pragma unroll
-    for (int j = 0; j < V; ++j) acc[j] = 0.0f;
-    for (int k = 0; k < top_k; ++k) {
-      const int32_t r = row_of_pair[t * top_k + k];
-      if (r < 0) continue;
-      const float w = weights ? weights[t * top_k + k] : 1.0f;
-      const Vec<T, V> v = reinterpret_cast<const Vec<T, V>*>(row_values + r * width)[i];
-#pragma unroll
-      for (int j = 0; j < V; ++j) acc[j] += w * ToFloat(v.v[j]);
-    }
+    CombinePairs<T, V>(row_values, row_of_pair, weights, top_k, width, t, i, acc);
     Vec<T, V> o;
 #pragma unroll
     for (int j = 0; j < V; ++j) o.v[j] = FromFloat<T>(acc[j]);
