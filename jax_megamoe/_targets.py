@@ -102,6 +102,9 @@ NVLINK_MOE_BACKWARD = Target(
     vmap_method="broadcast_all",
 )
 
+# The "fp8_blockwise" recipe's grouped GEMM (contract: jax_megamoe/ops/fp8.py, fp8_rows_gemm).
+FP8_ROWS_GEMM = Target("jmm_cuda_fp8_rows_gemm", "CUDA", workspace_query="jmm_cuda_fp8_rows_gemm_workspace_bytes")
+
 
 def all_targets() -> tuple[Target, ...]:
     """Every declared target, for registration and the table's tests."""
@@ -112,4 +115,5 @@ def all_targets() -> tuple[Target, ...]:
         NVLINK_MOE_GATE_UP,
         NVLINK_MOE_DOWN,
         NVLINK_MOE_BACKWARD,
+        FP8_ROWS_GEMM,
     )

@@ -31,6 +31,9 @@ size_t NvlinkMoeDownWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden
 size_t NvlinkMoeBackwardWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
                                        int64_t experts);
 
+// jmm_cuda_fp8_rows_gemm (cuda/ffi/fp8_cuda.cc): its group arrays for `experts` experts and CUTLASS's workspace.
+size_t Fp8RowsGemmWorkspaceBytes(int64_t experts);
+
 namespace nvlink {
 
 // The nvlink workspaces (cuda/nvlink/): `groups[g][r]` is the CUDA device of rank r of group g (-1: another

@@ -40,4 +40,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_exchange);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_gate_up);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_down);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_backward);
+// The "fp8_blockwise" recipe, cuda/ffi/fp8_cuda.cc:
+//   fp8_rows_gemm(a [R,K] f8e4m3fn, sfa [R,K/128] f32, b [E,N,K] f8e4m3fn, sfb [E,N/128,K/128] f32,
+//                 expert_offsets [E+1] s32) -> d [R,N] bf16, workspace
+//   d[rows of e] = (a * sfa)[rows of e] @ (b_e * sfb_e)^T (1x128 tiles of a, 128x128 blocks of b_e).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_fp8_rows_gemm);
 #endif

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_megamoe import _ffi, _targets
 from jax_megamoe.ops.validation import check_float, check_moe_args, check_rank
 
 RECIPES = ("fp8_blockwise",)
@@ -318,3 +319,31 @@ def check_fp8_args(
 def moe_ffn_fp8(x, weights, experts, w_gate_up, w_down):
     """`moe_ffn` with recipe="fp8_blockwise", arguments already checked (see `check_fp8_args`)."""
     return _moe_ffn_fp8(x, weights, experts, w_gate_up, w_down)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The CUDA grouped GEMM on quantised operands.
+
+
+def fp8_rows_gemm(a: jax.Array, sfa: jax.Array, b: jax.Array, sfb: jax.Array, expert_offsets: jax.Array) -> jax.Array:
+    """`d[rows of e] = dequantize(a)[rows of e] @ dequantize(b[e])^T` in bf16, on the FP8 tensor cores.
+
+    a: `[R, K]` e4m3fn with `sfa [R, K/128]` float32 (`quantize(x, (1, 128))`); b: `[E, N, K]` e4m3fn with
+    `sfb [E, N/128, K/128]` (`quantize(w, (1, 128, 128))`: both operands K-major, as sm90 FP8 wgmma takes them);
+    rows of expert e are `[expert_offsets[e], expert_offsets[e + 1])`. N and K are multiples of 128. Rows at or
+    past `expert_offsets[E]` are not written. CUDA only (`jmm_cuda_fp8_rows_gemm`)."""
+    rows, depth = a.shape
+    experts, n, _ = b.shape
+    if n % BLOCK or depth % BLOCK:
+        raise ValueError(f"fp8_rows_gemm needs N and K multiples of {BLOCK}, got N={n}, K={depth}")
+    [d] = _ffi.call(
+        _targets.FP8_ROWS_GEMM,
+        (jax.ShapeDtypeStruct((rows, n), jnp.bfloat16),),
+        a,
+        sfa.astype(jnp.float32),
+        b,
+        sfb.astype(jnp.float32),
+        expert_offsets.astype(jnp.int32),
+        workspace_args=(experts,),
+    )
+    return d

@@ -1,0 +1,59 @@
+// CUDA FFI handler of the "fp8_blockwise" recipe's GEMM (contract in targets.h): checks the buffers and runs
+// cutlass_gemm::Fp8RowsGemm (kernels/fp8_kernels.h) on XLA's stream, its temporaries in the workspace result.
+#include <cuda_runtime.h>
+
+#include "ffi/cuda_handler.h"
+#include "ffi/extension.h"
+#include "ffi/ffi_common.h"
+#include "ffi/targets.h"
+#include "kernels/fp8_kernels.h"
+
+namespace jmm {
+
+size_t Fp8RowsGemmWorkspaceBytes(int64_t experts) { return cuda::cutlass_gemm::Fp8RowsGemmScratchBytes(experts); }
+
+namespace {
+
+ffi::Error Fp8RowsGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::F32> sfa, ffi::AnyBuffer b,
+                           ffi::Buffer<ffi::F32> sfb, ffi::Buffer<ffi::S32> expert_offsets,
+                           ffi::Result<ffi::AnyBuffer> d, Workspace workspace) {
+  const std::string shapes =
+      "a [R, K] and b [E, N, K] float8_e4m3fn, sfa [R, K/128] and sfb [E, N/128, K/128] float32, expert_offsets "
+      "[E + 1], d [R, N] bfloat16, with N and K multiples of 128";
+  const auto ad = a.dimensions(), bd = b.dimensions(), sad = sfa.dimensions(), sbd = sfb.dimensions(),
+             dd = d->dimensions();
+  if (a.element_type() != ffi::F8E4M3FN || b.element_type() != ffi::F8E4M3FN || d->element_type() != ffi::BF16) {
+    return InvalidArgument("fp8 rows GEMM: dtypes disagree with " + shapes);
+  }
+  if (ad.size() != 2 || bd.size() != 3 || sad.size() != 2 || sbd.size() != 3 || dd.size() != 2) {
+    return InvalidArgument("fp8 rows GEMM: ranks disagree with " + shapes);
+  }
+  const int64_t R = ad[0], K = ad[1], E = bd[0], N = bd[1];
+  if (N % 128 != 0 || K % 128 != 0 || bd[2] != K || sad[0] != R || sad[1] != K / 128 || sbd[0] != E ||
+      sbd[1] != N / 128 || sbd[2] != K / 128 || dd[0] != R || dd[1] != N ||
+      expert_offsets.element_count() != static_cast<size_t>(E + 1)) {
+    return InvalidArgument("fp8 rows GEMM: shapes disagree with " + shapes);
+  }
+  if (auto err = CheckWorkspace("fp8 rows GEMM", workspace, Fp8RowsGemmWorkspaceBytes(E)); err.failure()) return err;
+  if (R == 0 || N == 0) return ffi::Error::Success();
+  WorkspaceCursor cursor(workspace);
+  JMM_CUDA_TRY("fp8 rows GEMM", cuda::cutlass_gemm::Fp8RowsGemm(
+                                    a.untyped_data(), sfa.typed_data(), b.untyped_data(), sfb.typed_data(),
+                                    d->untyped_data(), expert_offsets.typed_data(), E, N, K, cursor.scratch(), stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jmm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_fp8_rows_gemm, jmm::Fp8RowsGemmCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // a
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // sfa
+                                  .Arg<xla::ffi::AnyBuffer>()              // b
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // sfb
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // expert_offsets
+                                  .Ret<xla::ffi::AnyBuffer>()              // d
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>(),  // workspace
+                              {xla::ffi::Traits::kCmdBufferCompatible});
