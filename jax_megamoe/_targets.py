@@ -102,8 +102,9 @@ NVLINK_MOE_BACKWARD = Target(
     vmap_method="broadcast_all",
 )
 
-# The "fp8_blockwise" recipe's grouped GEMM (contract: jax_megamoe/ops/fp8.py, fp8_rows_gemm).
+# The "fp8_blockwise" recipe's grouped GEMMs (contract: jax_megamoe/ops/fp8.py, fp8_rows_gemm, fp8_weight_gemm).
 FP8_ROWS_GEMM = Target("jmm_cuda_fp8_rows_gemm", "CUDA", workspace_query="jmm_cuda_fp8_rows_gemm_workspace_bytes")
+FP8_WEIGHT_GEMM = Target("jmm_cuda_fp8_weight_gemm", "CUDA", workspace_query="jmm_cuda_fp8_weight_gemm_workspace_bytes")
 
 
 def all_targets() -> tuple[Target, ...]:
@@ -116,4 +117,5 @@ def all_targets() -> tuple[Target, ...]:
         NVLINK_MOE_DOWN,
         NVLINK_MOE_BACKWARD,
         FP8_ROWS_GEMM,
+        FP8_WEIGHT_GEMM,
     )

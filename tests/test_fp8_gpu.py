@@ -65,3 +65,46 @@ def test_bad_shapes_are_refused_before_any_kernel():
         fp8.fp8_rows_gemm(
             a, jnp.ones((8, 1)), jnp.zeros((2, 128, 100), fp8.FP8_DTYPE), jnp.ones((2, 1, 1)), jnp.asarray([0, 4, 8])
         )
+
+
+def weight_reference(a, sfa, b, sfb, token_offsets, num_experts):
+    """float64 numpy: each expert's product over its padded tokens, scales from the compact per-expert blocks."""
+    m, n = a.shape[0], b.shape[0]
+    out = np.zeros((num_experts, m, n))
+    for e in range(num_experts):
+        lo, hi = int(token_offsets[e]), int(token_offsets[e + 1])
+        tiles = (hi - lo) // fp8.BLOCK
+        if not tiles:
+            continue
+        scale_a = np.repeat(np.asarray(sfa)[m * lo // fp8.BLOCK :][: m * tiles].reshape(m, tiles), fp8.BLOCK, 1)
+        scale_b = np.repeat(np.asarray(sfb)[n * lo // fp8.BLOCK :][: n * tiles].reshape(n, tiles), fp8.BLOCK, 1)
+        out[e] = (np.asarray(a[:, lo:hi], np.float64) * scale_a) @ (np.asarray(b[:, lo:hi], np.float64) * scale_b).T
+    return out
+
+
+@pytest.mark.parametrize(
+    "counts, m, n",
+    [
+        ([300, 0, 129, 1, 77], 256, 384),  # an empty expert, a one-row expert, ragged token tiles
+        ([0, 0, 512], 128, 128),
+        ([200] * 8, 768, 256),
+    ],
+)
+def test_weight_gemm_matches_the_dequantised_product(counts, m, n):
+    rng = seeded_rng("fp8 weight gemm", str((counts, m, n)))
+    rows = int(sum(counts))
+    x = rng.standard_normal((rows, m)) * rng.uniform(0.1, 10.0, (rows, 1))
+    dz = rng.standard_normal((rows, n))
+    a, sfa, offsets = fp8.expert_tiles(x, np.asarray(counts))
+    b, sfb, _ = fp8.expert_tiles(dz, np.asarray(counts))
+    a8, b8 = (jnp.asarray(v).astype(fp8.FP8_DTYPE) for v in (a, b))  # exact: the values are e4m3 already
+    got = jax.jit(fp8.fp8_weight_gemm, static_argnums=5)(
+        a8, jnp.asarray(sfa), b8, jnp.asarray(sfb), jnp.asarray(offsets), len(counts)
+    )
+    got = np.asarray(got, np.float64)
+    want = weight_reference(a, sfa, b, sfb, offsets, len(counts))
+    assert np.all(np.isfinite(got))
+    for e, count in enumerate(counts):
+        if count == 0:
+            assert np.all(got[e] == 0), e  # no tiles ran: the zeroed output
+    assert np.linalg.norm(got - want) <= 4e-3 * np.linalg.norm(want)

@@ -31,8 +31,9 @@ size_t NvlinkMoeDownWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden
 size_t NvlinkMoeBackwardWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
                                        int64_t experts);
 
-// jmm_cuda_fp8_rows_gemm (cuda/ffi/fp8_cuda.cc): its group arrays for `experts` experts and CUTLASS's workspace.
-size_t Fp8RowsGemmWorkspaceBytes(int64_t experts);
+// jmm_cuda_fp8_rows_gemm and jmm_cuda_fp8_weight_gemm (cuda/ffi/fp8_cuda.cc): the group arrays for `experts`
+// experts and CUTLASS's workspace.
+size_t Fp8GemmWorkspaceBytes(int64_t experts);
 
 namespace nvlink {
 

@@ -1,5 +1,6 @@
-// CUDA FFI handler of the "fp8_blockwise" recipe's GEMM (contract in targets.h): checks the buffers and runs
-// cutlass_gemm::Fp8RowsGemm (kernels/fp8_kernels.h) on XLA's stream, its temporaries in the workspace result.
+// CUDA FFI handlers of the "fp8_blockwise" recipe's GEMMs (contract in targets.h): they check the buffers and run
+// cutlass_gemm::Fp8RowsGemm / Fp8WeightGemm (kernels/fp8_kernels.h) on XLA's stream, their temporaries in the
+// workspace result.
 #include <cuda_runtime.h>
 
 #include "ffi/cuda_handler.h"
@@ -10,7 +11,7 @@
 
 namespace jmm {
 
-size_t Fp8RowsGemmWorkspaceBytes(int64_t experts) { return cuda::cutlass_gemm::Fp8RowsGemmScratchBytes(experts); }
+size_t Fp8GemmWorkspaceBytes(int64_t experts) { return cuda::cutlass_gemm::Fp8GroupedGemmScratchBytes(experts); }
 
 namespace {
 
@@ -34,12 +35,42 @@ ffi::Error Fp8RowsGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ff
       expert_offsets.element_count() != static_cast<size_t>(E + 1)) {
     return InvalidArgument("fp8 rows GEMM: shapes disagree with " + shapes);
   }
-  if (auto err = CheckWorkspace("fp8 rows GEMM", workspace, Fp8RowsGemmWorkspaceBytes(E)); err.failure()) return err;
+  if (auto err = CheckWorkspace("fp8 rows GEMM", workspace, Fp8GemmWorkspaceBytes(E)); err.failure()) return err;
   if (R == 0 || N == 0) return ffi::Error::Success();
   WorkspaceCursor cursor(workspace);
   JMM_CUDA_TRY("fp8 rows GEMM", cuda::cutlass_gemm::Fp8RowsGemm(
                                     a.untyped_data(), sfa.typed_data(), b.untyped_data(), sfb.typed_data(),
                                     d->untyped_data(), expert_offsets.typed_data(), E, N, K, cursor.scratch(), stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error Fp8WeightGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::F32> sfa, ffi::AnyBuffer b,
+                             ffi::Buffer<ffi::F32> sfb, ffi::Buffer<ffi::S32> token_offsets,
+                             ffi::Result<ffi::AnyBuffer> d, Workspace workspace) {
+  const std::string shapes =
+      "a [M, P] and b [N, P] float8_e4m3fn, sfa [M * P/128] and sfb [N * P/128] float32, token_offsets [E + 1] "
+      "(multiples of 128, the last P), d [E, M, N] bfloat16, with M, N and P multiples of 128";
+  const auto ad = a.dimensions(), bd = b.dimensions(), dd = d->dimensions();
+  if (a.element_type() != ffi::F8E4M3FN || b.element_type() != ffi::F8E4M3FN || d->element_type() != ffi::BF16) {
+    return InvalidArgument("fp8 weight GEMM: dtypes disagree with " + shapes);
+  }
+  if (ad.size() != 2 || bd.size() != 2 || dd.size() != 3) {
+    return InvalidArgument("fp8 weight GEMM: ranks disagree with " + shapes);
+  }
+  const int64_t M = ad[0], P = ad[1], N = bd[0], E = dd[0];
+  if (M % 128 != 0 || N % 128 != 0 || P % 128 != 0 || bd[1] != P || dd[1] != M || dd[2] != N ||
+      sfa.element_count() != static_cast<size_t>(M * (P / 128)) ||
+      sfb.element_count() != static_cast<size_t>(N * (P / 128)) ||
+      token_offsets.element_count() != static_cast<size_t>(E + 1)) {
+    return InvalidArgument("fp8 weight GEMM: shapes disagree with " + shapes);
+  }
+  if (auto err = CheckWorkspace("fp8 weight GEMM", workspace, Fp8GemmWorkspaceBytes(E)); err.failure()) return err;
+  if (E == 0 || M == 0 || N == 0) return ffi::Error::Success();
+  WorkspaceCursor cursor(workspace);
+  JMM_CUDA_TRY("fp8 weight GEMM",
+               cuda::cutlass_gemm::Fp8WeightGemm(a.untyped_data(), sfa.typed_data(), b.untyped_data(), sfb.typed_data(),
+                                                 d->untyped_data(), token_offsets.typed_data(), E, M, N, P,
+                                                 cursor.scratch(), stream));
   return ffi::Error::Success();
 }
 
@@ -54,6 +85,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_fp8_rows_gemm, jmm::Fp8RowsGemmCuda,
                                   .Arg<xla::ffi::AnyBuffer>()              // b
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // sfb
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // expert_offsets
+                                  .Ret<xla::ffi::AnyBuffer>()              // d
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>(),  // workspace
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_fp8_weight_gemm, jmm::Fp8WeightGemmCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // a
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // sfa
+                                  .Arg<xla::ffi::AnyBuffer>()              // b
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // sfb
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token_offsets
                                   .Ret<xla::ffi::AnyBuffer>()              // d
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>(),  // workspace
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -42,6 +42,7 @@ nb::dict Registrations() {
   table["jmm_cuda_nvlink_moe_down"] = Capsule(jmm_cuda_nvlink_moe_down);
   table["jmm_cuda_nvlink_moe_backward"] = Capsule(jmm_cuda_nvlink_moe_backward);
   table["jmm_cuda_fp8_rows_gemm"] = Capsule(jmm_cuda_fp8_rows_gemm);
+  table["jmm_cuda_fp8_weight_gemm"] = Capsule(jmm_cuda_fp8_weight_gemm);
 #endif
   return table;
 }
@@ -73,8 +74,10 @@ NB_MODULE(_ext, m) {
   m.def("jmm_cuda_nvlink_moe_backward_workspace_bytes", &jmm::NvlinkMoeBackwardWorkspaceBytes, nb::arg("tokens"),
         nb::arg("top_k"), nb::arg("hidden"), nb::arg("intermediate"), nb::arg("experts"),
         "Bytes of jmm_cuda_nvlink_moe_backward's workspace result, per shard (bfloat16).");
-  m.def("jmm_cuda_fp8_rows_gemm_workspace_bytes", &jmm::Fp8RowsGemmWorkspaceBytes, nb::arg("experts"),
+  m.def("jmm_cuda_fp8_rows_gemm_workspace_bytes", &jmm::Fp8GemmWorkspaceBytes, nb::arg("experts"),
         "Bytes of jmm_cuda_fp8_rows_gemm's workspace result.");
+  m.def("jmm_cuda_fp8_weight_gemm_workspace_bytes", &jmm::Fp8GemmWorkspaceBytes, nb::arg("experts"),
+        "Bytes of jmm_cuda_fp8_weight_gemm's workspace result.");
 
   m.def("nvlink_create", &jmm::nvlink::CreateWorkspace, nb::arg("groups"), nb::arg("emulated"), nb::arg("block_bytes"),
         nb::arg("timeout_ms"), nb::arg("blocks_per_peer"),

@@ -10,8 +10,8 @@
 
 namespace jmm::cuda::cutlass_gemm {
 
-// What Fp8RowsGemm takes from Scratch at most (group arrays and CUTLASS's workspace).
-size_t Fp8RowsGemmScratchBytes(int64_t num_experts);
+// What one Fp8RowsGemm or Fp8WeightGemm takes from Scratch at most (group arrays and CUTLASS's workspace).
+size_t Fp8GroupedGemmScratchBytes(int64_t num_experts);
 
 // d[rows of e] (bf16, [rows, n] row-major) = (a * sfa)[rows of e] @ (b_e * sfb_e)^T for every expert e, rows of e
 // being [offsets[e], offsets[e + 1]). a: e4m3 [rows, k] row-major; sfa: float32 [rows, k / 128] row-major (1x128
@@ -19,5 +19,15 @@ size_t Fp8RowsGemmScratchBytes(int64_t num_experts);
 // multiples of 128.
 Status Fp8RowsGemm(const void* a, const float* sfa, const void* b, const float* sfb, void* d, const int32_t* offsets,
                    int64_t num_experts, int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream);
+
+// d_e (bf16, [m, n] row-major, d [E, m, n]) = (a_e * sfa_e) @ (b_e * sfb_e)^T for every expert e, contracting over
+// its padded token range [token_offsets[e], token_offsets[e + 1]) (each a multiple of 128; tokens = token_offsets[E]):
+// a e4m3 [m, tokens] and b e4m3 [n, tokens] row-major (the transposed, token-contiguous operands); the scales of
+// group e are compact row-major blocks, sfa [m, K_e/128] at m * token_offsets[e] / 128 and sfb [n, K_e/128] at
+// n * token_offsets[e] / 128 (1x128 tiles along the tokens, counted from the expert's first row). Experts without
+// tokens get zeros. m, n multiples of 128.
+Status Fp8WeightGemm(const void* a, const float* sfa, const void* b, const float* sfb, void* d,
+                     const int32_t* token_offsets, int64_t num_experts, int64_t m, int64_t n, int64_t tokens,
+                     const Scratch& scratch, cudaStream_t stream);
 
 }  // namespace jmm::cuda::cutlass_gemm

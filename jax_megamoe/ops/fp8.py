@@ -347,3 +347,55 @@ def fp8_rows_gemm(a: jax.Array, sfa: jax.Array, b: jax.Array, sfb: jax.Array, ex
         workspace_args=(experts,),
     )
     return d
+
+
+def fp8_weight_gemm(
+    a: jax.Array, sfa: jax.Array, b: jax.Array, sfb: jax.Array, token_offsets: jax.Array, num_experts: int
+) -> jax.Array:
+    """`d[e] = dequantize(a)_e @ dequantize(b)_e^T` in bf16 `[E, M, N]`, on the FP8 tensor cores: the weight
+    gradients' GEMM, contracting over each expert's tokens.
+
+    a: `[M, P]`, b: `[N, P]` e4m3fn, token-contiguous (the transposed row operands), expert e's tokens at columns
+    `[token_offsets[e], token_offsets[e + 1])`, each boundary a multiple of 128 (every expert's rows padded to a
+    whole number of 128-token tiles); sfa `[M * P/128]`, sfb `[N * P/128]` float32, expert e's scales one compact
+    row-major block `[M, K_e/128]` at `M * token_offsets[e] / 128` (likewise for b): 1x128 tiles along the tokens,
+    counted from the expert's first row (`expert_tiles` builds all four). M, N, P multiples of 128. Experts without
+    tokens get zeros. CUDA only (`jmm_cuda_fp8_weight_gemm`)."""
+    m, tokens = a.shape
+    n = b.shape[0]
+    if m % BLOCK or n % BLOCK or tokens % BLOCK:
+        raise ValueError(f"fp8_weight_gemm needs M, N and P multiples of {BLOCK}, got M={m}, N={n}, P={tokens}")
+    [d] = _ffi.call(
+        _targets.FP8_WEIGHT_GEMM,
+        (jax.ShapeDtypeStruct((num_experts, m, n), jnp.bfloat16),),
+        a,
+        sfa.astype(jnp.float32).reshape(-1),
+        b,
+        sfb.astype(jnp.float32).reshape(-1),
+        token_offsets.astype(jnp.int32),
+        workspace_args=(num_experts,),
+    )
+    return d
+
+
+def expert_tiles(rows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(values [C, P], scales [C * P/128], token_offsets [E + 1])`: `rows [R, C]` (expert-sorted, `counts[e]` rows
+    of expert e) transposed to token-contiguous columns, each expert's rows padded with zeros to a multiple of 128,
+    quantised in 1x128 tiles along the tokens, scales as `fp8_weight_gemm` takes them (host numpy, for tests and
+    benchmarks; the recipe's own kernel builds them on the device)."""
+    counts = np.asarray(counts)
+    padded = -(-counts // BLOCK) * BLOCK
+    token_offsets = np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    cols = rows.shape[1]
+    values, scales = [], []
+    for e in range(len(counts)):
+        block = np.zeros((cols, padded[e]), np.float32)
+        block[:, : counts[e]] = rows[starts[e] : starts[e + 1]].T
+        if padded[e]:
+            v, s = quantize(jnp.asarray(block), (1, BLOCK))
+            values.append(np.asarray(v.astype(jnp.float32)))
+            scales.append(np.asarray(s).reshape(-1))
+    value = np.concatenate(values, axis=1) if values else np.zeros((cols, 0), np.float32)
+    scale = np.concatenate(scales) if scales else np.zeros((0,), np.float32)
+    return value, scale, token_offsets
