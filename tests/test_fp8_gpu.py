@@ -68,7 +68,7 @@ def test_bad_shapes_are_refused_before_any_kernel():
 
 
 def weight_reference(a, sfa, b, sfb, token_offsets, num_experts):
-    """float64 numpy: each expert's product over its padded tokens, scales from the compact per-expert blocks."""
+    """float64 numpy: each expert's product over its padded tokens, with the scales of its token tiles."""
     m, n = a.shape[0], b.shape[0]
     out = np.zeros((num_experts, m, n))
     for e in range(num_experts):
@@ -76,8 +76,8 @@ def weight_reference(a, sfa, b, sfb, token_offsets, num_experts):
         tiles = (hi - lo) // fp8.BLOCK
         if not tiles:
             continue
-        scale_a = np.repeat(np.asarray(sfa)[m * lo // fp8.BLOCK :][: m * tiles].reshape(m, tiles), fp8.BLOCK, 1)
-        scale_b = np.repeat(np.asarray(sfb)[n * lo // fp8.BLOCK :][: n * tiles].reshape(n, tiles), fp8.BLOCK, 1)
+        scale_a = np.repeat(np.asarray(sfa)[lo // fp8.BLOCK : hi // fp8.BLOCK].T, fp8.BLOCK, 1)
+        scale_b = np.repeat(np.asarray(sfb)[lo // fp8.BLOCK : hi // fp8.BLOCK].T, fp8.BLOCK, 1)
         out[e] = (np.asarray(a[:, lo:hi], np.float64) * scale_a) @ (np.asarray(b[:, lo:hi], np.float64) * scale_b).T
     return out
 

@@ -48,20 +48,19 @@ ffi::Error Fp8WeightGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<
                              ffi::Buffer<ffi::F32> sfb, ffi::Buffer<ffi::S32> token_offsets,
                              ffi::Result<ffi::AnyBuffer> d, Workspace workspace) {
   const std::string shapes =
-      "a [M, P] and b [N, P] float8_e4m3fn, sfa [M * P/128] and sfb [N * P/128] float32, token_offsets [E + 1] "
+      "a [M, P] and b [N, P] float8_e4m3fn, sfa [P/128, M] and sfb [P/128, N] float32, token_offsets [E + 1] "
       "(multiples of 128, the last P), d [E, M, N] bfloat16, with M, N and P multiples of 128";
-  const auto ad = a.dimensions(), bd = b.dimensions(), dd = d->dimensions();
+  const auto ad = a.dimensions(), bd = b.dimensions(), sad = sfa.dimensions(), sbd = sfb.dimensions(),
+             dd = d->dimensions();
   if (a.element_type() != ffi::F8E4M3FN || b.element_type() != ffi::F8E4M3FN || d->element_type() != ffi::BF16) {
     return InvalidArgument("fp8 weight GEMM: dtypes disagree with " + shapes);
   }
-  if (ad.size() != 2 || bd.size() != 2 || dd.size() != 3) {
+  if (ad.size() != 2 || bd.size() != 2 || sad.size() != 2 || sbd.size() != 2 || dd.size() != 3) {
     return InvalidArgument("fp8 weight GEMM: ranks disagree with " + shapes);
   }
   const int64_t M = ad[0], P = ad[1], N = bd[0], E = dd[0];
-  if (M % 128 != 0 || N % 128 != 0 || P % 128 != 0 || bd[1] != P || dd[1] != M || dd[2] != N ||
-      sfa.element_count() != static_cast<size_t>(M * (P / 128)) ||
-      sfb.element_count() != static_cast<size_t>(N * (P / 128)) ||
-      token_offsets.element_count() != static_cast<size_t>(E + 1)) {
+  if (M % 128 != 0 || N % 128 != 0 || P % 128 != 0 || bd[1] != P || dd[1] != M || dd[2] != N || sad[0] != P / 128 ||
+      sad[1] != M || sbd[0] != P / 128 || sbd[1] != N || token_offsets.element_count() != static_cast<size_t>(E + 1)) {
     return InvalidArgument("fp8 weight GEMM: shapes disagree with " + shapes);
   }
   if (auto err = CheckWorkspace("fp8 weight GEMM", workspace, Fp8GemmWorkspaceBytes(E)); err.failure()) return err;

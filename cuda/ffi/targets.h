@@ -45,9 +45,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_backward);
 //                 expert_offsets [E+1] s32) -> d [R,N] bf16, workspace
 //   d[rows of e] = (a * sfa)[rows of e] @ (b_e * sfb_e)^T (1x128 tiles of a, 128x128 blocks of b_e).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_fp8_rows_gemm);
-//   fp8_weight_gemm(a [M,P] f8e4m3fn, sfa [M*P/128] f32, b [N,P] f8e4m3fn, sfb [N*P/128] f32,
+//   fp8_weight_gemm(a [M,P] f8e4m3fn, sfa [P/128,M] f32, b [N,P] f8e4m3fn, sfb [P/128,N] f32,
 //                   token_offsets [E+1] s32) -> d [E,M,N] bf16, workspace
 //   d_e = (a * sfa)_e @ (b * sfb)_e^T over expert e's padded tokens [token_offsets[e], token_offsets[e+1]) (1x128
-//   tiles along the tokens; each expert's scales a compact block, see kernels/fp8_kernels.h).
+//   tiles along the tokens, the scale of a[i, 128 t ..] at sfa[t, i]; see kernels/fp8_kernels.h).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_fp8_weight_gemm);
 #endif

@@ -22,10 +22,10 @@ Status Fp8RowsGemm(const void* a, const float* sfa, const void* b, const float* 
 
 // d_e (bf16, [m, n] row-major, d [E, m, n]) = (a_e * sfa_e) @ (b_e * sfb_e)^T for every expert e, contracting over
 // its padded token range [token_offsets[e], token_offsets[e + 1]) (each a multiple of 128; tokens = token_offsets[E]):
-// a e4m3 [m, tokens] and b e4m3 [n, tokens] row-major (the transposed, token-contiguous operands); the scales of
-// group e are compact row-major blocks, sfa [m, K_e/128] at m * token_offsets[e] / 128 and sfb [n, K_e/128] at
-// n * token_offsets[e] / 128 (1x128 tiles along the tokens, counted from the expert's first row). Experts without
-// tokens get zeros. m, n multiples of 128.
+// a e4m3 [m, tokens] and b e4m3 [n, tokens] row-major (the transposed, token-contiguous operands); scales float32
+// sfa [tokens/128, m] and sfb [tokens/128, n] row-major, the scale of a[i, 128 t .. 128 t + 127] at sfa[t, i] (1x128
+// tiles along the tokens, counted from each expert's first row). Experts without tokens get zeros. m, n multiples
+// of 128.
 Status Fp8WeightGemm(const void* a, const float* sfa, const void* b, const float* sfb, void* d,
                      const int32_t* token_offsets, int64_t num_experts, int64_t m, int64_t n, int64_t tokens,
                      const Scratch& scratch, cudaStream_t stream);

@@ -29,11 +29,11 @@ using Fp8Epilogue =
 constexpr int kFp8EpilogueSmemBytes = static_cast<int>(sizeof(typename Fp8Epilogue::SharedStorage));
 
 // One FP8 grouped GEMM whose b scales cover kScaleN columns by 128 along K (a's: one row by 128), both scale arrays
-// K-major, so the recipe's row-major scale arrays go in as they are.
-template <int kScaleN>
+// kMajor-major: K-major for the row GEMMs (the recipe's row-major [rows, K/128] scales as they are), MN-major for the
+// weight GEMMs (a global [tokens/128, M] array is then every expert's own compact block).
+template <int kScaleN, cute::GMMA::Major kMajor>
 struct Fp8GroupedGemm {
-  using ScaleConfig =
-      cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleN, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleN, 128, kMajor, kMajor>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -47,8 +47,8 @@ struct Fp8GroupedGemm {
   using StrideB = typename Kernel::InternalStrideB;
   using StrideD = typename Kernel::InternalStrideD;
 };
-using RowsG = Fp8GroupedGemm<128>;  // b: 128x128 blocks of the weights
-using WeightG = Fp8GroupedGemm<1>;  // b: a row operand too, 1x128 tiles along the tokens
+using RowsG = Fp8GroupedGemm<128, cute::GMMA::Major::K>;   // b: 128x128 blocks of the weights
+using WeightG = Fp8GroupedGemm<1, cute::GMMA::Major::MN>;  // b: a row operand too, 1x128 tiles along the tokens
 
 template <class G>
 struct Fp8GroupArrays {
@@ -130,9 +130,9 @@ __global__ void FillFp8RowGroups(const int32_t* offsets, int num_experts, const 
 }
 
 // One thread per expert writes its weight-grouped group: expert e's padded token range
-// [token_offsets[e], token_offsets[e + 1]) of a [m, tokens] and b [n, tokens], its scales the compact blocks
-// [m, K_e/128] and [n, K_e/128] at m * token_offsets[e] / 128 and n * token_offsets[e] / 128. An expert without
-// tokens gets no tiles (M = 0); the caller has zeroed d.
+// [token_offsets[e], token_offsets[e + 1]) of a [m, tokens] and b [n, tokens], its scales rows
+// token_offsets[e] / 128 .. of sfa [tokens/128, m] and sfb [tokens/128, n] (MN-major: the group's compact block). An
+// expert without tokens gets no tiles (M = 0); the caller has zeroed d.
 __global__ void FillFp8WeightGroups(const int32_t* token_offsets, int num_experts, const Fp8* a, const float* sfa,
                                     const Fp8* b, const float* sfb, Bf16* d, int m, int n, int64_t tokens,
                                     Fp8GroupArrays<WeightG> out) {
@@ -145,8 +145,8 @@ __global__ void FillFp8WeightGroups(const int32_t* token_offsets, int num_expert
   out.a[e] = a + first;
   out.b[e] = b + first;
   out.d[e] = d + static_cast<int64_t>(e) * m * n;
-  out.sfa[e] = sfa + m * (first / 128);
-  out.sfb[e] = sfb + n * (first / 128);
+  out.sfa[e] = sfa + (first / 128) * m;
+  out.sfb[e] = sfb + (first / 128) * n;
   out.stride_a[e] = LeadingStride<G::StrideA>(tokens);
   out.stride_b[e] = LeadingStride<G::StrideB>(tokens);
   out.stride_d[e] = LeadingStride<G::StrideD>(n);

@@ -357,10 +357,9 @@ def fp8_weight_gemm(
 
     a: `[M, P]`, b: `[N, P]` e4m3fn, token-contiguous (the transposed row operands), expert e's tokens at columns
     `[token_offsets[e], token_offsets[e + 1])`, each boundary a multiple of 128 (every expert's rows padded to a
-    whole number of 128-token tiles); sfa `[M * P/128]`, sfb `[N * P/128]` float32, expert e's scales one compact
-    row-major block `[M, K_e/128]` at `M * token_offsets[e] / 128` (likewise for b): 1x128 tiles along the tokens,
-    counted from the expert's first row (`expert_tiles` builds all four). M, N, P multiples of 128. Experts without
-    tokens get zeros. CUDA only (`jmm_cuda_fp8_weight_gemm`)."""
+    whole number of 128-token tiles); sfa `[P/128, M]`, sfb `[P/128, N]` float32: `quantize(a, (1, 128))`'s scales
+    transposed, 1x128 tiles along the tokens, counted from each expert's first row (`expert_tiles` builds all
+    four). M, N, P multiples of 128. Experts without tokens get zeros. CUDA only (`jmm_cuda_fp8_weight_gemm`)."""
     m, tokens = a.shape
     n = b.shape[0]
     if m % BLOCK or n % BLOCK or tokens % BLOCK:
@@ -369,9 +368,9 @@ def fp8_weight_gemm(
         _targets.FP8_WEIGHT_GEMM,
         (jax.ShapeDtypeStruct((num_experts, m, n), jnp.bfloat16),),
         a,
-        sfa.astype(jnp.float32).reshape(-1),
+        sfa.astype(jnp.float32),
         b,
-        sfb.astype(jnp.float32).reshape(-1),
+        sfb.astype(jnp.float32),
         token_offsets.astype(jnp.int32),
         workspace_args=(num_experts,),
     )
@@ -379,7 +378,7 @@ def fp8_weight_gemm(
 
 
 def expert_tiles(rows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`(values [C, P], scales [C * P/128], token_offsets [E + 1])`: `rows [R, C]` (expert-sorted, `counts[e]` rows
+    """`(values [C, P], scales [P/128, C], token_offsets [E + 1])`: `rows [R, C]` (expert-sorted, `counts[e]` rows
     of expert e) transposed to token-contiguous columns, each expert's rows padded with zeros to a multiple of 128,
     quantised in 1x128 tiles along the tokens, scales as `fp8_weight_gemm` takes them (host numpy, for tests and
     benchmarks; the recipe's own kernel builds them on the device)."""
@@ -395,7 +394,7 @@ def expert_tiles(rows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.n
         if padded[e]:
             v, s = quantize(jnp.asarray(block), (1, BLOCK))
             values.append(np.asarray(v.astype(jnp.float32)))
-            scales.append(np.asarray(s).reshape(-1))
+            scales.append(np.asarray(s).T)
     value = np.concatenate(values, axis=1) if values else np.zeros((cols, 0), np.float32)
-    scale = np.concatenate(scales) if scales else np.zeros((0,), np.float32)
+    scale = np.concatenate(scales, axis=0) if scales else np.zeros((0, cols), np.float32)
     return value, scale, token_offsets
