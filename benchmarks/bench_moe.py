@@ -11,6 +11,7 @@ is one `jax_megamoe.GemmTiles` member name for every row-grouped GEMM (`ours_til
 `<gemm>=<member>` pairs joined by '+' (`ours_tiles_fwd_down=coop_128x256+bwd_down=coop_128x256`; <gemm>: fwd_gate_up,
 fwd_down, bwd_down, bwd_gate_up), the GEMMs not named keeping the heuristic's tiles for the config's shape
 (`GemmConfig.for_problem`), to compare GEMM tile configurations in one run,
+`ours_fp8`: `ours` with `recipe="fp8_blockwise"` (FP8 blockwise GEMMs, docs/fp8.md),
 and `ours_graphs`: `ours` with XLA recording the custom calls into CUDA graphs (command buffers; XLA_FLAGS of
 GRAPH_XLA_FLAGS set for its subprocess), which XLA does not do for custom calls by default.
 Configs (bf16): q30 (T=16384, H=2048, I=768, E=128, K=8), q235 (H=4096, I=1536), q30s (T=2048), and `tiny`
@@ -55,6 +56,7 @@ IMPLS = ("ours", "torch_grouped_mm", "ragged_dot", "gshard", "tokamax")
 TILES_PREFIX = "ours_tiles_"  # + a GemmTiles member, or gemm=member pairs joined by '+' (commas separate --impls)
 GEMMS = ("fwd_gate_up", "fwd_down", "bwd_down", "bwd_gate_up")  # GemmConfig's fields
 GRAPHS_IMPL = "ours_graphs"
+FP8_IMPL = "ours_fp8"  # moe_ffn(..., recipe="fp8_blockwise") on the CUDA kernels, bf16 x and weights
 GRAPH_XLA_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 ROUTINGS = ("uniform", "zipf")
 VARIANTS = ("plain", "router", "remat")
@@ -155,6 +157,10 @@ def jax_impl(name, shape=None):
     import jax
     import jax.numpy as jnp
 
+    if name == FP8_IMPL:
+        import jax_megamoe as jmm
+
+        return lambda x, w, ids, gu, d: jmm.moe_ffn(x, w, ids, gu, d, implementation="cuda", recipe="fp8_blockwise")
     if name in ("ours", GRAPHS_IMPL) or is_tiles_impl(name):
         import jax_megamoe as jmm  # graphs come from XLA_FLAGS, set for the child by child_env()
 

@@ -16,15 +16,15 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from fp8_cases import RECIPE, Fp8KernelsBase, parametrize_cases, recipe_outputs, recipe_problem
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from moe_cases import OUTPUT_NAMES, Case, make_problem, reference_value_and_grads, rel_error, value_and_grads
+from moe_cases import OUTPUT_NAMES, Case, reference_value_and_grads, rel_error, value_and_grads
 
 import jax_megamoe as jmm
 from jax_megamoe.ops import fp8
 from jax_megamoe.parallel import moe_ffn_ep
 
-RECIPE = "fp8_blockwise"
 MAIN = Case(64, 256, 128, 8, 2)  # q30-like (Qwen3-30B-A3B's ratios, scaled down), bf16 x, float32 master weights
 
 
@@ -118,23 +118,6 @@ def oracle(args, dy, quantized: bool):
     return y[:, :h], dx[:, :h], d_weights, d_wgu, d_wd
 
 
-def recipe_problem(case: Case, seed="fp8"):
-    """bf16 x and dy, float32 master weights (bf16-representable, so the float64 oracles see the same values)."""
-    (x, weights, ids, w_gate_up, w_down), dy = make_problem(case, jnp.bfloat16, seed=seed)
-    return (x, weights, ids, w_gate_up.astype(jnp.float32), w_down.astype(jnp.float32)), dy
-
-
-@functools.cache
-def _recipe_value_and_grads():
-    return jax.jit(
-        functools.partial(value_and_grads, functools.partial(jmm.moe_ffn, implementation="reference", recipe=RECIPE))
-    )
-
-
-def recipe_outputs(args, dy):
-    return tuple(np.asarray(o.astype(jnp.float32)) for o in _recipe_value_and_grads()(tuple(args), dy))
-
-
 @pytest.fixture(scope="module")
 def main_problem():
     args, dy = recipe_problem(MAIN)
@@ -211,15 +194,6 @@ def test_unquantized_oracle_is_the_moe_gradient(main_problem):
         assert rel_error(a, b) < 1e-5, name
 
 
-def test_outputs_in_x_dtype_and_weight_gradients_in_weights_dtype():
-    args, dy = recipe_problem(MAIN)
-    out = jax.eval_shape(_recipe_value_and_grads(), tuple(args), dy)
-    assert [o.dtype for o in out] == [jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.float32, jnp.float32]
-    bf16_weights = (*args[:3], args[3].astype(jnp.bfloat16), args[4].astype(jnp.bfloat16))
-    out = jax.eval_shape(_recipe_value_and_grads(), bf16_weights, dy)
-    assert [o.dtype for o in out][3:] == [jnp.bfloat16, jnp.bfloat16]
-
-
 def test_padding_odd_h_and_i(main_problem):
     """H = 136, I = 72 (not multiples of 128): padded inside the op, it equals the H = 256, I = 128 problem whose
     extra rows and columns are zero (zeros change no tile's amax), and the float64 quantised math."""
@@ -255,8 +229,6 @@ def test_errors():
     (x, weights, ids, w_gate_up, w_down), _ = recipe_problem(Case(8, 16, 8, 4, 2))
     with pytest.raises(TypeError, match="needs bfloat16 x"):
         jmm.moe_ffn(x.astype(jnp.float32), weights, ids, w_gate_up, w_down, recipe=RECIPE)
-    with pytest.raises(ValueError, match="no CUDA kernels yet"):
-        fp8.check_fp8_args(x, weights, ids, w_gate_up, w_down, "cuda")
     with pytest.raises(ValueError, match="recipe must be None or one of"):
         jmm.moe_ffn(x, weights, ids, w_gate_up, w_down, recipe="fp8")
     with pytest.raises(TypeError, match="w_down in bfloat16 or float32"):
@@ -268,11 +240,14 @@ def test_errors():
             jmm.moe_ffn(x, weights, ids, w_gate_up, w_down, implementation="cuda", recipe=RECIPE)
 
 
-def test_cpu_implementation_runs_the_recipe():
-    (x, weights, ids, w_gate_up, w_down), _ = recipe_problem(Case(8, 16, 8, 4, 2))
-    cpu = jmm.moe_ffn(x, weights, ids, w_gate_up, w_down, implementation="cpu", recipe=RECIPE)
-    ref = jmm.moe_ffn(x, weights, ids, w_gate_up, w_down, implementation="reference", recipe=RECIPE)
-    np.testing.assert_array_equal(np.asarray(cpu.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
+pytest_generate_tests = parametrize_cases
+
+
+class TestCpuKernels(Fp8KernelsBase):
+    """implementation="cpu": the kernels' composition (padded row layout, quantisers, token tiles) with the two
+    FP8 GEMMs emulated in float32."""
+
+    implementation = "cpu"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
-"""The "fp8_blockwise" recipe's CUDA grouped GEMM (`ops.fp8.fp8_rows_gemm`, marker `gpu`) against the dequantised
-float32 product of the same quantised operands: the FP8 tensor cores compute the e4m3 products exactly in float32
-and scale the partial sums per 128-deep block, so only the summation order and the bf16 output differ."""
+"""The "fp8_blockwise" recipe on CUDA (marker `gpu`): its two grouped GEMMs (`ops.fp8_gemms`) against the float64
+product of the same quantised operands (the FP8 tensor cores compute the e4m3 products exactly in float32 and scale
+the partial sums per 128-deep block, so only the summation order and the output rounding differ), and
+`moe_ffn(..., implementation="cuda", recipe="fp8_blockwise")` through the shared test base (tests/fp8_cases.py)
+against the quantisation-exact reference, on device memory poisoned with NaN before each call."""
 
 from __future__ import annotations
 
@@ -8,14 +10,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from moe_cases import seeded_rng
+from fp8_cases import Fp8KernelsBase, parametrize_cases
+from moe_cases import Case, seeded_rng
 
-from jax_megamoe.ops import fp8
+from jax_megamoe.ops import fp8, fp8_gemms
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not any(d.platform == "gpu" for d in jax.devices()), reason="needs an NVIDIA GPU"),
 ]
+
+
+# Normwise, against float64: Hopper's FP8 MMA accumulates each 128-deep block at reduced precision before CUTLASS
+# scales and adds it in float32 (about 1e-4 relative here); bf16 output adds its rounding (2**-9 per entry).
+TOLERANCE = {jnp.bfloat16: 4e-3, jnp.float32: 1e-3}
 
 
 def grouped_problem(seed, counts, n, k):
@@ -47,24 +55,47 @@ def reference(a, sfa, b, sfb, offsets):
         ([200] * 16, 768, 256),
     ],
 )
-def test_matches_the_dequantised_product(counts, n, k):
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_matches_the_dequantised_product(counts, n, k, out_dtype):
     x, w, offsets = grouped_problem(str((counts, n, k)), counts, n, k)
     a, sfa = fp8.quantize(x, (1, fp8.BLOCK))
     b, sfb = fp8.quantize(w, (1, fp8.BLOCK, fp8.BLOCK))
-    got = np.asarray(jax.jit(fp8.fp8_rows_gemm)(a, sfa, b, sfb, offsets), np.float64)
+    got = jax.jit(fp8_gemms.fp8_rows_gemm, static_argnums=5)(a, sfa, b, sfb, offsets, out_dtype)
+    assert got.dtype == out_dtype
+    got = np.asarray(got, np.float64)
     want = reference(a, sfa, b, sfb, offsets)
     assert np.all(np.isfinite(got))
-    # bf16 output rounding (2**-9 relative per entry), plus float32 summation order
-    assert np.linalg.norm(got - want) <= 4e-3 * np.linalg.norm(want)
+    tolerance = TOLERANCE[out_dtype]
+    assert np.linalg.norm(got - want) <= tolerance * np.linalg.norm(want)
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
 
 
 def test_bad_shapes_are_refused_before_any_kernel():
     a = jnp.zeros((8, 100), fp8.FP8_DTYPE)
     with pytest.raises(ValueError, match="multiples of 128"):
-        fp8.fp8_rows_gemm(
+        fp8_gemms.fp8_rows_gemm(
             a, jnp.ones((8, 1)), jnp.zeros((2, 128, 100), fp8.FP8_DTYPE), jnp.ones((2, 1, 1)), jnp.asarray([0, 4, 8])
         )
+
+
+def expert_tiles(rows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(values [C, P], scales [P/128, C], token_offsets [E + 1])`: `rows [R, C]` (expert-sorted, `counts[e]` rows
+    of expert e) transposed to token-contiguous columns, each expert's rows padded with zeros to a multiple of 128,
+    quantised in 1x128 tiles along the tokens, as `fp8_weight_gemm` takes them (host numpy, one expert at a time)."""
+    counts = np.asarray(counts)
+    padded = -(-counts // fp8.BLOCK) * fp8.BLOCK
+    token_offsets = np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    cols = rows.shape[1]
+    values, scales = [np.zeros((cols, 0), np.float32)], [np.zeros((0, cols), np.float32)]
+    for e in range(len(counts)):
+        block = np.zeros((cols, padded[e]), np.float32)
+        block[:, : counts[e]] = rows[starts[e] : starts[e + 1]].T
+        if padded[e]:
+            v, s = fp8.quantize(jnp.asarray(block), (1, fp8.BLOCK))
+            values.append(np.asarray(v.astype(jnp.float32)))
+            scales.append(np.asarray(s).T)
+    return np.concatenate(values, axis=1), np.concatenate(scales, axis=0), token_offsets
 
 
 def weight_reference(a, sfa, b, sfb, token_offsets, num_experts):
@@ -90,21 +121,49 @@ def weight_reference(a, sfa, b, sfb, token_offsets, num_experts):
         ([200] * 8, 768, 256),
     ],
 )
-def test_weight_gemm_matches_the_dequantised_product(counts, m, n):
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_weight_gemm_matches_the_dequantised_product(counts, m, n, out_dtype):
     rng = seeded_rng("fp8 weight gemm", str((counts, m, n)))
     rows = int(sum(counts))
     x = rng.standard_normal((rows, m)) * rng.uniform(0.1, 10.0, (rows, 1))
     dz = rng.standard_normal((rows, n))
-    a, sfa, offsets = fp8.expert_tiles(x, np.asarray(counts))
-    b, sfb, _ = fp8.expert_tiles(dz, np.asarray(counts))
-    a8, b8 = (jnp.asarray(v).astype(fp8.FP8_DTYPE) for v in (a, b))  # exact: the values are e4m3 already
-    got = jax.jit(fp8.fp8_weight_gemm, static_argnums=5)(
-        a8, jnp.asarray(sfa), b8, jnp.asarray(sfb), jnp.asarray(offsets), len(counts)
+    a, sfa, offsets = expert_tiles(x, np.asarray(counts))
+    b, sfb, _ = expert_tiles(dz, np.asarray(counts))
+    # 128 columns past the last expert's hold NaN: the kernel must not read them
+    unread = ((0, 0), (0, fp8.BLOCK))
+    a8, b8 = (
+        jnp.asarray(np.pad(v, unread, constant_values=np.nan)).astype(fp8.FP8_DTYPE) for v in (a, b)
+    )  # exact: the values are e4m3 already
+    sfa8, sfb8 = (jnp.asarray(np.pad(v, ((0, 1), (0, 0)), constant_values=np.nan)) for v in (sfa, sfb))
+    got = jax.jit(fp8_gemms.fp8_weight_gemm, static_argnums=(5, 6))(
+        a8, sfa8, b8, sfb8, jnp.asarray(offsets), len(counts), out_dtype
     )
+    assert got.dtype == out_dtype
     got = np.asarray(got, np.float64)
     want = weight_reference(a, sfa, b, sfb, offsets, len(counts))
     assert np.all(np.isfinite(got))
     for e, count in enumerate(counts):
         if count == 0:
             assert np.all(got[e] == 0), e  # no tiles ran: the zeroed output
-    assert np.linalg.norm(got - want) <= 4e-3 * np.linalg.norm(want)
+    assert np.linalg.norm(got - want) <= TOLERANCE[out_dtype] * np.linalg.norm(want)
+
+
+pytest_generate_tests = parametrize_cases
+
+
+@jax.jit
+def _nan_block():
+    return jnp.full((1 << 28,), jnp.nan, jnp.float32)  # 1 GiB
+
+
+class TestCudaKernels(Fp8KernelsBase):
+    implementation = "cuda"
+    cases = (
+        *Fp8KernelsBase.cases,
+        Case(2048, 1024, 384, 16, 4, "zipf"),  # q30-like at a larger size: many token tiles per expert
+        Case(1000, 2000, 700, 12, 3, "empty_experts"),  # odd sizes
+    )
+
+    def prepare(self):
+        # Memory XLA hands out next held NaN: a row or tile the kernels fail to write shows as a non-finite value.
+        _nan_block().block_until_ready().delete()

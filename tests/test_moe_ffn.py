@@ -15,7 +15,7 @@ from moe_cases import Case, make_problem, rel_error, value_and_grads
 import jax_megamoe as jmm
 from jax_megamoe import reference
 from jax_megamoe.ops import moe as moe_ops
-from jax_megamoe.ops.moe import moe_layout
+from jax_megamoe.ops.layout import moe_layout
 
 _cpu = functools.partial(jmm.moe_ffn, implementation="cpu")
 

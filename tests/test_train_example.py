@@ -133,7 +133,7 @@ def test_token_file_expert_only_mesh_and_remat_saving_the_moe(tmp_path):
         (["--backend", "cpu"], "unrecognized arguments: --backend"),  # the old flags are gone
         (["--ep-backend", "xla"], "unrecognized arguments: --ep-backend"),
         (["--recipe", "fp8_blockwise", "--dtype", "float32"], "needs --dtype bfloat16"),
-        (["--recipe", "fp8_blockwise", "--implementation", "cuda"], "no CUDA FP8 kernels yet"),
+        (["--recipe", "fp8_blockwise", "--implementation", "ragged_dot"], "runs on moe_ffn's kernels"),
         (["--param-dtype", "float16"], "invalid choice"),
     ],
 )

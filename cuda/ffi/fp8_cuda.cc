@@ -3,6 +3,8 @@
 // workspace result.
 #include <cuda_runtime.h>
 
+#include <optional>
+
 #include "ffi/cuda_handler.h"
 #include "ffi/extension.h"
 #include "ffi/ffi_common.h"
@@ -15,15 +17,21 @@ size_t Fp8GemmWorkspaceBytes(int64_t experts) { return cuda::cutlass_gemm::Fp8Gr
 
 namespace {
 
+std::optional<cuda::cutlass_gemm::Fp8Out> Fp8OutType(ffi::DataType type) {
+  if (type == ffi::BF16) return cuda::cutlass_gemm::Fp8Out::kBf16;
+  if (type == ffi::F32) return cuda::cutlass_gemm::Fp8Out::kFloat32;
+  return std::nullopt;
+}
+
 ffi::Error Fp8RowsGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::F32> sfa, ffi::AnyBuffer b,
                            ffi::Buffer<ffi::F32> sfb, ffi::Buffer<ffi::S32> expert_offsets,
                            ffi::Result<ffi::AnyBuffer> d, Workspace workspace) {
   const std::string shapes =
       "a [R, K] and b [E, N, K] float8_e4m3fn, sfa [R, K/128] and sfb [E, N/128, K/128] float32, expert_offsets "
-      "[E + 1], d [R, N] bfloat16, with N and K multiples of 128";
+      "[E + 1], d [R, N] bfloat16 or float32, with N and K multiples of 128";
   const auto ad = a.dimensions(), bd = b.dimensions(), sad = sfa.dimensions(), sbd = sfb.dimensions(),
              dd = d->dimensions();
-  if (a.element_type() != ffi::F8E4M3FN || b.element_type() != ffi::F8E4M3FN || d->element_type() != ffi::BF16) {
+  if (a.element_type() != ffi::F8E4M3FN || b.element_type() != ffi::F8E4M3FN || !Fp8OutType(d->element_type())) {
     return InvalidArgument("fp8 rows GEMM: dtypes disagree with " + shapes);
   }
   if (ad.size() != 2 || bd.size() != 3 || sad.size() != 2 || sbd.size() != 3 || dd.size() != 2) {
@@ -38,9 +46,10 @@ ffi::Error Fp8RowsGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ff
   if (auto err = CheckWorkspace("fp8 rows GEMM", workspace, Fp8GemmWorkspaceBytes(E)); err.failure()) return err;
   if (R == 0 || N == 0) return ffi::Error::Success();
   WorkspaceCursor cursor(workspace);
-  JMM_CUDA_TRY("fp8 rows GEMM", cuda::cutlass_gemm::Fp8RowsGemm(
-                                    a.untyped_data(), sfa.typed_data(), b.untyped_data(), sfb.typed_data(),
-                                    d->untyped_data(), expert_offsets.typed_data(), E, N, K, cursor.scratch(), stream));
+  JMM_CUDA_TRY("fp8 rows GEMM",
+               cuda::cutlass_gemm::Fp8RowsGemm(a.untyped_data(), sfa.typed_data(), b.untyped_data(), sfb.typed_data(),
+                                               d->untyped_data(), *Fp8OutType(d->element_type()),
+                                               expert_offsets.typed_data(), E, N, K, cursor.scratch(), stream));
   return ffi::Error::Success();
 }
 
@@ -49,10 +58,10 @@ ffi::Error Fp8WeightGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<
                              ffi::Result<ffi::AnyBuffer> d, Workspace workspace) {
   const std::string shapes =
       "a [M, P] and b [N, P] float8_e4m3fn, sfa [P/128, M] and sfb [P/128, N] float32, token_offsets [E + 1] "
-      "(multiples of 128, the last P), d [E, M, N] bfloat16, with M, N and P multiples of 128";
+      "(multiples of 128, the last at most P), d [E, M, N] bfloat16 or float32, with M, N and P multiples of 128";
   const auto ad = a.dimensions(), bd = b.dimensions(), sad = sfa.dimensions(), sbd = sfb.dimensions(),
              dd = d->dimensions();
-  if (a.element_type() != ffi::F8E4M3FN || b.element_type() != ffi::F8E4M3FN || d->element_type() != ffi::BF16) {
+  if (a.element_type() != ffi::F8E4M3FN || b.element_type() != ffi::F8E4M3FN || !Fp8OutType(d->element_type())) {
     return InvalidArgument("fp8 weight GEMM: dtypes disagree with " + shapes);
   }
   if (ad.size() != 2 || bd.size() != 2 || sad.size() != 2 || sbd.size() != 2 || dd.size() != 3) {
@@ -68,8 +77,8 @@ ffi::Error Fp8WeightGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<
   WorkspaceCursor cursor(workspace);
   JMM_CUDA_TRY("fp8 weight GEMM",
                cuda::cutlass_gemm::Fp8WeightGemm(a.untyped_data(), sfa.typed_data(), b.untyped_data(), sfb.typed_data(),
-                                                 d->untyped_data(), token_offsets.typed_data(), E, M, N, P,
-                                                 cursor.scratch(), stream));
+                                                 d->untyped_data(), *Fp8OutType(d->element_type()),
+                                                 token_offsets.typed_data(), E, M, N, P, cursor.scratch(), stream));
   return ffi::Error::Success();
 }
 

@@ -10,23 +10,27 @@
 
 namespace jmm::cuda::cutlass_gemm {
 
+// The element type of d: bf16, or float32 (gradients kept at the accumulator's precision, float32 master weights).
+enum class Fp8Out { kBf16, kFloat32 };
+
 // What one Fp8RowsGemm or Fp8WeightGemm takes from Scratch at most (group arrays and CUTLASS's workspace).
 size_t Fp8GroupedGemmScratchBytes(int64_t num_experts);
 
-// d[rows of e] (bf16, [rows, n] row-major) = (a * sfa)[rows of e] @ (b_e * sfb_e)^T for every expert e, rows of e
+// d[rows of e] ([rows, n] row-major, d_type) = (a * sfa)[rows of e] @ (b_e * sfb_e)^T for every expert e, rows of e
 // being [offsets[e], offsets[e + 1]). a: e4m3 [rows, k] row-major; sfa: float32 [rows, k / 128] row-major (1x128
 // tiles); b: e4m3 [E, n, k] row-major; sfb: float32 [E, n / 128, k / 128] row-major (128x128 blocks). n and k
 // multiples of 128.
-Status Fp8RowsGemm(const void* a, const float* sfa, const void* b, const float* sfb, void* d, const int32_t* offsets,
-                   int64_t num_experts, int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream);
+Status Fp8RowsGemm(const void* a, const float* sfa, const void* b, const float* sfb, void* d, Fp8Out d_type,
+                   const int32_t* offsets, int64_t num_experts, int64_t n, int64_t k, const Scratch& scratch,
+                   cudaStream_t stream);
 
-// d_e (bf16, [m, n] row-major, d [E, m, n]) = (a_e * sfa_e) @ (b_e * sfb_e)^T for every expert e, contracting over
-// its padded token range [token_offsets[e], token_offsets[e + 1]) (each a multiple of 128; tokens = token_offsets[E]):
-// a e4m3 [m, tokens] and b e4m3 [n, tokens] row-major (the transposed, token-contiguous operands); scales float32
-// sfa [tokens/128, m] and sfb [tokens/128, n] row-major, the scale of a[i, 128 t .. 128 t + 127] at sfa[t, i] (1x128
-// tiles along the tokens, counted from each expert's first row). Experts without tokens get zeros. m, n multiples
-// of 128.
-Status Fp8WeightGemm(const void* a, const float* sfa, const void* b, const float* sfb, void* d,
+// d_e ([m, n] row-major, d [E, m, n], d_type) = (a_e * sfa_e) @ (b_e * sfb_e)^T for every expert e, contracting over
+// its padded token range [token_offsets[e], token_offsets[e + 1]) (each a multiple of 128, token_offsets[E] at most
+// tokens, the columns past it unread): a e4m3 [m, tokens] and b e4m3 [n, tokens] row-major (the transposed,
+// token-contiguous operands); scales float32 sfa [tokens/128, m] and sfb [tokens/128, n] row-major, the scale of a[i,
+// 128 t .. 128 t + 127] at sfa[t, i] (1x128 tiles along the tokens, counted from each expert's first row). Experts
+// without tokens get zeros. m, n multiples of 128.
+Status Fp8WeightGemm(const void* a, const float* sfa, const void* b, const float* sfb, void* d, Fp8Out d_type,
                      const int32_t* token_offsets, int64_t num_experts, int64_t m, int64_t n, int64_t tokens,
                      const Scratch& scratch, cudaStream_t stream);
 

@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_megamoe import _ffi, _targets
 from jax_megamoe.ops.validation import check_float, check_moe_args, check_rank
 
 RECIPES = ("fp8_blockwise",)
@@ -72,8 +71,17 @@ def _scale(amax: jax.Array) -> jax.Array:
 
 
 def _to_fp8(a: jax.Array, scale: jax.Array) -> jax.Array:
-    # XLA's f32 -> f8e4m3fn conversion rounds to nearest even.
-    return jnp.clip(_div(a, scale), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    # XLA's f32 -> f8e4m3fn conversion rounds to nearest even. The barrier keeps the rounding: with excess
+    # precision allowed (its default), XLA's GPU compiler removes a conversion chain f32 -> f8 -> f32, so a value
+    # widened again right away would reach the GEMM unrounded.
+    return jax.lax.optimization_barrier(jnp.clip(_div(a, scale), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE))
+
+
+def round_to(a: jax.Array, dtype) -> jax.Array:
+    """float32 `a` stored in `dtype` (x's): a reduce_precision first, which XLA keeps, where it may remove the cast
+    pair f32 -> bf16 -> f32 on GPUs (as for `_to_fp8`), so the stored value is the rounded one everywhere."""
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(a, exponent_bits=info.nexp, mantissa_bits=info.nmant).astype(dtype)
 
 
 def quantize(a: jax.Array, block: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
@@ -214,7 +222,7 @@ def _operands(x, weights, w_gate_up, w_down, layout) -> _Operands:
 
 def _hidden(gate_up, dtype):
     """q(h): SwiGLU of the saved projections in x's dtype, fake-quantised along I."""
-    return _rows(_swiglu(gate_up.astype(jnp.float32)).astype(dtype))
+    return _rows(round_to(_swiglu(gate_up.astype(jnp.float32)), dtype))
 
 
 @jax.custom_vjp
@@ -225,7 +233,9 @@ def _moe_ffn_fp8(x, weights, experts, w_gate_up, w_down):
 def _moe_ffn_fp8_fwd(x, weights, experts, w_gate_up, w_down):
     layout = Layout(*(checkpoint_name(a, LAYOUT_NAME) for a in make_layout(experts, w_gate_up.shape[0])))
     ops = _operands(x, weights, w_gate_up, w_down, layout)
-    gate_up = checkpoint_name(_grouped(ops.x[layout.token], ops.w_gate_up, layout.expert).astype(x.dtype), GATE_UP_NAME)
+    gate_up = checkpoint_name(
+        round_to(_grouped(ops.x[layout.token], ops.w_gate_up, layout.expert), x.dtype), GATE_UP_NAME
+    )
     out = _grouped(_hidden(gate_up, x.dtype), ops.w_down, layout.expert)
     y = jax.ops.segment_sum(ops.weights[:, None] * out, layout.token, num_segments=x.shape[0])
     return y[:, : x.shape[1]].astype(x.dtype), (x, weights, experts, w_gate_up, w_down, gate_up, layout)
@@ -308,93 +318,22 @@ def check_fp8_args(
             f"dtype), got {x.dtype}: cast x to bfloat16, or use recipe=None"
         )
     if implementation == "cuda":
-        raise ValueError(
-            "recipe='fp8_blockwise' has no CUDA kernels yet (the sm90 FP8 grouped GEMMs are not built): "
-            "use implementation='reference' or 'cpu'"
-        )
+        check_fp8_tensor_cores()
     return sizes
+
+
+def check_fp8_tensor_cores() -> None:
+    """The recipe's CUDA kernels are sm90a (Hopper) FP8 wgmma GEMMs: other GPUs get a clear error."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    capabilities = sorted({str(getattr(d, "compute_capability", "unknown")) for d in gpus})
+    if not gpus or any(not c.startswith("9.") for c in capabilities):
+        raise ValueError(
+            "recipe='fp8_blockwise' with implementation='cuda' runs on Hopper FP8 tensor cores (compute capability "
+            f"9.x); these GPUs have {capabilities or 'none'}: use implementation='reference'"
+        )
 
 
 @functools.partial(jax.jit, inline=True)
 def moe_ffn_fp8(x, weights, experts, w_gate_up, w_down):
     """`moe_ffn` with recipe="fp8_blockwise", arguments already checked (see `check_fp8_args`)."""
     return _moe_ffn_fp8(x, weights, experts, w_gate_up, w_down)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The CUDA grouped GEMM on quantised operands.
-
-
-def fp8_rows_gemm(a: jax.Array, sfa: jax.Array, b: jax.Array, sfb: jax.Array, expert_offsets: jax.Array) -> jax.Array:
-    """`d[rows of e] = dequantize(a)[rows of e] @ dequantize(b[e])^T` in bf16, on the FP8 tensor cores.
-
-    a: `[R, K]` e4m3fn with `sfa [R, K/128]` float32 (`quantize(x, (1, 128))`); b: `[E, N, K]` e4m3fn with
-    `sfb [E, N/128, K/128]` (`quantize(w, (1, 128, 128))`: both operands K-major, as sm90 FP8 wgmma takes them);
-    rows of expert e are `[expert_offsets[e], expert_offsets[e + 1])`. N and K are multiples of 128. Rows at or
-    past `expert_offsets[E]` are not written. CUDA only (`jmm_cuda_fp8_rows_gemm`)."""
-    rows, depth = a.shape
-    experts, n, _ = b.shape
-    if n % BLOCK or depth % BLOCK:
-        raise ValueError(f"fp8_rows_gemm needs N and K multiples of {BLOCK}, got N={n}, K={depth}")
-    [d] = _ffi.call(
-        _targets.FP8_ROWS_GEMM,
-        (jax.ShapeDtypeStruct((rows, n), jnp.bfloat16),),
-        a,
-        sfa.astype(jnp.float32),
-        b,
-        sfb.astype(jnp.float32),
-        expert_offsets.astype(jnp.int32),
-        workspace_args=(experts,),
-    )
-    return d
-
-
-def fp8_weight_gemm(
-    a: jax.Array, sfa: jax.Array, b: jax.Array, sfb: jax.Array, token_offsets: jax.Array, num_experts: int
-) -> jax.Array:
-    """`d[e] = dequantize(a)_e @ dequantize(b)_e^T` in bf16 `[E, M, N]`, on the FP8 tensor cores: the weight
-    gradients' GEMM, contracting over each expert's tokens.
-
-    a: `[M, P]`, b: `[N, P]` e4m3fn, token-contiguous (the transposed row operands), expert e's tokens at columns
-    `[token_offsets[e], token_offsets[e + 1])`, each boundary a multiple of 128 (every expert's rows padded to a
-    whole number of 128-token tiles); sfa `[P/128, M]`, sfb `[P/128, N]` float32: `quantize(a, (1, 128))`'s scales
-    transposed, 1x128 tiles along the tokens, counted from each expert's first row (`expert_tiles` builds all
-    four). M, N, P multiples of 128. Experts without tokens get zeros. CUDA only (`jmm_cuda_fp8_weight_gemm`)."""
-    m, tokens = a.shape
-    n = b.shape[0]
-    if m % BLOCK or n % BLOCK or tokens % BLOCK:
-        raise ValueError(f"fp8_weight_gemm needs M, N and P multiples of {BLOCK}, got M={m}, N={n}, P={tokens}")
-    [d] = _ffi.call(
-        _targets.FP8_WEIGHT_GEMM,
-        (jax.ShapeDtypeStruct((num_experts, m, n), jnp.bfloat16),),
-        a,
-        sfa.astype(jnp.float32),
-        b,
-        sfb.astype(jnp.float32),
-        token_offsets.astype(jnp.int32),
-        workspace_args=(num_experts,),
-    )
-    return d
-
-
-def expert_tiles(rows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`(values [C, P], scales [P/128, C], token_offsets [E + 1])`: `rows [R, C]` (expert-sorted, `counts[e]` rows
-    of expert e) transposed to token-contiguous columns, each expert's rows padded with zeros to a multiple of 128,
-    quantised in 1x128 tiles along the tokens, scales as `fp8_weight_gemm` takes them (host numpy, for tests and
-    benchmarks; the recipe's own kernel builds them on the device)."""
-    counts = np.asarray(counts)
-    padded = -(-counts // BLOCK) * BLOCK
-    token_offsets = np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    cols = rows.shape[1]
-    values, scales = [], []
-    for e in range(len(counts)):
-        block = np.zeros((cols, padded[e]), np.float32)
-        block[:, : counts[e]] = rows[starts[e] : starts[e + 1]].T
-        if padded[e]:
-            v, s = quantize(jnp.asarray(block), (1, BLOCK))
-            values.append(np.asarray(v.astype(jnp.float32)))
-            scales.append(np.asarray(s).T)
-    value = np.concatenate(values, axis=1) if values else np.zeros((cols, 0), np.float32)
-    scale = np.concatenate(scales, axis=0) if scales else np.zeros((0, cols), np.float32)
-    return value, scale, token_offsets

@@ -12,7 +12,6 @@ it needs only the saved projections, and XLA drops the moe_down whose y nothing 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +19,9 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_megamoe import _ffi, _targets, reference
-from jax_megamoe.ops import fp8
+from jax_megamoe.ops import fp8, fp8_gemms
 from jax_megamoe.ops.gemm_config import GemmConfig
+from jax_megamoe.ops.layout import Layout, drop_invalid_ids, moe_layout
 from jax_megamoe.ops.validation import check_moe_args
 
 IMPLEMENTATIONS = ("auto", "cpu", "cuda", "reference")
@@ -85,41 +85,6 @@ def resolve_implementation(implementation: str, arrays=()) -> str:
             f"{sorted(platforms)}: use implementation='auto' or the one for that platform"
         )
     return implementation
-
-
-def drop_invalid_ids(experts: jax.Array, num_experts: int) -> jax.Array:
-    """`experts` as int32 with every id outside `[0, num_experts)` replaced by -1, before the cast can wrap a
-    wide id (an int64 2**32 + 1 would become 1) into range."""
-    valid = (experts >= 0) & (experts < num_experts)
-    return jnp.where(valid, experts, -1).astype(jnp.int32)
-
-
-class Layout(NamedTuple):
-    """Expert-sorted order of the (token, k) pairs; see `moe_layout`."""
-
-    row_of_pair: jax.Array  # [T*K] int32, -1 for dropped pairs
-    pair_of_row: jax.Array  # [T*K] int32, -1 past the last valid row
-    expert_offsets: jax.Array  # [E+1] int32
-
-
-def moe_layout(experts: jax.Array, num_experts: int, implementation: str) -> Layout:
-    """Sorts the (token, k) pairs by expert id, stable in pair order, on `implementation` ("cpu"/"cuda").
-    `experts` are int32; ids outside `[0, num_experts)` are dropped."""
-    num_pairs = experts.size
-    shapes = (
-        jax.ShapeDtypeStruct((num_pairs,), jnp.int32),
-        jax.ShapeDtypeStruct((num_pairs,), jnp.int32),
-        jax.ShapeDtypeStruct((num_experts + 1,), jnp.int32),
-    )
-    return Layout(
-        *_ffi.call(
-            _targets.MOE_LAYOUT[implementation],
-            shapes,
-            experts,
-            workspace_args=(num_pairs, num_experts),
-            num_experts=np.int64(num_experts),
-        )
-    )
 
 
 def _sizes(x, weights, w_gate_up) -> tuple:
@@ -239,7 +204,8 @@ def moe_ffn(
       gemm_config: the CUDA GEMMs' tiles; None picks them by shape (`GemmConfig.for_problem`).
       recipe: None computes in x's dtype; `"fp8_blockwise"` runs every expert GEMM on e4m3 operands with
         blockwise float32 scales (bfloat16 x; weights bfloat16 or float32; see jax_megamoe/ops/fp8.py and
-        docs/fp8.md). Its CUDA kernels are not built yet: it runs as pure JAX for "cpu" and "reference".
+        docs/fp8.md): "cuda" on Hopper's FP8 tensor cores, "cpu" by emulating those GEMMs in float32,
+        "reference" as the quantisation-exact pure-JAX reference.
 
     Returns `[T, H]` in x's dtype, accumulated in float32 (float64 for float64 inputs).
     Differentiable in `x`, `weights`, `w_gate_up` and `w_down`.
@@ -249,12 +215,13 @@ def moe_ffn(
     recomputes nothing of it, at the memory of the projections (`[T*K, 2I]` in x's dtype).
     """
     fp8.check_recipe(recipe)
-    if recipe is not None:  # the FP8 recipe (ops/fp8.py); the CPU kernels do not emulate it yet
+    if recipe is not None:  # the FP8 recipe: ops/fp8.py (rule, reference), ops/fp8_gemms.py (kernels)
         implementation = resolve_implementation(implementation, (x, weights, experts, w_gate_up, w_down))
         fp8.check_fp8_args(x, weights, experts, w_gate_up, w_down, implementation)
-        return fp8.moe_ffn_fp8(
-            *_ffi.vary_alike(x, weights, drop_invalid_ids(experts, w_gate_up.shape[0]), w_gate_up, w_down)
-        )
+        args = _ffi.vary_alike(x, weights, drop_invalid_ids(experts, w_gate_up.shape[0]), w_gate_up, w_down)
+        if implementation == "reference":
+            return fp8.moe_ffn_fp8(*args)
+        return fp8_gemms.moe_ffn_fp8(*args, implementation)
     tokens, hidden, inter, experts_count, top_k = check_moe_args(x, weights, experts, w_gate_up, w_down)
     if gemm_config is not None and not isinstance(gemm_config, GemmConfig):
         raise TypeError(f"gemm_config must be None or a jax_megamoe.GemmConfig, got {gemm_config!r}")

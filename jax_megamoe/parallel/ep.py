@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_megamoe.ops import fp8
-from jax_megamoe.ops.moe import drop_invalid_ids, moe_ffn, resolve_implementation
+from jax_megamoe.ops.layout import drop_invalid_ids
+from jax_megamoe.ops.moe import moe_ffn, resolve_implementation
 from jax_megamoe.ops.validation import check_moe_args, check_rank
 from jax_megamoe.parallel.plan import INVALID_EXPERT, capacities, make_plan
 from jax_megamoe.parallel.transport import XLA, Transport, all_to_all_blocks, resolve_transport

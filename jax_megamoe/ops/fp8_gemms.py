@@ -1,0 +1,308 @@
+"""The "fp8_blockwise" recipe (rule and reference: jax_megamoe/ops/fp8.py) on grouped FP8 GEMMs: the two CUDA
+kernels on Hopper's FP8 tensor cores, or on CPU their emulation in float32 (dequantised operands, the same bf16
+outputs), so that CI runs every step around the kernels.
+
+XLA quantises each operand (fusions over the tokens, the rows and the weights); the kernels take e4m3 values with
+float32 scales:
+  rows GEMM    gate_up = q(x) . q(Wgu), out = q(h) . q(Wd), g = q(dy) . q(Wd)^T, dx rows = q(dz) . q(Wgu)^T
+  weight GEMM  dWd = qt(q(h))^T . qt(weights * q(dy)), dWgu = qt(q(x))^T . qt(q(dz))
+Rows live in a padded expert-sorted order: each expert's rows (stable in (token, k) order) start at a multiple of
+128, so that the weight GEMMs' token tiles (128 rows of one expert, counted from its first row) are whole tiles of
+the row arrays, and the padding rows are zero. The GEMMs accumulate in float32 and write x's dtype (the
+projections, out and the rows of dx), float32 (g, from which d weights and dz follow as in the reference) or the
+weights' dtype (their gradients).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from jax_megamoe import _ffi, _targets
+from jax_megamoe.ops import fp8
+from jax_megamoe.ops.fp8 import BLOCK, dequantize, quantize
+from jax_megamoe.ops.layout import moe_layout
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The two GEMMs: the CUDA kernels and their CPU emulation.
+
+
+def _out_dtype(dtype):
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise TypeError(f"the FP8 GEMMs write bfloat16 or float32, got {dtype}")
+    return jnp.dtype(dtype)
+
+
+def fp8_rows_gemm(
+    a: jax.Array, sfa: jax.Array, b: jax.Array, sfb: jax.Array, expert_offsets: jax.Array, out_dtype=jnp.bfloat16
+) -> jax.Array:
+    """`d[rows of e] = dequantize(a)[rows of e] @ dequantize(b[e])^T` in `out_dtype` (bfloat16 or float32), on the
+    FP8 tensor cores.
+
+    a: `[R, K]` e4m3fn with `sfa [R, K/128]` float32 (`quantize(x, (1, 128))`); b: `[E, N, K]` e4m3fn with
+    `sfb [E, N/128, K/128]` (`quantize(w, (1, 128, 128))`: both operands K-major, as sm90 FP8 wgmma takes them);
+    rows of expert e are `[expert_offsets[e], expert_offsets[e + 1])`. N and K are multiples of 128. Rows at or
+    past `expert_offsets[E]` are not written. CUDA only (`jmm_cuda_fp8_rows_gemm`)."""
+    rows, depth = a.shape
+    experts, n, _ = b.shape
+    if n % BLOCK or depth % BLOCK:
+        raise ValueError(f"fp8_rows_gemm needs N and K multiples of {BLOCK}, got N={n}, K={depth}")
+    [d] = _ffi.call(
+        _targets.FP8_ROWS_GEMM,
+        (jax.ShapeDtypeStruct((rows, n), _out_dtype(out_dtype)),),
+        a,
+        sfa.astype(jnp.float32),
+        b,
+        sfb.astype(jnp.float32),
+        expert_offsets.astype(jnp.int32),
+        workspace_args=(experts,),
+    )
+    return d
+
+
+def fp8_weight_gemm(
+    a: jax.Array,
+    sfa: jax.Array,
+    b: jax.Array,
+    sfb: jax.Array,
+    token_offsets: jax.Array,
+    num_experts: int,
+    out_dtype=jnp.bfloat16,
+) -> jax.Array:
+    """`d[e] = dequantize(a)_e @ dequantize(b)_e^T`, `[E, M, N]` in `out_dtype` (bfloat16 or float32), on the FP8
+    tensor cores: the weight gradients' GEMM, contracting over each expert's tokens.
+
+    a: `[M, P]`, b: `[N, P]` e4m3fn, token-contiguous (the transposed row operands), expert e's tokens at columns
+    `[token_offsets[e], token_offsets[e + 1])`, each boundary a multiple of 128 (every expert's rows padded to a
+    whole number of 128-token tiles); sfa `[P/128, M]`, sfb `[P/128, N]` float32: the scales of 1x128 tiles along
+    the tokens, counted from each expert's first row (`token_tiles` builds all four). M, N, P multiples of 128.
+    Columns past `token_offsets[E]` are not read. Experts without tokens get zeros. CUDA only
+    (`jmm_cuda_fp8_weight_gemm`)."""
+    m, tokens = a.shape
+    n = b.shape[0]
+    if m % BLOCK or n % BLOCK or tokens % BLOCK:
+        raise ValueError(f"fp8_weight_gemm needs M, N and P multiples of {BLOCK}, got M={m}, N={n}, P={tokens}")
+    [d] = _ffi.call(
+        _targets.FP8_WEIGHT_GEMM,
+        (jax.ShapeDtypeStruct((num_experts, m, n), _out_dtype(out_dtype)),),
+        a,
+        sfa.astype(jnp.float32),
+        b,
+        sfb.astype(jnp.float32),
+        token_offsets.astype(jnp.int32),
+        workspace_args=(num_experts,),
+    )
+    return d
+
+
+def emulated_rows_gemm(a, sfa, b, sfb, expert_offsets, out_dtype=jnp.bfloat16):
+    """`fp8_rows_gemm` in float32 on the dequantised operands (rows past `expert_offsets[E]` are zero)."""
+    rows = dequantize(a, sfa, (1, BLOCK))
+    weights = jnp.swapaxes(dequantize(b, sfb, (1, BLOCK, BLOCK)), 1, 2)  # [E, K, N]
+    sizes = jnp.diff(expert_offsets)
+    out = jax.lax.ragged_dot(rows, weights, sizes, precision=_HIGHEST, preferred_element_type=jnp.float32)
+    return out.astype(_out_dtype(out_dtype))
+
+
+def emulated_weight_gemm(a, sfa, b, sfb, token_offsets, num_experts, out_dtype=jnp.bfloat16):
+    """`fp8_weight_gemm` in float32 on the dequantised operands."""
+    lhs = a.astype(jnp.float32) * jnp.repeat(sfa.T, BLOCK, axis=1)
+    rhs = b.astype(jnp.float32) * jnp.repeat(sfb.T, BLOCK, axis=1)
+    sizes = jnp.diff(token_offsets)
+    sizes = jnp.concatenate([sizes, (lhs.shape[1] - token_offsets[-1])[None]])  # the unread columns: a last group
+    numbers = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[1], rhs_group_dimensions=[]
+    )
+    out = jax.lax.ragged_dot_general(lhs, rhs, sizes, numbers, precision=_HIGHEST, preferred_element_type=jnp.float32)
+    return out[:num_experts].astype(_out_dtype(out_dtype))
+
+
+class _Gemms(NamedTuple):
+    rows: object
+    weight: object
+
+
+GEMMS = {
+    "cuda": _Gemms(fp8_rows_gemm, fp8_weight_gemm),
+    "cpu": _Gemms(emulated_rows_gemm, emulated_weight_gemm),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The padded row layout and the operands.
+
+
+def row_capacity(pairs: int, num_experts: int) -> int:
+    """Rows of the padded layout: every expert's rows rounded up to a multiple of 128, at most."""
+    return fp8._round_up(pairs + (BLOCK - 1) * min(num_experts, pairs))
+
+
+class RowLayout(NamedTuple):
+    """The pairs in expert-sorted order, each expert's first row at a multiple of 128 (saved as "moe_layout")."""
+
+    row_of_pair: jax.Array  # [T*K] int32: the pair's row; the capacity for a dropped pair
+    pair_of_row: jax.Array  # [capacity] int32: the row's pair; T*K for padding rows
+    offsets: jax.Array  # [E + 1] int32: expert e's rows [offsets[e], offsets[e+1]), multiples of 128
+
+
+def row_layout(experts: jax.Array, num_experts: int, implementation: str) -> RowLayout:
+    """`experts` int32 with the dropped ids at -1 (`drop_invalid_ids`)."""
+    pairs = experts.size
+    capacity = row_capacity(pairs, num_experts)
+    layout = moe_layout(experts, num_experts, implementation)
+    counts = jnp.diff(layout.expert_offsets)
+    offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(-(-counts // BLOCK) * BLOCK).astype(jnp.int32)])
+    shift = offsets[:-1] - layout.expert_offsets[:-1]
+    ids = experts.reshape(-1)
+    row_of_pair = jnp.where(layout.row_of_pair >= 0, layout.row_of_pair + shift[jnp.maximum(ids, 0)], capacity)
+    pair_of_row = (
+        jnp.full(capacity, pairs, jnp.int32).at[row_of_pair].set(jnp.arange(pairs, dtype=jnp.int32), mode="drop")
+    )
+    return RowLayout(row_of_pair.astype(jnp.int32), pair_of_row, offsets)
+
+
+def _row_operand(a: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`a [T, C]` quantised in 1x128 tiles per token, then its rows `index` (past T: zero values, scale 1)."""
+    values, scales = quantize(a, (1, BLOCK))
+    take = functools.partial(jnp.take, indices=index, axis=0, mode="fill")
+    return take(values, fill_value=0), take(scales, fill_value=1)
+
+
+def _weight_blocks(w: jax.Array, contract_last: bool) -> tuple[jax.Array, jax.Array]:
+    """`w [E, A, B]` quantised in 128x128 blocks, as the rows GEMM's K-major b: `[E, B, A]` when it contracts
+    over A (`contract_last=False`), `[E, A, B]` when over B. Square blocks: quantising then transposing is the
+    same as transposing then quantising."""
+    return quantize(w if contract_last else jnp.swapaxes(w, 1, 2), (1, BLOCK, BLOCK))
+
+
+def _used(rows: jax.Array, offsets: jax.Array) -> jax.Array:
+    """`rows` with the rows past the last expert's (which the rows GEMM does not write) set to zero."""
+    return jnp.where((jnp.arange(rows.shape[0]) < offsets[-1])[:, None], rows, 0)
+
+
+def _hidden(gate_up: jax.Array, offsets: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """q(h): the SwiGLU of the projections in x's dtype, quantised along I."""
+    return quantize(_used(fp8.round_to(fp8._swiglu(gate_up.astype(jnp.float32)), dtype), offsets), (1, BLOCK))
+
+
+def token_tiles(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`rows [R, C]` (float32, padded layout) as the weight GEMM's operand: values `[C, R]` e4m3fn quantised in
+    1x128 tiles along the rows, scales `[R/128, C]`."""
+    tiles = rows.reshape(rows.shape[0] // BLOCK, BLOCK, rows.shape[1])
+    scales = fp8._scale(jnp.max(jnp.abs(tiles), axis=1))
+    values = fp8._to_fp8(tiles, scales[:, None, :]).reshape(rows.shape)
+    return values.T, scales
+
+
+def _pair_sum(rows: jax.Array, row_of_pair: jax.Array, top_k: int, weights=None) -> jax.Array:
+    """`[T, C]` float32: each token's rows summed over its k pairs (times `weights [T, K]`); a dropped pair adds 0."""
+    picked = jnp.take(rows, row_of_pair, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+    if weights is not None:
+        picked = picked * weights.reshape(-1, 1).astype(jnp.float32)
+    return picked.reshape(-1, top_k, rows.shape[1]).sum(axis=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The op.
+
+
+class _Sizes(NamedTuple):
+    tokens: int
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    hidden_p: int
+    inter_p: int
+
+
+def _sizes(x, weights, w_gate_up) -> _Sizes:
+    (tokens, hidden), top_k = x.shape, weights.shape[1]
+    experts, _, two_inter = w_gate_up.shape
+    inter = two_inter // 2
+    return _Sizes(tokens, hidden, inter, experts, top_k, fp8._round_up(hidden), fp8._round_up(inter))
+
+
+def _padded_weights(w_gate_up, w_down, s: _Sizes):
+    gate_up = fp8._pad_gate_up(w_gate_up, s.hidden_p, s.inter_p)
+    down = jnp.pad(w_down, ((0, 0), (0, s.inter_p - s.inter), (0, s.hidden_p - s.hidden)))
+    return gate_up, down
+
+
+def _pad_hidden(a, s: _Sizes):
+    return jnp.pad(a, ((0, 0), (0, s.hidden_p - s.hidden)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _moe_ffn_fp8(x, weights, experts, w_gate_up, w_down, implementation):
+    return _moe_ffn_fp8_fwd(x, weights, experts, w_gate_up, w_down, implementation)[0]
+
+
+def _moe_ffn_fp8_fwd(x, weights, experts, w_gate_up, w_down, implementation):
+    gemm, s = GEMMS[implementation], _sizes(x, weights, w_gate_up)
+    layout = RowLayout(*(checkpoint_name(a, fp8.LAYOUT_NAME) for a in row_layout(experts, s.experts, implementation)))
+    wgu, wd = _padded_weights(w_gate_up, w_down, s)
+    xv, xs = _row_operand(_pad_hidden(x, s), layout.pair_of_row // s.top_k)
+    gate_up = checkpoint_name(
+        gemm.rows(xv, xs, *_weight_blocks(wgu, contract_last=False), layout.offsets), fp8.GATE_UP_NAME
+    )
+    out = gemm.rows(*_hidden(gate_up, layout.offsets, x.dtype), *_weight_blocks(wd, False), layout.offsets)
+    y = _pair_sum(out, layout.row_of_pair, s.top_k, weights)[:, : s.hidden].astype(x.dtype)
+    return y, (x, weights, experts, w_gate_up, w_down, gate_up, layout)
+
+
+def _moe_ffn_fp8_bwd(implementation, residuals, dy):
+    x, weights, experts, w_gate_up, w_down, gate_up, layout = residuals
+    gemm, s = GEMMS[implementation], _sizes(x, weights, w_gate_up)
+    wgu, wd = _padded_weights(w_gate_up, w_down, s)
+    token_of_row = layout.pair_of_row // s.top_k
+    dyv, dys = _row_operand(_pad_hidden(dy.astype(x.dtype), s), token_of_row)
+    g = gemm.rows(dyv, dys, *_weight_blocks(wd, contract_last=True), layout.offsets, jnp.float32)
+    h = dequantize(*_hidden(gate_up, layout.offsets, x.dtype), (1, BLOCK))
+    row_weights = jnp.take(weights.reshape(-1).astype(jnp.float32), layout.pair_of_row, mode="fill", fill_value=0)
+    d_row_weights = jnp.sum(h * g, axis=-1)
+    dz = _used(fp8._swiglu_bwd(gate_up.astype(jnp.float32), row_weights[:, None] * g), layout.offsets)
+    dzv, dzs = quantize(dz, (1, BLOCK))
+    dx_rows = gemm.rows(dzv, dzs, *_weight_blocks(wgu, True), layout.offsets)
+    dx = _pair_sum(dx_rows, layout.row_of_pair, s.top_k)[:, : s.hidden]
+    d_weights = jnp.take(d_row_weights, layout.row_of_pair, mode="fill", fill_value=0).reshape(weights.shape)
+    d_w_down = gemm.weight(
+        *token_tiles(h),
+        *token_tiles(row_weights[:, None] * dequantize(dyv, dys, (1, BLOCK))),
+        layout.offsets,
+        s.experts,
+        w_down.dtype,
+    )
+    xv, xs = _row_operand(_pad_hidden(x, s), token_of_row)
+    d_w_gate_up = gemm.weight(
+        *token_tiles(dequantize(xv, xs, (1, BLOCK))),
+        *token_tiles(dequantize(dzv, dzs, (1, BLOCK))),
+        layout.offsets,
+        s.experts,
+        w_gate_up.dtype,
+    )
+    return (
+        dx.astype(x.dtype),
+        d_weights.astype(weights.dtype),
+        np.zeros(experts.shape, jax.dtypes.float0),
+        fp8._unpad_gate_up(d_w_gate_up, s.hidden, s.inter).astype(w_gate_up.dtype),
+        d_w_down[:, : s.inter, : s.hidden].astype(w_down.dtype),
+    )
+
+
+_moe_ffn_fp8.defvjp(_moe_ffn_fp8_fwd, _moe_ffn_fp8_bwd)
+
+
+@functools.partial(jax.jit, static_argnums=5, inline=True)
+def moe_ffn_fp8(x, weights, experts, w_gate_up, w_down, implementation: str):
+    """`moe_ffn` with recipe="fp8_blockwise" on `implementation`'s GEMMs ("cuda" or "cpu"), arguments already
+    checked (`fp8.check_fp8_args`), experts int32 with the dropped ids at -1."""
+    return _moe_ffn_fp8(x, weights, experts, w_gate_up, w_down, implementation)
