@@ -102,9 +102,11 @@ NVLINK_MOE_BACKWARD = Target(
     vmap_method="broadcast_all",
 )
 
-# The "fp8_blockwise" recipe's grouped GEMMs (contract: jax_megamoe/ops/fp8.py, fp8_rows_gemm, fp8_weight_gemm).
+# The "fp8_blockwise" recipe's kernels (contract: jax_megamoe/ops/fp8_gemms.py: fp8_rows_gemm, fp8_weight_gemm,
+# fp8_weight_blocks).
 FP8_ROWS_GEMM = Target("jmm_cuda_fp8_rows_gemm", "CUDA", workspace_query="jmm_cuda_fp8_rows_gemm_workspace_bytes")
 FP8_WEIGHT_GEMM = Target("jmm_cuda_fp8_weight_gemm", "CUDA", workspace_query="jmm_cuda_fp8_weight_gemm_workspace_bytes")
+FP8_QUANTIZE_BLOCKS = Target("jmm_cuda_fp8_quantize_blocks", "CUDA", attrs=("transpose",))
 
 
 def all_targets() -> tuple[Target, ...]:
@@ -118,4 +120,5 @@ def all_targets() -> tuple[Target, ...]:
         NVLINK_MOE_BACKWARD,
         FP8_ROWS_GEMM,
         FP8_WEIGHT_GEMM,
+        FP8_QUANTIZE_BLOCKS,
     )

@@ -31,6 +31,7 @@ CONTRACT = {
     "jmm_cuda_nvlink_moe_backward": "CUDA",
     "jmm_cuda_fp8_rows_gemm": "CUDA",
     "jmm_cuda_fp8_weight_gemm": "CUDA",
+    "jmm_cuda_fp8_quantize_blocks": "CUDA",
 }
 # The CUDA GEMM targets' tile attributes, each taking only the ones it uses.
 TILE_ATTRIBUTES = {

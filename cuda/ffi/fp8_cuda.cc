@@ -82,6 +82,30 @@ ffi::Error Fp8WeightGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+ffi::Error Fp8QuantizeBlocksCuda(cudaStream_t stream, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> values,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> scales, int64_t transpose) {
+  const std::string shapes =
+      "w [E, A, B] bfloat16 or float32 with A and B multiples of 128, values [E, A, B] (or [E, B, A] transposed) "
+      "float8_e4m3fn, scales [E, A/128, B/128] (or [E, B/128, A/128]) float32";
+  const auto wd = w.dimensions(), vd = values->dimensions(), sd = scales->dimensions();
+  if ((w.element_type() != ffi::BF16 && w.element_type() != ffi::F32) || values->element_type() != ffi::F8E4M3FN) {
+    return InvalidArgument("fp8 weight quantiser: dtypes disagree with " + shapes);
+  }
+  if (wd.size() != 3 || vd.size() != 3 || sd.size() != 3) {
+    return InvalidArgument("fp8 weight quantiser: ranks disagree with " + shapes);
+  }
+  const int64_t E = wd[0], A = wd[1], B = wd[2];
+  const int64_t va = transpose ? B : A, vb = transpose ? A : B;
+  if (A % 128 != 0 || B % 128 != 0 || vd[0] != E || vd[1] != va || vd[2] != vb || sd[0] != E || sd[1] != va / 128 ||
+      sd[2] != vb / 128) {
+    return InvalidArgument("fp8 weight quantiser: shapes disagree with " + shapes);
+  }
+  JMM_CUDA_TRY("fp8 weight quantiser",
+               cuda::QuantizeWeightBlocks(w.untyped_data(), w.element_type() == ffi::F32, E, A, B, transpose != 0,
+                                          values->untyped_data(), scales->typed_data(), stream));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jmm
 
@@ -107,4 +131,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_fp8_weight_gemm, jmm::Fp8WeightGemmCuda,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token_offsets
                                   .Ret<xla::ffi::AnyBuffer>()              // d
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>(),  // workspace
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_fp8_quantize_blocks, jmm::Fp8QuantizeBlocksCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // w
+                                  .Ret<xla::ffi::AnyBuffer>()              // values
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // scales
+                                  .Attr<int64_t>("transpose"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -43,6 +43,7 @@ nb::dict Registrations() {
   table["jmm_cuda_nvlink_moe_backward"] = Capsule(jmm_cuda_nvlink_moe_backward);
   table["jmm_cuda_fp8_rows_gemm"] = Capsule(jmm_cuda_fp8_rows_gemm);
   table["jmm_cuda_fp8_weight_gemm"] = Capsule(jmm_cuda_fp8_weight_gemm);
+  table["jmm_cuda_fp8_quantize_blocks"] = Capsule(jmm_cuda_fp8_quantize_blocks);
 #endif
   return table;
 }

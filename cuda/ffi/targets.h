@@ -42,12 +42,16 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_down);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_backward);
 // The "fp8_blockwise" recipe, cuda/ffi/fp8_cuda.cc:
 //   fp8_rows_gemm(a [R,K] f8e4m3fn, sfa [R,K/128] f32, b [E,N,K] f8e4m3fn, sfb [E,N/128,K/128] f32,
-//                 expert_offsets [E+1] s32) -> d [R,N] bf16, workspace
+//                 expert_offsets [E+1] s32) -> d [R,N] bf16|f32, workspace
 //   d[rows of e] = (a * sfa)[rows of e] @ (b_e * sfb_e)^T (1x128 tiles of a, 128x128 blocks of b_e).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_fp8_rows_gemm);
 //   fp8_weight_gemm(a [M,P] f8e4m3fn, sfa [P/128,M] f32, b [N,P] f8e4m3fn, sfb [P/128,N] f32,
-//                   token_offsets [E+1] s32) -> d [E,M,N] bf16, workspace
+//                   token_offsets [E+1] s32) -> d [E,M,N] bf16|f32, workspace
 //   d_e = (a * sfa)_e @ (b * sfb)_e^T over expert e's padded tokens [token_offsets[e], token_offsets[e+1]) (1x128
 //   tiles along the tokens, the scale of a[i, 128 t ..] at sfa[t, i]; see kernels/fp8_kernels.h).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_fp8_weight_gemm);
+//   fp8_quantize_blocks(w [E,A,B] bf16|f32; transpose) -> values [E,A,B] (transposed: [E,B,A]) f8e4m3fn,
+//                       scales [E,A/128,B/128] (transposed: [E,B/128,A/128]) f32
+//   the recipe's 128x128-block quantiser of the expert weights (kernels/fp8_kernels.h).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_fp8_quantize_blocks);
 #endif

@@ -35,3 +35,13 @@ Status Fp8WeightGemm(const void* a, const float* sfa, const void* b, const float
                      const Scratch& scratch, cudaStream_t stream);
 
 }  // namespace jmm::cuda::cutlass_gemm
+
+namespace jmm::cuda {
+
+// The weights w [experts, rows, cols] (bf16, or float32 with w_float32) quantised in 128x128 blocks by the recipe's
+// rule: values e4m3 [experts, rows, cols], or [experts, cols, rows] with `transpose`, and scales float32
+// [experts, rows/128, cols/128] (transposed likewise). rows and cols multiples of 128.
+Status QuantizeWeightBlocks(const void* w, bool w_float32, int64_t experts, int64_t rows, int64_t cols, bool transpose,
+                            void* values, float* scales, cudaStream_t stream);
+
+}  // namespace jmm::cuda

@@ -2,8 +2,8 @@
 kernels on Hopper's FP8 tensor cores, or on CPU their emulation in float32 (dequantised operands, the same bf16
 outputs), so that CI runs every step around the kernels.
 
-XLA quantises each operand (fusions over the tokens, the rows and the weights); the kernels take e4m3 values with
-float32 scales:
+XLA quantises the row operands (fusions over the tokens and the rows), a CUDA kernel the weights (`fp8_weight_blocks`,
+one pass writing the layout each GEMM takes); the GEMMs take e4m3 values with float32 scales:
   rows GEMM    gate_up = q(x) . q(Wgu), out = q(h) . q(Wd), g = q(dy) . q(Wd)^T, dx rows = q(dz) . q(Wgu)^T
   weight GEMM  dWd = qt(q(h))^T . qt(weights * q(dy)), dWgu = qt(q(x))^T . qt(q(dz))
 Rows live in a padded expert-sorted order: each expert's rows (stable in (token, k) order) start at a multiple of
@@ -16,6 +16,7 @@ weights' dtype (their gradients).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -125,14 +126,40 @@ def emulated_weight_gemm(a, sfa, b, sfb, token_offsets, num_experts, out_dtype=j
     return out[:num_experts].astype(_out_dtype(out_dtype))
 
 
-class _Gemms(NamedTuple):
-    rows: object
-    weight: object
+def fp8_weight_blocks(w: jax.Array, transpose: bool) -> tuple[jax.Array, jax.Array]:
+    """`quantize(w, (1, 128, 128))` of `w [E, A, B]` (bf16 or float32, A and B multiples of 128) in one pass, the
+    values `[E, A, B]` e4m3fn or, with `transpose`, `[E, B, A]` (scales likewise `[E, B/128, A/128]`). CUDA only
+    (`jmm_cuda_fp8_quantize_blocks`)."""
+    experts, rows, cols = w.shape
+    if rows % BLOCK or cols % BLOCK:
+        raise ValueError(f"fp8_weight_blocks needs both matrix sizes multiples of {BLOCK}, got {w.shape}")
+    a, b = (cols, rows) if transpose else (rows, cols)
+    return _ffi.call(
+        _targets.FP8_QUANTIZE_BLOCKS,
+        (
+            jax.ShapeDtypeStruct((experts, a, b), fp8.FP8_DTYPE),
+            jax.ShapeDtypeStruct((experts, a // BLOCK, b // BLOCK), jnp.float32),
+        ),
+        w,
+        transpose=np.int64(transpose),
+    )
 
 
-GEMMS = {
-    "cuda": _Gemms(fp8_rows_gemm, fp8_weight_gemm),
-    "cpu": _Gemms(emulated_rows_gemm, emulated_weight_gemm),
+def xla_weight_blocks(w: jax.Array, transpose: bool) -> tuple[jax.Array, jax.Array]:
+    """`fp8_weight_blocks` by XLA: square blocks, so quantising then transposing equals transposing then
+    quantising."""
+    return quantize(jnp.swapaxes(w, 1, 2) if transpose else w, (1, BLOCK, BLOCK))
+
+
+class _Kernels(NamedTuple):
+    rows: Callable  # fp8_rows_gemm's contract
+    weight: Callable  # fp8_weight_gemm's
+    blocks: Callable  # fp8_weight_blocks'
+
+
+KERNELS = {
+    "cuda": _Kernels(fp8_rows_gemm, fp8_weight_gemm, fp8_weight_blocks),
+    "cpu": _Kernels(emulated_rows_gemm, emulated_weight_gemm, xla_weight_blocks),
 }
 
 
@@ -174,13 +201,6 @@ def _row_operand(a: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
     values, scales = quantize(a, (1, BLOCK))
     take = functools.partial(jnp.take, indices=index, axis=0, mode="fill")
     return take(values, fill_value=0), take(scales, fill_value=1)
-
-
-def _weight_blocks(w: jax.Array, contract_last: bool) -> tuple[jax.Array, jax.Array]:
-    """`w [E, A, B]` quantised in 128x128 blocks, as the rows GEMM's K-major b: `[E, B, A]` when it contracts
-    over A (`contract_last=False`), `[E, A, B]` when over B. Square blocks: quantising then transposing is the
-    same as transposing then quantising."""
-    return quantize(w if contract_last else jnp.swapaxes(w, 1, 2), (1, BLOCK, BLOCK))
 
 
 def _used(rows: jax.Array, offsets: jax.Array) -> jax.Array:
@@ -232,6 +252,8 @@ def _sizes(x, weights, w_gate_up) -> _Sizes:
 
 
 def _padded_weights(w_gate_up, w_down, s: _Sizes):
+    if (s.hidden_p, s.inter_p) == (s.hidden, s.inter):
+        return w_gate_up, w_down
     gate_up = fp8._pad_gate_up(w_gate_up, s.hidden_p, s.inter_p)
     down = jnp.pad(w_down, ((0, 0), (0, s.inter_p - s.inter), (0, s.hidden_p - s.hidden)))
     return gate_up, down
@@ -247,34 +269,34 @@ def _moe_ffn_fp8(x, weights, experts, w_gate_up, w_down, implementation):
 
 
 def _moe_ffn_fp8_fwd(x, weights, experts, w_gate_up, w_down, implementation):
-    gemm, s = GEMMS[implementation], _sizes(x, weights, w_gate_up)
+    kernels, s = KERNELS[implementation], _sizes(x, weights, w_gate_up)
     layout = RowLayout(*(checkpoint_name(a, fp8.LAYOUT_NAME) for a in row_layout(experts, s.experts, implementation)))
     wgu, wd = _padded_weights(w_gate_up, w_down, s)
     xv, xs = _row_operand(_pad_hidden(x, s), layout.pair_of_row // s.top_k)
     gate_up = checkpoint_name(
-        gemm.rows(xv, xs, *_weight_blocks(wgu, contract_last=False), layout.offsets), fp8.GATE_UP_NAME
+        kernels.rows(xv, xs, *kernels.blocks(wgu, transpose=True), layout.offsets), fp8.GATE_UP_NAME
     )
-    out = gemm.rows(*_hidden(gate_up, layout.offsets, x.dtype), *_weight_blocks(wd, False), layout.offsets)
+    out = kernels.rows(*_hidden(gate_up, layout.offsets, x.dtype), *kernels.blocks(wd, transpose=True), layout.offsets)
     y = _pair_sum(out, layout.row_of_pair, s.top_k, weights)[:, : s.hidden].astype(x.dtype)
     return y, (x, weights, experts, w_gate_up, w_down, gate_up, layout)
 
 
 def _moe_ffn_fp8_bwd(implementation, residuals, dy):
     x, weights, experts, w_gate_up, w_down, gate_up, layout = residuals
-    gemm, s = GEMMS[implementation], _sizes(x, weights, w_gate_up)
+    kernels, s = KERNELS[implementation], _sizes(x, weights, w_gate_up)
     wgu, wd = _padded_weights(w_gate_up, w_down, s)
     token_of_row = layout.pair_of_row // s.top_k
     dyv, dys = _row_operand(_pad_hidden(dy.astype(x.dtype), s), token_of_row)
-    g = gemm.rows(dyv, dys, *_weight_blocks(wd, contract_last=True), layout.offsets, jnp.float32)
+    g = kernels.rows(dyv, dys, *kernels.blocks(wd, transpose=False), layout.offsets, jnp.float32)
     h = dequantize(*_hidden(gate_up, layout.offsets, x.dtype), (1, BLOCK))
     row_weights = jnp.take(weights.reshape(-1).astype(jnp.float32), layout.pair_of_row, mode="fill", fill_value=0)
     d_row_weights = jnp.sum(h * g, axis=-1)
     dz = _used(fp8._swiglu_bwd(gate_up.astype(jnp.float32), row_weights[:, None] * g), layout.offsets)
     dzv, dzs = quantize(dz, (1, BLOCK))
-    dx_rows = gemm.rows(dzv, dzs, *_weight_blocks(wgu, True), layout.offsets)
+    dx_rows = kernels.rows(dzv, dzs, *kernels.blocks(wgu, transpose=False), layout.offsets)
     dx = _pair_sum(dx_rows, layout.row_of_pair, s.top_k)[:, : s.hidden]
     d_weights = jnp.take(d_row_weights, layout.row_of_pair, mode="fill", fill_value=0).reshape(weights.shape)
-    d_w_down = gemm.weight(
+    d_w_down = kernels.weight(
         *token_tiles(h),
         *token_tiles(row_weights[:, None] * dequantize(dyv, dys, (1, BLOCK))),
         layout.offsets,
@@ -282,7 +304,7 @@ def _moe_ffn_fp8_bwd(implementation, residuals, dy):
         w_down.dtype,
     )
     xv, xs = _row_operand(_pad_hidden(x, s), token_of_row)
-    d_w_gate_up = gemm.weight(
+    d_w_gate_up = kernels.weight(
         *token_tiles(dequantize(xv, xs, (1, BLOCK))),
         *token_tiles(dequantize(dzv, dzs, (1, BLOCK))),
         layout.offsets,
