@@ -16,7 +16,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from fp8_cases import RECIPE, Fp8KernelsBase, parametrize_cases, recipe_outputs, recipe_problem
+from fp8_cases import (
+    RECIPE,
+    Fp8KernelsBase,
+    np_quantize_rows,
+    oracle,
+    parametrize_cases,
+    qdq_blocks,
+    recipe_outputs,
+    recipe_problem,
+)
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from moe_cases import OUTPUT_NAMES, Case, reference_value_and_grads, rel_error, value_and_grads
@@ -26,96 +35,6 @@ from jax_megamoe.ops import fp8
 from jax_megamoe.parallel import moe_ffn_ep
 
 MAIN = Case(64, 256, 128, 8, 2)  # q30-like (Qwen3-30B-A3B's ratios, scaled down), bf16 x, float32 master weights
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# A numpy implementation of the rule, independent of XLA's and ml_dtypes' float8 conversions.
-
-
-def e4m3_round(v: np.ndarray) -> np.ndarray:
-    """Round-to-nearest-even onto the e4m3fn grid (3 mantissa bits, subnormals below 2**-6), |v| <= 448."""
-    v = np.asarray(v, np.float64)
-    a = np.abs(v)
-    exponent = np.maximum(np.floor(np.log2(np.where(a > 0, a, 1.0))), -6)
-    step = 2.0 ** (exponent - 3)
-    return np.sign(v) * np.minimum(np.round(a / step) * step, 448.0)  # np.round: ties to even
-
-
-def np_quantize_rows(a: np.ndarray, dtype=np.float64):
-    """1x128 tiles along the last axis: (values, scales), arithmetic in `dtype` (float32 to match bit for bit)."""
-    tiles = np.asarray(a, dtype).reshape(a.shape[:-1] + (a.shape[-1] // 128, 128))
-    amax = np.max(np.abs(tiles), axis=-1)
-    scale = np.where(amax > 0, amax / dtype(448), dtype(1)).astype(dtype)
-    values = e4m3_round(np.clip(tiles / scale[..., None], -448, 448).astype(dtype))
-    return values.reshape(a.shape), scale
-
-
-def _qdq_rows(a):
-    values, scale = np_quantize_rows(a)
-    return (values.reshape(a.shape[:-1] + (-1, 128)) * scale[..., None]).reshape(a.shape)
-
-
-def _qdq_blocks(w):  # [R, C] in 128x128 blocks
-    r, c = w.shape
-    blocks = w.reshape(r // 128, 128, c // 128, 128)
-    amax = np.max(np.abs(blocks), axis=(1, 3), keepdims=True)
-    scale = np.where(amax > 0, amax / 448, 1.0)
-    return (e4m3_round(np.clip(blocks / scale, -448, 448)) * scale).reshape(w.shape)
-
-
-def _qdq_tokens(a):  # [n, C]: tiles of 128 consecutive rows, one scale per (tile, column)
-    out = np.empty_like(a)
-    for start in range(0, a.shape[0], 128):
-        tile = a[start : start + 128]
-        amax = np.max(np.abs(tile), axis=0)
-        scale = np.where(amax > 0, amax / 448, 1.0)
-        out[start : start + 128] = e4m3_round(np.clip(tile / scale, -448, 448)) * scale
-    return out
-
-
-def _up(n):
-    return -(-n // 128) * 128
-
-
-def oracle(args, dy, quantized: bool):
-    """float64 `(y, dx, d_weights, d_w_gate_up, d_w_down)` of the recipe's math (quantized: with its roundings of
-    gate_up and h to bf16) or of the plain MoE."""
-    x, weights, ids, w_gate_up, w_down = (
-        np.asarray(a, np.float64) if i != 2 else np.asarray(a) for i, a in enumerate(args)
-    )
-    dy = np.asarray(dy, np.float64)
-    (t, h), (e_count, _, i2), k = x.shape, w_gate_up.shape, ids.shape[1]
-    i = i2 // 2
-    hp, ip = _up(h), _up(i)
-    ident = lambda a: a  # noqa: E731
-    x_dtype = (lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float64)) if quantized else ident
-    rows, blocks, tokens = (_qdq_rows, _qdq_blocks, _qdq_tokens) if quantized else (ident, ident, ident)
-    xq = rows(np.pad(x, ((0, 0), (0, hp - h))))
-    dyq = rows(np.pad(dy, ((0, 0), (0, hp - h))))
-    pad_w = ((0, hp - h), (0, ip - i))
-    y, dx = np.zeros((t, hp)), np.zeros((t, hp))
-    d_weights, d_wgu, d_wd = np.zeros((t, k)), np.zeros((e_count, h, i2)), np.zeros((e_count, i, h))
-    for e in range(e_count):
-        tok, kk = np.nonzero(ids == e)  # row-major: the stable (token, k) order
-        if tok.size == 0:
-            continue
-        wgu = blocks(np.concatenate([np.pad(w_gate_up[e, :, :i], pad_w), np.pad(w_gate_up[e, :, i:], pad_w)], 1))
-        wd = blocks(np.pad(w_down[e], ((0, ip - i), (0, hp - h))))
-        we = weights[tok, kk][:, None]
-        gate_up = x_dtype(xq[tok] @ wgu)  # the recipe stores gate_up and h in x's dtype (bf16)
-        gate, up = gate_up[:, :ip], gate_up[:, ip:]
-        sig = 1 / (1 + np.exp(-gate))
-        hq = rows(x_dtype(gate * sig * up))
-        np.add.at(y, tok, we * (hq @ wd))
-        g = dyq[tok] @ wd.T
-        d_weights[tok, kk] = np.sum(hq * g, axis=1)
-        dh = we * g
-        dzq = rows(np.concatenate([dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig], 1))
-        np.add.at(dx, tok, dzq @ wgu.T)
-        d_wd[e] = (tokens(hq).T @ tokens(we * dyq[tok]))[:i, :h]
-        full = tokens(xq[tok]).T @ tokens(dzq)
-        d_wgu[e] = np.concatenate([full[:h, :i], full[:h, ip : ip + i]], 1)
-    return y[:, :h], dx[:, :h], d_weights, d_wgu, d_wd
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +83,7 @@ def test_weight_blocks_128x128():
     w[1, 128:, :128] = 0
     got = np.asarray(fp8.fake_quantize(jnp.asarray(w), (1, 128, 128)))
     for e in range(2):
-        np.testing.assert_allclose(got[e], _qdq_blocks(w[e].astype(np.float64)), rtol=1e-6, atol=0)
+        np.testing.assert_allclose(got[e], qdq_blocks(w[e].astype(np.float64)), rtol=1e-6, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -248,6 +167,16 @@ class TestCpuKernels(Fp8KernelsBase):
     FP8 GEMMs emulated in float32."""
 
     implementation = "cpu"
+
+    def test_matches_the_reference(self, case_index):
+        """The same float32 math as the reference up to the GEMMs' summation order and the bf16 rounding of y's and
+        dx's rows before their sum over k (the reference sums in float32): tighter than the oracle's bound."""
+        case = self.cases[case_index]
+        args, dy = recipe_problem(case, seed="fp8 cpu against the reference")
+        got, want = recipe_outputs(args, dy, "cpu"), recipe_outputs(args, dy, "reference")
+        tolerance = {"y": 1e-2, "dx": 1e-2, "d_weights": 1e-4, "d_w_gate_up": 1e-4, "d_w_down": 1e-4}
+        for name, a, b in zip(OUTPUT_NAMES, got, want, strict=True):
+            assert rel_error(a, b) < tolerance[name], (case, name, rel_error(a, b))
 
 
 # ---------------------------------------------------------------------------------------------------------------
