@@ -13,6 +13,8 @@ and their next-token labels), one subprocess each, so each one's peak memory is 
   ours_remat       the same with the optax head.
   ours_unrolled    ours with the decoder layers as a Python loop (`scan_layers=False`) instead of one
                    `nnx.scan` over stacked layers: what scanning costs or saves at this depth.
+  ours_fp8         ours with the experts' GEMMs in FP8 (`recipe="fp8_blockwise"`, docs/fp8.md): the training
+                   job's `--recipe fp8_blockwise`.
   tokamax          the same JAX model and step (optax head, bf16 parameters) with the experts as a pure-JAX
                    sort + `tokamax.ragged_dot` (its Mosaic GPU kernel, pinned so that no silent fallback to XLA
                    is timed) passed as `implementation=`. GPU only. Its packages may sit in `--peer-site`
@@ -53,9 +55,19 @@ import subprocess
 import sys
 import time
 
-STACKS = ("ours", "ours_lce", "ours_remat", "ours_lce_remat", "ours_unrolled", "tokamax", "ragged_dot", "torch")
+STACKS = (
+    "ours",
+    "ours_lce",
+    "ours_remat",
+    "ours_lce_remat",
+    "ours_unrolled",
+    "ours_fp8",
+    "tokamax",
+    "ragged_dot",
+    "torch",
+)
 # The peers run right after our first row, so that a run cut short still holds all three stacks.
-DEFAULT_STACKS = ("ours", "tokamax", "torch", "ours_lce", "ours_lce_remat", "ours_unrolled")
+DEFAULT_STACKS = ("ours", "tokamax", "torch", "ours_lce", "ours_lce_remat", "ours_unrolled", "ours_fp8")
 DEFAULT_BREAKDOWN = ("ours", "ours_lce")
 # Per preset: (layers, batch, seq, steps, warmup); the flags override each.
 PRESETS = {"qwen3-30b-a3b-4layer": (4, 4, 4096, 10, 3), "tiny": (2, 2, 32, 3, 1)}
@@ -72,6 +84,7 @@ def stack_label(name: str, param_dtype: str) -> str:
         "ours_remat": "ours remat+save-moe, optax CE",
         "ours_lce_remat": "ours remat+save-moe, linear_cross_entropy",
         "ours_unrolled": "ours unrolled layers, optax CE",
+        "ours_fp8": "ours FP8 blockwise experts, optax CE",
         "tokamax": "JAX + sort + tokamax ragged_dot",
         "ragged_dot": "JAX + sort + lax.ragged_dot",
         "torch": "transformers grouped_mm + fused AdamW",
@@ -275,12 +288,14 @@ def run_jax(name: str, args) -> dict:
     head = "linear_cross_entropy" if "_lce" in name else "optax"
     remat = name.endswith("_remat")
     scan_layers = name != "ours_unrolled"
+    recipe = "fp8_blockwise" if name == "ours_fp8" else None
     on_gpu = device.platform == "gpu"
     row.update(
         head=head,
         param_dtype=jnp.dtype(param_dtype).name,
         remat=remat,
         scan_layers=scan_layers,
+        recipe=recipe,
         attention_impl="cudnn" if on_gpu else "xla",
     )
     config = model_config(args.preset, args.layers)
@@ -298,6 +313,7 @@ def run_jax(name: str, args) -> dict:
             remat_policy=policy,
             attention_impl="cudnn" if on_gpu else None,
             scan_layers=scan_layers,
+            recipe=recipe,
             rngs=nnx.Rngs(args.seed),
         )
 

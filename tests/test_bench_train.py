@@ -51,7 +51,7 @@ def tiny_run(tmp_path_factory):
         "--warmup",
         "1",
         "--stacks",
-        "ours,ours_lce,tokamax,torch,ours_unrolled",
+        "ours,ours_lce,tokamax,torch,ours_unrolled,ours_fp8",
         "--breakdown",
         "ours_lce",
         "--matmul-size",
@@ -75,10 +75,10 @@ def test_tiny_run_reports_every_stack(tiny_run):
     matmul = result["matmul"]
     assert matmul["status"] == "ok" and matmul["size"] == 128 and matmul["tflops"] > 0
     rows = {r["stack"]: r for r in result["stacks"]}
-    assert list(rows) == ["ours", "ours_lce", "tokamax", "torch", "ours_unrolled"]
+    assert list(rows) == ["ours", "ours_lce", "tokamax", "torch", "ours_unrolled", "ours_fp8"]
     # tokamax needs a GPU: recorded with its reason, and the other stacks still ran.
     assert rows["tokamax"]["status"].startswith("skipped:") and "GPU" in rows["tokamax"]["status"]
-    ran = [rows[name] for name in ("ours", "ours_lce", "torch", "ours_unrolled")]
+    ran = [rows[name] for name in ("ours", "ours_lce", "torch", "ours_unrolled", "ours_fp8")]
     for row in ran:
         assert row["status"] == "ok", row
         assert len(row["step_s"]) == 2 and row["median_step_ms"] > 0
@@ -106,6 +106,9 @@ def test_tiny_run_first_losses_are_near_uniform(tiny_run):
     assert rows["ours"]["first_lm_loss"] == pytest.approx(rows["ours_lce"]["first_lm_loss"], rel=1e-4)
     assert rows["ours"]["first_lm_loss"] == pytest.approx(rows["ours_unrolled"]["first_lm_loss"], rel=1e-4)
     assert (rows["ours"]["scan_layers"], rows["ours_unrolled"]["scan_layers"]) == (True, False)
+    # FP8 experts: the same model and tokens through quantised GEMMs, near the bf16 loss
+    assert (rows["ours"]["recipe"], rows["ours_fp8"]["recipe"]) == (None, "fp8_blockwise")
+    assert rows["ours_fp8"]["first_lm_loss"] == pytest.approx(rows["ours"]["first_lm_loss"], rel=1e-2)
 
 
 def test_tiny_run_breakdown(tiny_run):
