@@ -6,6 +6,7 @@
 #include <cuda_fp8.h>
 
 #include "kernels/fp8_kernels.h"
+#include "kernels/kernel_module.cuh"
 
 namespace jmm::cuda {
 namespace {
