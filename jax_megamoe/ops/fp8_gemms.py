@@ -235,7 +235,6 @@ def _pair_sum(rows: jax.Array, row_of_pair: jax.Array, top_k: int, weights=None)
 
 
 class _Sizes(NamedTuple):
-    tokens: int
     hidden: int
     inter: int
     experts: int
@@ -245,10 +244,10 @@ class _Sizes(NamedTuple):
 
 
 def _sizes(x, weights, w_gate_up) -> _Sizes:
-    (tokens, hidden), top_k = x.shape, weights.shape[1]
+    hidden, top_k = x.shape[1], weights.shape[1]
     experts, _, two_inter = w_gate_up.shape
     inter = two_inter // 2
-    return _Sizes(tokens, hidden, inter, experts, top_k, fp8._round_up(hidden), fp8._round_up(inter))
+    return _Sizes(hidden, inter, experts, top_k, fp8._round_up(hidden), fp8._round_up(inter))
 
 
 def _padded_weights(w_gate_up, w_down, s: _Sizes):
