@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from moe_cases import OUTPUT_NAMES, Case, make_problem, rel_error, value_and_grads
+from moe_cases import OUTPUT_NAMES, Case, make_problem, rel_error, seeded_rng, value_and_grads
 
 import jax_megamoe as jmm
 
@@ -81,6 +81,28 @@ def _qdq_tokens(a):  # [n, C]: tiles of 128 consecutive rows, one scale per (til
 
 def _up(n):
     return -(-n // 128) * 128
+
+
+def np_quantize_blocks(w: np.ndarray, transpose: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The rule in float32 numpy (IEEE division, ml_dtypes' round-to-nearest-even cast): `w [E, A, B]` in 128x128
+    blocks -> (values as float32, scales), as the rows GEMM's operand: transposed with `transpose`."""
+    e, a, b = w.shape
+    blocks = w.astype(np.float32).reshape(e, a // 128, 128, b // 128, 128)
+    amax = np.max(np.abs(blocks), axis=(2, 4), keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
+    values = np.clip(blocks / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    values, scale = values.reshape(w.shape), scale[:, :, 0, :, 0]
+    return (np.swapaxes(values, 1, 2), np.swapaxes(scale, 1, 2)) if transpose else (values, scale)
+
+
+def block_quantizer_problem(dtype, transpose) -> np.ndarray:
+    """Weights `[3, 256, 384]` as float32 holding `dtype`'s values: columns of very different ranges, an all-zero
+    block (scale 1) and a block of subnormal e4m3 values."""
+    rng = seeded_rng("fp8 weight blocks", str(jnp.dtype(dtype)), transpose)
+    w = rng.standard_normal((3, 256, 384)) * np.exp(rng.uniform(-6, 6, (3, 1, 384)))
+    w[1, 128:, :128] = 0
+    w[2, :128, 128:256] *= 1e-30
+    return np.asarray(jnp.asarray(w, dtype).astype(jnp.float32))
 
 
 def oracle(args, dy, quantized: bool):

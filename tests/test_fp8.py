@@ -19,6 +19,8 @@ import pytest
 from fp8_cases import (
     RECIPE,
     Fp8KernelsBase,
+    block_quantizer_problem,
+    np_quantize_blocks,
     np_quantize_rows,
     oracle,
     parametrize_cases,
@@ -31,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from moe_cases import OUTPUT_NAMES, Case, reference_value_and_grads, rel_error, value_and_grads
 
 import jax_megamoe as jmm
-from jax_megamoe.ops import fp8
+from jax_megamoe.ops import fp8, fp8_gemms
 from jax_megamoe.parallel import moe_ffn_ep
 
 MAIN = Case(64, 256, 128, 8, 2)  # q30-like (Qwen3-30B-A3B's ratios, scaled down), bf16 x, float32 master weights
@@ -84,6 +86,17 @@ def test_weight_blocks_128x128():
     got = np.asarray(fp8.fake_quantize(jnp.asarray(w), (1, 128, 128)))
     for e in range(2):
         np.testing.assert_allclose(got[e], qdq_blocks(w[e].astype(np.float64)), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_xla_weight_quantizer_is_the_rule_bit_for_bit(dtype, transpose):
+    """The CPU path's weight quantiser (tests/test_fp8_gpu.py holds the CUDA kernel to the same rule)."""
+    w = block_quantizer_problem(dtype, transpose)
+    values, scales = fp8_gemms.xla_weight_blocks(jnp.asarray(w, dtype), transpose)
+    want_values, want_scales = np_quantize_blocks(w, transpose)
+    np.testing.assert_array_equal(np.asarray(scales), want_scales)
+    np.testing.assert_array_equal(np.asarray(values).astype(np.float32), want_values)
 
 
 # ---------------------------------------------------------------------------------------------------------------
