@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "kernels/device_math.cuh"
 #include "kernels/fp8_kernels.h"
 #include "kernels/kernel_module.cuh"
 
@@ -18,9 +19,6 @@ constexpr int kThreadsPerRow = kBlock / kColsPerThread;  // 16
 constexpr int kRowsPerPass = kThreads / kThreadsPerRow;  // 16
 constexpr int kPasses = kBlock / kRowsPerPass;           // 8
 constexpr float kFp8Max = 448.0f;
-
-__device__ __forceinline__ float Load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ float Load(const float* p) { return *p; }
 
 // One CTA per block (blockIdx.x: block column, y: block row, z: expert).
 template <class T>
@@ -41,7 +39,7 @@ __global__ void __launch_bounds__(kThreads)
     const T* src = base + (row + p * kRowsPerPass) * cols + col;
 #pragma unroll
     for (int j = 0; j < kColsPerThread; ++j) {
-      v[p][j] = Load(src + j);
+      v[p][j] = ToFloat(src[j]);
       amax = fmaxf(amax, fabsf(v[p][j]));
     }
   }
@@ -98,10 +96,7 @@ Status QuantizeWeightBlocks(const void* w, bool w_float32, int64_t experts, int6
     QuantizeBlocksKernel<<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(w), rows, cols, transpose,
                                                         out, scales);
   }
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
-    return std::string("QuantizeWeightBlocks launch failed: ") + cudaGetErrorString(err);
-  }
-  return {};
+  return LaunchStatus("QuantizeWeightBlocks");
 }
 
 }  // namespace jmm::cuda

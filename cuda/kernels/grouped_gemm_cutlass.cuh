@@ -220,9 +220,7 @@ Status RunGroupedGemm(const void* a, const void* b, void* d, const int32_t* offs
       offsets, experts, static_cast<const Bf16*>(a), static_cast<const Bf16*>(b), static_cast<Bf16*>(d),
       static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), arrays, LeadingStride<typename G::StrideA>(ld_a),
       LeadingStride<typename G::StrideB>(ld_b), LeadingStride<typename G::StrideD>(n));
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
-    return std::string("grouped GEMM setup launch failed: ") + cudaGetErrorString(err);
-  }
+  if (Status s = LaunchStatus("grouped GEMM setup"); !s.empty()) return s;
 
   static const int sm_count = MultiprocessorCount();
   typename G::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,

@@ -183,13 +183,6 @@ typename G::Gemm::Arguments GroupedArguments(int experts, const Fp8GroupArrays<G
   return args;
 }
 
-Status SetupStatus(const char* what) {
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
-    return std::string(what) + " setup launch failed: " + cudaGetErrorString(err);
-  }
-  return {};
-}
-
 template <class G>
 Status RowsGemm(const void* a, const float* sfa, const void* b, const float* sfb, void* d, const int32_t* offsets,
                 int experts, int64_t n, int64_t k, const Scratch& scratch, cudaStream_t stream) {
@@ -199,7 +192,7 @@ Status RowsGemm(const void* a, const float* sfa, const void* b, const float* sfb
   FillFp8RowGroups<G><<<(experts + threads - 1) / threads, threads, 0, stream>>>(
       offsets, experts, static_cast<const Fp8*>(a), sfa, static_cast<const Fp8*>(b), sfb,
       static_cast<typename G::ElementD*>(d), static_cast<int>(n), static_cast<int>(k), arrays);
-  if (Status s = SetupStatus("FP8 rows GEMM"); !s.empty()) return s;
+  if (Status s = LaunchStatus("FP8 rows GEMM setup"); !s.empty()) return s;
   return LaunchGroupedGemm<G>(GroupedArguments(experts, arrays), scratch, stream);
 }
 
@@ -216,7 +209,7 @@ Status WeightGemm(const void* a, const float* sfa, const void* b, const float* s
   FillFp8WeightGroups<G><<<(experts + threads - 1) / threads, threads, 0, stream>>>(
       token_offsets, experts, static_cast<const Fp8*>(a), sfa, static_cast<const Fp8*>(b), sfb,
       static_cast<typename G::ElementD*>(d), static_cast<int>(m), static_cast<int>(n), tokens, arrays);
-  if (Status s = SetupStatus("FP8 weight GEMM"); !s.empty()) return s;
+  if (Status s = LaunchStatus("FP8 weight GEMM setup"); !s.empty()) return s;
   return LaunchGroupedGemm<G>(GroupedArguments(experts, arrays), scratch, stream);
 }
 
