@@ -1,7 +1,7 @@
-"""The "fp8_blockwise" recipe's test problems, a float64 numpy implementation of its rule and quantised math
-(`oracle`), and the test base every implementation of its kernels subclasses (tests/test_fp8.py: "cpu", the GEMMs
-emulated; tests/test_fp8_gpu.py: "cuda"): value and every gradient against the oracle on fresh random inputs, over
-the edge cases of the padded row layout."""
+"""The "fp8_blockwise" recipe's test problems, a numpy implementation of its rule (float32, as the rule states it)
+and of its quantised math in float64 around the rule (`oracle`), and the test base every implementation of its
+kernels subclasses (tests/test_fp8.py: "cpu", the GEMMs emulated; tests/test_fp8_gpu.py: "cuda"): value and every
+gradient against the oracle on fresh random inputs, over the edge cases of the padded row layout."""
 
 from __future__ import annotations
 
@@ -47,13 +47,21 @@ def e4m3_round(v: np.ndarray) -> np.ndarray:
     return np.sign(v) * np.minimum(np.round(a / step) * step, 448.0)  # np.round: ties to even
 
 
-def np_quantize_rows(a: np.ndarray, dtype=np.float64):
-    """1x128 tiles along the last axis: (values, scales), arithmetic in `dtype` (float32 to match bit for bit)."""
-    tiles = np.asarray(a, dtype).reshape(a.shape[:-1] + (a.shape[-1] // 128, 128))
-    amax = np.max(np.abs(tiles), axis=-1)
-    scale = np.where(amax > 0, amax / dtype(448), dtype(1)).astype(dtype)
-    values = e4m3_round(np.clip(tiles / scale[..., None], -448, 448).astype(dtype))
-    return values.reshape(a.shape), scale
+def _quantize_tiles(tiles: np.ndarray, axis) -> tuple[np.ndarray, np.ndarray]:
+    """The rule over `axis` of `tiles`, its arithmetic in float32 as the rule states it (scale = amax / 448, the
+    values' division, IEEE-rounded; round-to-nearest-even onto e4m3): (values as float64, float32 scales with the
+    reduced axes kept). The rule's float32 arithmetic matters: the same steps in float64 land on the other side of an
+    e4m3 rounding tie often enough to move results by about 1e-2."""
+    tiles = np.asarray(tiles, np.float32)
+    amax = np.max(np.abs(tiles), axis=axis, keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
+    return e4m3_round(np.clip(tiles / scale, -448, 448).astype(np.float32)), scale
+
+
+def np_quantize_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """1x128 tiles along the last axis: (values, scales `[..., C/128]`)."""
+    values, scale = _quantize_tiles(np.reshape(a, a.shape[:-1] + (a.shape[-1] // 128, 128)), -1)
+    return values.reshape(a.shape), scale[..., 0]
 
 
 def _qdq_rows(a):
@@ -63,20 +71,14 @@ def _qdq_rows(a):
 
 def qdq_blocks(w):  # [R, C] in 128x128 blocks
     r, c = w.shape
-    blocks = w.reshape(r // 128, 128, c // 128, 128)
-    amax = np.max(np.abs(blocks), axis=(1, 3), keepdims=True)
-    scale = np.where(amax > 0, amax / 448, 1.0)
-    return (e4m3_round(np.clip(blocks / scale, -448, 448)) * scale).reshape(w.shape)
+    values, scale = _quantize_tiles(w.reshape(r // 128, 128, c // 128, 128), (1, 3))
+    return (values * scale).reshape(w.shape)
 
 
-def _qdq_tokens(a):  # [n, C]: tiles of 128 consecutive rows, one scale per (tile, column)
-    out = np.empty_like(a)
-    for start in range(0, a.shape[0], 128):
-        tile = a[start : start + 128]
-        amax = np.max(np.abs(tile), axis=0)
-        scale = np.where(amax > 0, amax / 448, 1.0)
-        out[start : start + 128] = e4m3_round(np.clip(tile / scale, -448, 448)) * scale
-    return out
+def _qdq_tokens(a):  # [n, C]: tiles of 128 consecutive rows (the last one padded with zeros), a scale per column
+    padded = np.pad(a, ((0, _up(a.shape[0]) - a.shape[0]), (0, 0)))
+    values, scale = _quantize_tiles(padded.reshape(-1, 128, a.shape[1]), 1)
+    return (values * scale).reshape(padded.shape)[: a.shape[0]]
 
 
 def _up(n):
@@ -84,13 +86,10 @@ def _up(n):
 
 
 def np_quantize_blocks(w: np.ndarray, transpose: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """The rule in float32 numpy (IEEE division, ml_dtypes' round-to-nearest-even cast): `w [E, A, B]` in 128x128
-    blocks -> (values as float32, scales), as the rows GEMM's operand: transposed with `transpose`."""
+    """`w [E, A, B]` in 128x128 blocks -> (values, float32 scales `[E, A/128, B/128]`), as the rows GEMM's operand:
+    transposed with `transpose`."""
     e, a, b = w.shape
-    blocks = w.astype(np.float32).reshape(e, a // 128, 128, b // 128, 128)
-    amax = np.max(np.abs(blocks), axis=(2, 4), keepdims=True)
-    scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
-    values = np.clip(blocks / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    values, scale = _quantize_tiles(w.reshape(e, a // 128, 128, b // 128, 128), (2, 4))
     values, scale = values.reshape(w.shape), scale[:, :, 0, :, 0]
     return (np.swapaxes(values, 1, 2), np.swapaxes(scale, 1, 2)) if transpose else (values, scale)
 
@@ -106,8 +105,8 @@ def block_quantizer_problem(dtype, transpose) -> np.ndarray:
 
 
 def oracle(args, dy, quantized: bool):
-    """float64 `(y, dx, d_weights, d_w_gate_up, d_w_down)` of the recipe's math (quantized: with its roundings of
-    gate_up and h to bf16) or of the plain MoE."""
+    """float64 `(y, dx, d_weights, d_w_gate_up, d_w_down)` of the recipe's math (quantized: with its quantisers in
+    the rule's float32 arithmetic and its roundings of gate_up and h to bf16) or of the plain MoE."""
     x, weights, ids, w_gate_up, w_down = (
         np.asarray(a, np.float64) if i != 2 else np.asarray(a) for i, a in enumerate(args)
     )
@@ -163,7 +162,7 @@ class Fp8KernelsBase:
         """Runs before each computation (the GPU subclass poisons device memory)."""
 
     def test_matches_the_quantized_math(self, case_index):
-        """Value and every gradient within 1e-2 (normwise) of the float64 numpy computation of the recipe's
+        """Value and every gradient within 1e-2 (normwise) of the numpy computation of the recipe's
         quantised math (`oracle`), a host computation that no platform's arithmetic enters."""
         case = self.cases[case_index]
         args, dy = recipe_problem(case, seed=("fp8 kernels", self.implementation))

@@ -1,5 +1,5 @@
 """The "fp8_blockwise" recipe (jax_megamoe/ops/fp8.py) on CPU: its quantiser against a numpy implementation of the
-rule, the op against a float64 numpy computation of the same quantised math and against the unquantised float64
+rule, the op against the numpy computation of the same quantised math (`oracle`) and against the unquantised float64
 MoE, its errors, and moe_ffn_ep with the recipe on the xla transport against moe_ffn with the recipe.
 
 One problem shape per check group, computed once per module (a module-scoped fixture), so that the suite
@@ -60,7 +60,7 @@ def test_quantizer_matches_numpy_rule():
     a[4, :128] *= 1e-30  # tiny amax: subnormal e4m3 values
     values, scales = fp8.quantize(jnp.asarray(a), (1, 128))
     assert values.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.float32 and scales.shape == (6, 3)
-    want_values, want_scales = np_quantize_rows(a, np.float32)
+    want_values, want_scales = np_quantize_rows(a)
     np.testing.assert_array_equal(np.asarray(scales), want_scales)
     np.testing.assert_array_equal(np.asarray(values).astype(np.float64), want_values)
     assert float(scales[1, 1]) == 1.0 and not np.any(np.asarray(values[1, 128:256]).astype(np.float32))
@@ -103,7 +103,7 @@ def test_xla_weight_quantizer_is_the_rule_bit_for_bit(dtype, transpose):
 # The op against float64.
 
 
-def test_recipe_matches_float64_quantized_math(main_problem):
+def test_recipe_matches_the_quantized_math(main_problem):
     args, dy, got = main_problem
     want = oracle(args, dy, quantized=True)
     for name, a, b in zip(OUTPUT_NAMES, got, want, strict=True):
@@ -128,7 +128,7 @@ def test_unquantized_oracle_is_the_moe_gradient(main_problem):
 
 def test_padding_odd_h_and_i(main_problem):
     """H = 136, I = 72 (not multiples of 128): padded inside the op, it equals the H = 256, I = 128 problem whose
-    extra rows and columns are zero (zeros change no tile's amax), and the float64 quantised math."""
+    extra rows and columns are zero (zeros change no tile's amax), and the oracle's quantised math."""
     case = Case(MAIN.tokens, 136, 72, MAIN.experts, MAIN.top_k)
     (x, weights, ids, w_gate_up, w_down), dy = recipe_problem(case)
     h, i, hp, ip = 136, 72, MAIN.hidden, MAIN.inter

@@ -2,8 +2,8 @@
 product of the same quantised operands (the FP8 tensor cores compute the e4m3 products exactly in float32 and scale
 the partial sums per 128-deep block, so only the summation order and the output rounding differ), and
 the CUDA weight quantiser against the rule bit for bit, and `moe_ffn(..., implementation="cuda",
-recipe="fp8_blockwise")` through the shared test base (tests/fp8_cases.py) against the float64 oracle of the
-quantised math, on device memory poisoned with NaN before each call."""
+recipe="fp8_blockwise")` through the shared test base (tests/fp8_cases.py) against the numpy oracle of
+the quantised math, on device memory poisoned with NaN before each call."""
 
 from __future__ import annotations
 
