@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
-from fp8_cases import Fp8KernelsBase, block_quantizer_problem, np_quantize_blocks, parametrize_cases
+from fp8_cases import Fp8KernelsBase, block_quantizer_problem, np_quantize_blocks, np_quantize_rows, parametrize_cases
 from moe_cases import Case, seeded_rng
 
 from jax_megamoe.ops import fp8, fp8_gemms
@@ -159,6 +160,42 @@ def test_weight_quantizer_is_the_rule_bit_for_bit(dtype, transpose):
     assert values.dtype == fp8.FP8_DTYPE and values.shape == want_values.shape
     np.testing.assert_array_equal(np.asarray(scales), want_scales)
     np.testing.assert_array_equal(np.asarray(values).astype(np.float32), want_values)
+
+
+def test_row_quantizer_is_the_rule_bit_for_bit():
+    rng = seeded_rng("fp8 quantize rows")
+    tokens, cols = 300, 384
+    a = rng.standard_normal((tokens, cols)) * np.exp(rng.uniform(-6, 6, (tokens, 1)))
+    a[7, 128:256] = 0  # an all-zero tile: scale 1
+    a = np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
+    index = rng.integers(0, tokens, 1000).astype(np.int32)
+    index[::97] = tokens  # padding rows (the layout's): zero values, scale 1
+    values, scales = jax.jit(fp8_gemms.fp8_row_operand)(jnp.asarray(a, jnp.bfloat16), jnp.asarray(index))
+    rows = np.where(((index >= 0) & (index < tokens))[:, None], a[np.clip(index, 0, tokens - 1)], 0)
+    want_values, want_scales = np_quantize_rows(rows, np.float32)
+    np.testing.assert_array_equal(np.asarray(scales), want_scales)
+    np.testing.assert_array_equal(np.asarray(values).astype(np.float64), want_values)
+
+
+def test_swiglu_rows_are_the_rule():
+    """h = bf16(silu(gate) * up) in 1x128 tiles; the rows past offsets[E] zero. SwiGLU's float32 exp may differ from
+    numpy's by an ulp, which can move h to the next bf16 value and, rarely, a tile's e4m3 rounding: near, not bit
+    for bit."""
+    rng = seeded_rng("fp8 swiglu rows")
+    rows, inter, used = 640, 256, 500
+    gate_up = np.asarray(jnp.asarray(rng.standard_normal((rows, 2 * inter)) * 3, jnp.bfloat16).astype(jnp.float32))
+    offsets = jnp.asarray([0, 256, 384, used], jnp.int32)
+    values, scales = jax.jit(fp8_gemms.fp8_hidden)(jnp.asarray(gate_up, jnp.bfloat16), offsets)
+    gate, up = gate_up[:, :inter].astype(np.float64), gate_up[:, inter:].astype(np.float64)
+    h = (gate / (1 + np.exp(-gate)) * up).astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    h[used:] = 0
+    want_values, want_scales = np_quantize_rows(h, np.float32)
+    got_values = np.asarray(values).astype(np.float64)
+    assert np.all(got_values[used:] == 0) and np.all(np.asarray(scales)[used:] == 1)
+    assert np.mean(got_values == want_values) > 0.999
+    got = got_values.reshape(rows, -1, 128) * np.asarray(scales)[..., None]
+    want = want_values.reshape(rows, -1, 128) * want_scales[..., None]
+    assert np.linalg.norm(got - want) <= 1e-3 * np.linalg.norm(want)
 
 
 pytest_generate_tests = parametrize_cases

@@ -32,6 +32,8 @@ CONTRACT = {
     "jmm_cuda_fp8_rows_gemm": "CUDA",
     "jmm_cuda_fp8_weight_gemm": "CUDA",
     "jmm_cuda_fp8_quantize_blocks": "CUDA",
+    "jmm_cuda_fp8_quantize_rows": "CUDA",
+    "jmm_cuda_fp8_swiglu_rows": "CUDA",
 }
 # The CUDA GEMM targets' tile attributes, each taking only the ones it uses.
 TILE_ATTRIBUTES = {

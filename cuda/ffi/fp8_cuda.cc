@@ -106,6 +106,48 @@ ffi::Error Fp8QuantizeBlocksCuda(cudaStream_t stream, ffi::AnyBuffer w, ffi::Res
   return ffi::Error::Success();
 }
 
+ffi::Error Fp8QuantizeRowsCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::S32> index,
+                               ffi::Result<ffi::AnyBuffer> values, ffi::Result<ffi::Buffer<ffi::F32>> scales) {
+  const std::string shapes =
+      "a [T, C] bfloat16 with C a multiple of 128, index [R] int32, values [R, C] float8_e4m3fn, scales [R, C/128] "
+      "float32";
+  const auto ad = a.dimensions(), vd = values->dimensions(), sd = scales->dimensions();
+  if (values->element_type() != ffi::F8E4M3FN)
+    return InvalidArgument("fp8 row quantiser: dtypes disagree with " + shapes);
+  if (ad.size() != 2 || vd.size() != 2 || sd.size() != 2 || index.dimensions().size() != 1) {
+    return InvalidArgument("fp8 row quantiser: ranks disagree with " + shapes);
+  }
+  const int64_t T = ad[0], C = ad[1], R = index.dimensions()[0];
+  if (C % 128 != 0 || vd[0] != R || vd[1] != C || sd[0] != R || sd[1] != C / 128) {
+    return InvalidArgument("fp8 row quantiser: shapes disagree with " + shapes);
+  }
+  JMM_CUDA_TRY("fp8 row quantiser", cuda::QuantizeRows(a.untyped_data(), T, index.typed_data(), R, C,
+                                                       values->untyped_data(), scales->typed_data(), stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error Fp8SwigluRowsCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> gate_up, ffi::Buffer<ffi::S32> offsets,
+                             ffi::Result<ffi::AnyBuffer> values, ffi::Result<ffi::Buffer<ffi::F32>> scales) {
+  const std::string shapes =
+      "gate_up [R, 2I] bfloat16 with I a multiple of 128, offsets [E + 1] int32, values [R, I] float8_e4m3fn, "
+      "scales [R, I/128] float32";
+  const auto gd = gate_up.dimensions(), vd = values->dimensions(), sd = scales->dimensions();
+  if (values->element_type() != ffi::F8E4M3FN)
+    return InvalidArgument("fp8 SwiGLU rows: dtypes disagree with " + shapes);
+  if (gd.size() != 2 || vd.size() != 2 || sd.size() != 2 || offsets.dimensions().size() != 1 ||
+      offsets.element_count() == 0) {
+    return InvalidArgument("fp8 SwiGLU rows: ranks disagree with " + shapes);
+  }
+  const int64_t R = gd[0], I = gd[1] / 2;
+  if (gd[1] % 2 != 0 || I % 128 != 0 || vd[0] != R || vd[1] != I || sd[0] != R || sd[1] != I / 128) {
+    return InvalidArgument("fp8 SwiGLU rows: shapes disagree with " + shapes);
+  }
+  const int32_t* rows_used = offsets.typed_data() + offsets.element_count() - 1;  // offsets[E], on the device
+  JMM_CUDA_TRY("fp8 SwiGLU rows", cuda::SwigluQuantizeRows(gate_up.untyped_data(), rows_used, R, I,
+                                                           values->untyped_data(), scales->typed_data(), stream));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jmm
 
@@ -140,4 +182,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_fp8_quantize_blocks, jmm::Fp8QuantizeBloc
                                   .Ret<xla::ffi::AnyBuffer>()              // values
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // scales
                                   .Attr<int64_t>("transpose"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_fp8_quantize_rows, jmm::Fp8QuantizeRowsCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // a
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // index
+                                  .Ret<xla::ffi::AnyBuffer>()               // values
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // scales
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_fp8_swiglu_rows, jmm::Fp8SwigluRowsCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // gate_up
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // offsets
+                                  .Ret<xla::ffi::AnyBuffer>()               // values
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // scales
                               {xla::ffi::Traits::kCmdBufferCompatible});

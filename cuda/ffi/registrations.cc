@@ -44,6 +44,8 @@ nb::dict Registrations() {
   table["jmm_cuda_fp8_rows_gemm"] = Capsule(jmm_cuda_fp8_rows_gemm);
   table["jmm_cuda_fp8_weight_gemm"] = Capsule(jmm_cuda_fp8_weight_gemm);
   table["jmm_cuda_fp8_quantize_blocks"] = Capsule(jmm_cuda_fp8_quantize_blocks);
+  table["jmm_cuda_fp8_quantize_rows"] = Capsule(jmm_cuda_fp8_quantize_rows);
+  table["jmm_cuda_fp8_swiglu_rows"] = Capsule(jmm_cuda_fp8_swiglu_rows);
 #endif
   return table;
 }

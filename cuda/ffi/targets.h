@@ -54,4 +54,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_fp8_weight_gemm);
 //                       scales [E,A/128,B/128] (transposed: [E,B/128,A/128]) f32
 //   the recipe's 128x128-block quantiser of the expert weights (kernels/fp8_kernels.h).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_fp8_quantize_blocks);
+//   fp8_quantize_rows(a [T,C] bf16, index [R] s32) -> values [R,C] f8e4m3fn, scales [R,C/128] f32
+//   rows a[index[r]] (zero outside [0, T)) in 1x128 tiles.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_fp8_quantize_rows);
+//   fp8_swiglu_rows(gate_up [R,2I] bf16, offsets [E+1] s32) -> values [R,I] f8e4m3fn, scales [R,I/128] f32
+//   h = bf16(SwiGLU(gate_up)) in 1x128 tiles, rows at or past offsets[E] zero.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_fp8_swiglu_rows);
 #endif

@@ -44,4 +44,16 @@ namespace jmm::cuda {
 Status QuantizeWeightBlocks(const void* w, bool w_float32, int64_t experts, int64_t rows, int64_t cols, bool transpose,
                             void* values, float* scales, cudaStream_t stream);
 
+// Rows of bf16 a [src_rows, cols] gathered by index [rows] (row r is a[index[r]], a zero row for an index outside
+// [0, src_rows)) and quantised in 1x128 tiles: values e4m3 [rows, cols], scales float32 [rows, cols / 128]. cols a
+// multiple of 128.
+Status QuantizeRows(const void* a, int64_t src_rows, const int32_t* index, int64_t rows, int64_t cols, void* values,
+                    float* scales, cudaStream_t stream);
+
+// h = SwiGLU(gate_up [rows, 2 * inter] bf16) rounded to bf16 (device_math.cuh's Swiglu, as the bf16 path's), rows at
+// or past *rows_used (a device scalar) zero, quantised in 1x128 tiles: values e4m3 [rows, inter], scales float32
+// [rows, inter / 128]. inter a multiple of 128.
+Status SwigluQuantizeRows(const void* gate_up, const int32_t* rows_used, int64_t rows, int64_t inter, void* values,
+                          float* scales, cudaStream_t stream);
+
 }  // namespace jmm::cuda

@@ -1,7 +1,9 @@
-// The "fp8_blockwise" recipe's weight quantiser (jax_megamoe/ops/fp8.py, the rule): each expert's [rows, cols]
-// matrix in 128x128 blocks, scale = amax / 448 (1 for an all-zero block), values = RNE(clip(w / scale, +-448)) in
-// e4m3, written in the layout the rows GEMM takes as its K-major operand: as it is, or transposed. One pass over the
-// weights (XLA's reduction over a block's two axes, then a transposing cast, took several).
+// The "fp8_blockwise" recipe's quantisers (jax_megamoe/ops/fp8.py, the rule): per tile or block
+// scale = amax / 448 (1 for an all-zero one), values = RNE(clip(a / scale, +-448)) in e4m3, both divisions
+// correctly rounded. Each writes its operand in the layout its GEMM takes, in one pass over its input:
+//   QuantizeWeightBlocks  128x128 blocks of each expert's matrix, as it is or transposed
+//   QuantizeRows          1x128 tiles of rows gathered by index (the tokens' rows in the padded row layout)
+//   SwigluQuantizeRows    h = SwiGLU(gate, up) rounded to bf16, then its 1x128 tiles
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -13,44 +15,58 @@ namespace jmm::cuda {
 namespace {
 
 constexpr int kBlock = 128;
-constexpr int kThreads = 256;
-constexpr int kColsPerThread = 8;                        // one 16-byte bf16 load (two float32 loads)
-constexpr int kThreadsPerRow = kBlock / kColsPerThread;  // 16
-constexpr int kRowsPerPass = kThreads / kThreadsPerRow;  // 16
-constexpr int kPasses = kBlock / kRowsPerPass;           // 8
 constexpr float kFp8Max = 448.0f;
 
-// One CTA per block (blockIdx.x: block column, y: block row, z: expert).
+__device__ __forceinline__ float Fp8Scale(float amax) { return amax > 0.0f ? __fdiv_rn(amax, kFp8Max) : 1.0f; }
+
+__device__ __forceinline__ __nv_fp8_storage_t ToE4m3(float v, float scale) {
+  const float q = fminf(fmaxf(__fdiv_rn(v, scale), -kFp8Max), kFp8Max);
+  return __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// --- 128x128 weight blocks: one CTA per block (blockIdx.x: block column, y: block row, z: expert).
+constexpr int kBlockThreads = 256;
+constexpr int kColsPerThread = 8;                             // one vector access per row and pass
+constexpr int kThreadsPerRow = kBlock / kColsPerThread;       // 16
+constexpr int kRowsPerPass = kBlockThreads / kThreadsPerRow;  // 16
+constexpr int kPasses = kBlock / kRowsPerPass;                // 8
+
 template <class T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBlockThreads)
     QuantizeBlocksKernel(const T* __restrict__ w, int64_t rows, int64_t cols, bool transpose,
                          __nv_fp8_storage_t* __restrict__ values, float* __restrict__ scales) {
-  __shared__ float warp_amax[kThreads / 32];
+  __shared__ float warp_amax[kBlockThreads / 32];
   __shared__ float block_scale;
   __shared__ __nv_fp8_storage_t tile[kBlock][kBlock + 1];  // an odd row stride: the transposed reads spread over banks
   const int64_t e = blockIdx.z, r0 = int64_t{blockIdx.y} * kBlock, c0 = int64_t{blockIdx.x} * kBlock;
   const int col = (threadIdx.x % kThreadsPerRow) * kColsPerThread, row = threadIdx.x / kThreadsPerRow;
   const T* base = w + (e * rows + r0) * cols + c0;
 
-  float v[kPasses][kColsPerThread];
+  // Every load issued before any is used: the pass is bound by how many bytes are in flight.
+  Vec<T, kColsPerThread> v[kPasses];
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    v[p] = *reinterpret_cast<const Vec<T, kColsPerThread>*>(base + (row + p * kRowsPerPass) * cols + col);
+  }
   float amax = 0.0f;
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
-    const T* src = base + (row + p * kRowsPerPass) * cols + col;
 #pragma unroll
-    for (int j = 0; j < kColsPerThread; ++j) {
-      v[p][j] = ToFloat(src[j]);
-      amax = fmaxf(amax, fabsf(v[p][j]));
-    }
+    for (int j = 0; j < kColsPerThread; ++j) amax = fmaxf(amax, fabsf(ToFloat(v[p].v[j])));
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  amax = WarpMax(amax);
   if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
   __syncthreads();
   if (threadIdx.x == 0) {
     float m = 0.0f;
-    for (int i = 0; i < kThreads / 32; ++i) m = fmaxf(m, warp_amax[i]);
-    const float scale = m > 0.0f ? __fdiv_rn(m, kFp8Max) : 1.0f;
+    for (int i = 0; i < kBlockThreads / 32; ++i) m = fmaxf(m, warp_amax[i]);
+    const float scale = Fp8Scale(m);
     block_scale = scale;
     const int64_t br = blockIdx.y, bc = blockIdx.x, nbr = rows / kBlock, nbc = cols / kBlock;
     scales[transpose ? (e * nbc + bc) * nbr + br : (e * nbr + br) * nbc + bc] = scale;
@@ -60,10 +76,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
 #pragma unroll
-    for (int j = 0; j < kColsPerThread; ++j) {
-      const float q = fminf(fmaxf(__fdiv_rn(v[p][j], scale), -kFp8Max), kFp8Max);
-      tile[row + p * kRowsPerPass][col + j] = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
-    }
+    for (int j = 0; j < kColsPerThread; ++j) tile[row + p * kRowsPerPass][col + j] = ToE4m3(ToFloat(v[p].v[j]), scale);
   }
   __syncthreads();
   // Out: 8 consecutive bytes per thread and pass, of the block as it is or transposed.
@@ -72,12 +85,80 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     const int i = row + p * kRowsPerPass;
-    alignas(8) __nv_fp8_storage_t bytes[kColsPerThread];
+    Vec<__nv_fp8_storage_t, kColsPerThread> bytes;
 #pragma unroll
-    for (int j = 0; j < kColsPerThread; ++j) bytes[j] = transpose ? tile[col + j][i] : tile[i][col + j];
-    *reinterpret_cast<uint2*>(out + i * out_cols + col) = *reinterpret_cast<const uint2*>(bytes);
+    for (int j = 0; j < kColsPerThread; ++j) bytes.v[j] = transpose ? tile[col + j][i] : tile[i][col + j];
+    *reinterpret_cast<Vec<__nv_fp8_storage_t, kColsPerThread>*>(out + i * out_cols + col) = bytes;
   }
 }
+
+// --- 1x128 row tiles: one warp per tile, 4 elements a lane.
+constexpr int kRowThreads = 256;
+constexpr int kTilesPerCta = kRowThreads / 32;
+constexpr int kPerLane = kBlock / 32;
+
+__device__ __forceinline__ void WriteTile(const float (&h)[kPerLane], int lane, __nv_fp8_storage_t* values,
+                                          float* scale_out) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) amax = fmaxf(amax, fabsf(h[j]));
+  const float scale = Fp8Scale(WarpMax(amax));
+  Vec<__nv_fp8_storage_t, kPerLane> out;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) out.v[j] = ToE4m3(h[j], scale);
+  *reinterpret_cast<Vec<__nv_fp8_storage_t, kPerLane>*>(values + lane * kPerLane) = out;
+  if (lane == 0) *scale_out = scale;
+}
+
+// Tile (r, c) of the output: row r of a is a[index[r]] (a zero row for an index outside [0, src_rows)).
+__global__ void __launch_bounds__(kRowThreads)
+    QuantizeRowsKernel(const __nv_bfloat16* __restrict__ a, int64_t src_rows, const int32_t* __restrict__ index,
+                       int64_t rows, int64_t cols, __nv_fp8_storage_t* __restrict__ values,
+                       float* __restrict__ scales) {
+  const int64_t tiles_per_row = cols / kBlock;
+  const int64_t tile = int64_t{blockIdx.x} * kTilesPerCta + threadIdx.x / 32;
+  if (tile >= rows * tiles_per_row) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t r = tile / tiles_per_row, c = (tile % tiles_per_row) * kBlock;
+  const int64_t src = index[r];
+  float h[kPerLane] = {};
+  if (src >= 0 && src < src_rows) {
+    const auto in = *reinterpret_cast<const Vec<__nv_bfloat16, kPerLane>*>(a + src * cols + c + lane * kPerLane);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) h[j] = ToFloat(in.v[j]);
+  }
+  WriteTile(h, lane, values + r * cols + c, scales + tile);
+}
+
+// Tile (r, c) of h = bf16(SwiGLU(gate_up[r, c..], gate_up[r, I + c..])); rows at or past *rows_used are zero.
+__global__ void __launch_bounds__(kRowThreads)
+    SwigluQuantizeRowsKernel(const __nv_bfloat16* __restrict__ gate_up, const int32_t* __restrict__ rows_used,
+                             int64_t rows, int64_t inter, __nv_fp8_storage_t* __restrict__ values,
+                             float* __restrict__ scales) {
+  const int64_t tiles_per_row = inter / kBlock;
+  const int64_t tile = int64_t{blockIdx.x} * kTilesPerCta + threadIdx.x / 32;
+  if (tile >= rows * tiles_per_row) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t r = tile / tiles_per_row, c = (tile % tiles_per_row) * kBlock;
+  float h[kPerLane] = {};
+  if (r < *rows_used) {
+    const __nv_bfloat16* gate_row = gate_up + r * 2 * inter + c + lane * kPerLane;
+    const auto gate = *reinterpret_cast<const Vec<__nv_bfloat16, kPerLane>*>(gate_row);
+    const auto up = *reinterpret_cast<const Vec<__nv_bfloat16, kPerLane>*>(gate_row + inter);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) h[j] = Round<__nv_bfloat16>(Swiglu(ToFloat(gate.v[j]), ToFloat(up.v[j])));
+  }
+  WriteTile(h, lane, values + r * inter + c, scales + tile);
+}
+
+Status Launched(const char* what) {
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return std::string(what) + " launch failed: " + cudaGetErrorString(err);
+  }
+  return {};
+}
+
+unsigned RowGrid(int64_t tiles) { return static_cast<unsigned>((tiles + kTilesPerCta - 1) / kTilesPerCta); }
 
 }  // namespace
 
@@ -90,13 +171,35 @@ Status QuantizeWeightBlocks(const void* w, bool w_float32, int64_t experts, int6
                   static_cast<unsigned>(experts));
   auto* out = static_cast<__nv_fp8_storage_t*>(values);
   if (w_float32) {
-    QuantizeBlocksKernel<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(w), rows, cols, transpose, out,
-                                                        scales);
+    QuantizeBlocksKernel<<<grid, kBlockThreads, 0, stream>>>(static_cast<const float*>(w), rows, cols, transpose, out,
+                                                             scales);
   } else {
-    QuantizeBlocksKernel<<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(w), rows, cols, transpose,
-                                                        out, scales);
+    QuantizeBlocksKernel<<<grid, kBlockThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(w), rows, cols,
+                                                             transpose, out, scales);
   }
-  return LaunchStatus("QuantizeWeightBlocks");
+  return Launched("QuantizeWeightBlocks");
+}
+
+Status QuantizeRows(const void* a, int64_t src_rows, const int32_t* index, int64_t rows, int64_t cols, void* values,
+                    float* scales, cudaStream_t stream) {
+  if (cols % kBlock != 0) return "QuantizeRows: the row width must be a multiple of 128";
+  const int64_t tiles = rows * (cols / kBlock);
+  if (tiles == 0) return {};
+  QuantizeRowsKernel<<<RowGrid(tiles), kRowThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(a), src_rows, index,
+                                                                 rows, cols, static_cast<__nv_fp8_storage_t*>(values),
+                                                                 scales);
+  return Launched("QuantizeRows");
+}
+
+Status SwigluQuantizeRows(const void* gate_up, const int32_t* rows_used, int64_t rows, int64_t inter, void* values,
+                          float* scales, cudaStream_t stream) {
+  if (inter % kBlock != 0) return "SwigluQuantizeRows: I must be a multiple of 128";
+  const int64_t tiles = rows * (inter / kBlock);
+  if (tiles == 0) return {};
+  SwigluQuantizeRowsKernel<<<RowGrid(tiles), kRowThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(gate_up), rows_used, rows, inter, static_cast<__nv_fp8_storage_t*>(values),
+      scales);
+  return Launched("SwigluQuantizeRows");
 }
 
 }  // namespace jmm::cuda

@@ -2,8 +2,9 @@
 kernels on Hopper's FP8 tensor cores, or on CPU their emulation in float32 (dequantised operands, the same bf16
 outputs), so that CI runs every step around the kernels.
 
-XLA quantises the row operands (fusions over the tokens and the rows), a CUDA kernel the weights (`fp8_weight_blocks`,
-one pass writing the layout each GEMM takes); the GEMMs take e4m3 values with float32 scales:
+CUDA kernels quantise the operands in one pass each, writing the layout each GEMM takes (`fp8_weight_blocks`,
+`fp8_row_operand`, `fp8_hidden`; XLA's fusions on CPU), except the backward's dz and the weight gradients'
+transposed operands, which XLA quantises; the GEMMs take e4m3 values with float32 scales:
   rows GEMM    gate_up = q(x) . q(Wgu), out = q(h) . q(Wd), g = q(dy) . q(Wd)^T, dx rows = q(dz) . q(Wgu)^T
   weight GEMM  dWd = qt(q(h))^T . qt(weights * q(dy)), dWgu = qt(q(x))^T . qt(q(dz))
 Rows live in a padded expert-sorted order: each expert's rows (stable in (token, k) order) start at a multiple of
@@ -151,15 +152,61 @@ def xla_weight_blocks(w: jax.Array, transpose: bool) -> tuple[jax.Array, jax.Arr
     return quantize(jnp.swapaxes(w, 1, 2) if transpose else w, (1, BLOCK, BLOCK))
 
 
+def fp8_row_operand(a: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`xla_row_operand` in one CUDA pass (`jmm_cuda_fp8_quantize_rows`): bf16 `a [T, C]`, C a multiple of 128."""
+    rows, cols = index.shape[0], a.shape[1]
+    if cols % BLOCK:
+        raise ValueError(f"fp8_row_operand needs a row width that is a multiple of {BLOCK}, got {cols}")
+    return _ffi.call(
+        _targets.FP8_QUANTIZE_ROWS,
+        (
+            jax.ShapeDtypeStruct((rows, cols), fp8.FP8_DTYPE),
+            jax.ShapeDtypeStruct((rows, cols // BLOCK), jnp.float32),
+        ),
+        a.astype(jnp.bfloat16),
+        index.astype(jnp.int32),
+    )
+
+
+def xla_row_operand(a: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`a [T, C]` quantised in 1x128 tiles per token, then its rows `index` (past T: zero values, scale 1)."""
+    values, scales = quantize(a, (1, BLOCK))
+    take = functools.partial(jnp.take, indices=index, axis=0, mode="fill")
+    return take(values, fill_value=0), take(scales, fill_value=1)
+
+
+def fp8_hidden(gate_up: jax.Array, offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`xla_hidden` in one CUDA pass (`jmm_cuda_fp8_swiglu_rows`): bf16 `gate_up [R, 2I]`, I a multiple of 128."""
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    return _ffi.call(
+        _targets.FP8_SWIGLU_ROWS,
+        (
+            jax.ShapeDtypeStruct((rows, inter), fp8.FP8_DTYPE),
+            jax.ShapeDtypeStruct((rows, inter // BLOCK), jnp.float32),
+        ),
+        gate_up,
+        offsets.astype(jnp.int32),
+    )
+
+
+def xla_hidden(gate_up: jax.Array, offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """q(h): the SwiGLU of the projections rounded to bf16 (x's dtype), the rows past the last expert's zero (the
+    rows GEMM does not write them), quantised along I."""
+    h = fp8.round_to(fp8._swiglu(gate_up.astype(jnp.float32)), jnp.bfloat16)
+    return quantize(_used(h, offsets), (1, BLOCK))
+
+
 class _Kernels(NamedTuple):
     rows: Callable  # fp8_rows_gemm's contract
     weight: Callable  # fp8_weight_gemm's
     blocks: Callable  # fp8_weight_blocks'
+    row_operand: Callable  # xla_row_operand's
+    hidden: Callable  # xla_hidden's
 
 
 KERNELS = {
-    "cuda": _Kernels(fp8_rows_gemm, fp8_weight_gemm, fp8_weight_blocks),
-    "cpu": _Kernels(emulated_rows_gemm, emulated_weight_gemm, xla_weight_blocks),
+    "cuda": _Kernels(fp8_rows_gemm, fp8_weight_gemm, fp8_weight_blocks, fp8_row_operand, fp8_hidden),
+    "cpu": _Kernels(emulated_rows_gemm, emulated_weight_gemm, xla_weight_blocks, xla_row_operand, xla_hidden),
 }
 
 
@@ -196,21 +243,9 @@ def row_layout(experts: jax.Array, num_experts: int, implementation: str) -> Row
     return RowLayout(row_of_pair.astype(jnp.int32), pair_of_row, offsets)
 
 
-def _row_operand(a: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`a [T, C]` quantised in 1x128 tiles per token, then its rows `index` (past T: zero values, scale 1)."""
-    values, scales = quantize(a, (1, BLOCK))
-    take = functools.partial(jnp.take, indices=index, axis=0, mode="fill")
-    return take(values, fill_value=0), take(scales, fill_value=1)
-
-
 def _used(rows: jax.Array, offsets: jax.Array) -> jax.Array:
     """`rows` with the rows past the last expert's (which the rows GEMM does not write) set to zero."""
     return jnp.where((jnp.arange(rows.shape[0]) < offsets[-1])[:, None], rows, 0)
-
-
-def _hidden(gate_up: jax.Array, offsets: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """q(h): the SwiGLU of the projections in x's dtype, quantised along I."""
-    return quantize(_used(fp8.round_to(fp8._swiglu(gate_up.astype(jnp.float32)), dtype), offsets), (1, BLOCK))
 
 
 def token_tiles(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -271,11 +306,11 @@ def _moe_ffn_fp8_fwd(x, weights, experts, w_gate_up, w_down, implementation):
     kernels, s = KERNELS[implementation], _sizes(x, weights, w_gate_up)
     layout = RowLayout(*(checkpoint_name(a, fp8.LAYOUT_NAME) for a in row_layout(experts, s.experts, implementation)))
     wgu, wd = _padded_weights(w_gate_up, w_down, s)
-    xv, xs = _row_operand(_pad_hidden(x, s), layout.pair_of_row // s.top_k)
+    xv, xs = kernels.row_operand(_pad_hidden(x, s), layout.pair_of_row // s.top_k)
     gate_up = checkpoint_name(
         kernels.rows(xv, xs, *kernels.blocks(wgu, transpose=True), layout.offsets), fp8.GATE_UP_NAME
     )
-    out = kernels.rows(*_hidden(gate_up, layout.offsets, x.dtype), *kernels.blocks(wd, transpose=True), layout.offsets)
+    out = kernels.rows(*kernels.hidden(gate_up, layout.offsets), *kernels.blocks(wd, transpose=True), layout.offsets)
     y = _pair_sum(out, layout.row_of_pair, s.top_k, weights)[:, : s.hidden].astype(x.dtype)
     return y, (x, weights, experts, w_gate_up, w_down, gate_up, layout)
 
@@ -285,9 +320,10 @@ def _moe_ffn_fp8_bwd(implementation, residuals, dy):
     kernels, s = KERNELS[implementation], _sizes(x, weights, w_gate_up)
     wgu, wd = _padded_weights(w_gate_up, w_down, s)
     token_of_row = layout.pair_of_row // s.top_k
-    dyv, dys = _row_operand(_pad_hidden(dy.astype(x.dtype), s), token_of_row)
+    dyv, dys = kernels.row_operand(_pad_hidden(dy.astype(x.dtype), s), token_of_row)
     g = kernels.rows(dyv, dys, *kernels.blocks(wd, transpose=False), layout.offsets, jnp.float32)
-    h = dequantize(*_hidden(gate_up, layout.offsets, x.dtype), (1, BLOCK))
+    hv, hs = kernels.hidden(gate_up, layout.offsets)
+    h = dequantize(hv, hs, (1, BLOCK))
     row_weights = jnp.take(weights.reshape(-1).astype(jnp.float32), layout.pair_of_row, mode="fill", fill_value=0)
     d_row_weights = jnp.sum(h * g, axis=-1)
     dz = _used(fp8._swiglu_bwd(gate_up.astype(jnp.float32), row_weights[:, None] * g), layout.offsets)
@@ -302,7 +338,7 @@ def _moe_ffn_fp8_bwd(implementation, residuals, dy):
         s.experts,
         w_down.dtype,
     )
-    xv, xs = _row_operand(_pad_hidden(x, s), token_of_row)
+    xv, xs = kernels.row_operand(_pad_hidden(x, s), token_of_row)
     d_w_gate_up = kernels.weight(
         *token_tiles(dequantize(xv, xs, (1, BLOCK))),
         *token_tiles(dequantize(dzv, dzs, (1, BLOCK))),
