@@ -198,6 +198,33 @@ def test_swiglu_rows_are_the_rule():
     assert np.linalg.norm(got - want) <= 1e-3 * np.linalg.norm(want)
 
 
+def np_token_tiles(values, scales, factor):
+    """The rule in float32 numpy: factor * (values * scale) requantised in 1x128 tiles along the rows, transposed."""
+    rows, cols = values.shape
+    d = values.astype(np.float32) * np.repeat(scales, 128, axis=1).astype(np.float32)
+    d = (factor[:, None].astype(np.float32) * d).reshape(rows // 128, 128, cols)
+    amax = np.max(np.abs(d), axis=1)
+    scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
+    out = np.clip(d / scale[:, None, :], -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return out.reshape(rows, cols).T, scale
+
+
+@pytest.mark.parametrize("with_factor", [False, True])
+def test_token_tiles_are_the_rule_bit_for_bit(with_factor):
+    rng = seeded_rng("fp8 token tiles", with_factor)
+    rows, cols = 512, 384
+    a = rng.standard_normal((rows, cols)) * np.exp(rng.uniform(-4, 4, (rows, 1)))
+    a[256:384] = 0  # an all-zero tile of rows: scale 1
+    values, scales = fp8.quantize(jnp.asarray(a, jnp.float32), (1, fp8.BLOCK))
+    factor = rng.uniform(0, 1, rows).astype(np.float32) if with_factor else np.ones(rows, np.float32)
+    got_values, got_scales = jax.jit(fp8_gemms.fp8_token_tiles)(
+        values, scales, jnp.asarray(factor) if with_factor else None
+    )
+    want_values, want_scales = np_token_tiles(np.asarray(values).astype(np.float32), np.asarray(scales), factor)
+    np.testing.assert_array_equal(np.asarray(got_scales), want_scales)
+    np.testing.assert_array_equal(np.asarray(got_values).astype(np.float32), want_values)
+
+
 pytest_generate_tests = parametrize_cases
 
 

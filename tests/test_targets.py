@@ -34,6 +34,7 @@ CONTRACT = {
     "jmm_cuda_fp8_quantize_blocks": "CUDA",
     "jmm_cuda_fp8_quantize_rows": "CUDA",
     "jmm_cuda_fp8_swiglu_rows": "CUDA",
+    "jmm_cuda_fp8_token_tiles": "CUDA",
 }
 # The CUDA GEMM targets' tile attributes, each taking only the ones it uses.
 TILE_ATTRIBUTES = {

@@ -148,6 +148,30 @@ ffi::Error Fp8SwigluRowsCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> gate_up
   return ffi::Error::Success();
 }
 
+ffi::Error Fp8TokenTilesCuda(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buffer<ffi::F32> scales,
+                             ffi::Buffer<ffi::F32> row_factor, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::Buffer<ffi::F32>> out_scales) {
+  const std::string shapes =
+      "values [R, C] float8_e4m3fn and scales [R, C/128] float32 with R and C multiples of 128, row_factor [R] "
+      "float32, out [C, R] float8_e4m3fn, out_scales [R/128, C] float32";
+  const auto vd = values.dimensions(), sd = scales.dimensions(), od = out->dimensions(), osd = out_scales->dimensions();
+  if (values.element_type() != ffi::F8E4M3FN || out->element_type() != ffi::F8E4M3FN) {
+    return InvalidArgument("fp8 token tiles: dtypes disagree with " + shapes);
+  }
+  if (vd.size() != 2 || sd.size() != 2 || od.size() != 2 || osd.size() != 2 || row_factor.dimensions().size() != 1) {
+    return InvalidArgument("fp8 token tiles: ranks disagree with " + shapes);
+  }
+  const int64_t R = vd[0], C = vd[1];
+  if (R % 128 != 0 || C % 128 != 0 || sd[0] != R || sd[1] != C / 128 || row_factor.dimensions()[0] != R || od[0] != C ||
+      od[1] != R || osd[0] != R / 128 || osd[1] != C) {
+    return InvalidArgument("fp8 token tiles: shapes disagree with " + shapes);
+  }
+  JMM_CUDA_TRY("fp8 token tiles",
+               cuda::RequantizeTokenTiles(values.untyped_data(), scales.typed_data(), row_factor.typed_data(), R, C,
+                                          out->untyped_data(), out_scales->typed_data(), stream));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jmm
 
@@ -200,4 +224,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_fp8_swiglu_rows, jmm::Fp8SwigluRowsCuda,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // offsets
                                   .Ret<xla::ffi::AnyBuffer>()               // values
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // scales
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_fp8_token_tiles, jmm::Fp8TokenTilesCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()               // values
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // scales
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // row_factor
+                                  .Ret<xla::ffi::AnyBuffer>()               // out
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // out_scales
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -60,4 +60,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_fp8_quantize_rows);
 //   fp8_swiglu_rows(gate_up [R,2I] bf16, offsets [E+1] s32) -> values [R,I] f8e4m3fn, scales [R,I/128] f32
 //   h = bf16(SwiGLU(gate_up)) in 1x128 tiles, rows at or past offsets[E] zero.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_fp8_swiglu_rows);
+//   fp8_token_tiles(values [R,C] f8e4m3fn, scales [R,C/128] f32, row_factor [R] f32)
+//                   -> out [C,R] f8e4m3fn, out_scales [R/128,C] f32
+//   row_factor * dequantised values, requantised in 1x128 tiles along the rows, transposed.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_fp8_token_tiles);
 #endif

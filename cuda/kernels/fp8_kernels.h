@@ -56,4 +56,10 @@ Status QuantizeRows(const void* a, int64_t src_rows, const int32_t* index, int64
 Status SwigluQuantizeRows(const void* gate_up, const int32_t* rows_used, int64_t rows, int64_t inter, void* values,
                           float* scales, cudaStream_t stream);
 
+// The weight-gradient GEMMs' operand from a row operand (values e4m3 [rows, cols], scales float32 [rows, cols/128]):
+// d = row_factor[r] * (values * scale) in float32 (row_factor may be null: 1), requantised in 1x128 tiles along the
+// rows: out e4m3 [cols, rows] (transposed), out_scales float32 [rows/128, cols]. rows and cols multiples of 128.
+Status RequantizeTokenTiles(const void* values, const float* scales, const float* row_factor, int64_t rows,
+                            int64_t cols, void* out, float* out_scales, cudaStream_t stream);
+
 }  // namespace jmm::cuda

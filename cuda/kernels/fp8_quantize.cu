@@ -4,7 +4,10 @@
 //   QuantizeWeightBlocks  128x128 blocks of each expert's matrix, as it is or transposed
 //   QuantizeRows          1x128 tiles of rows gathered by index (the tokens' rows in the padded row layout)
 //   SwigluQuantizeRows    h = SwiGLU(gate, up) rounded to bf16, then its 1x128 tiles
+//   RequantizeTokenTiles  a row operand's dequantised values (times a per-row factor) in 1x128 tiles along the
+//                         rows, transposed: the weight-gradient GEMMs' operands
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include "kernels/device_math.cuh"
@@ -151,6 +154,49 @@ __global__ void __launch_bounds__(kRowThreads)
   WriteTile(h, lane, values + r * inter + c, scales + tile);
 }
 
+// --- Token tiles: one CTA per 128x128 tile (blockIdx.x: column tile, y: row tile), a column's 128 rows per thread
+// pair: thread t handles column t % 128, rows (t / 128) * 64 .. + 63.
+constexpr int kTokenThreads = 256;
+constexpr int kRowsPerThread = kBlock * kBlock / kTokenThreads;  // 64
+
+__global__ void __launch_bounds__(kTokenThreads)
+    RequantizeTokenTilesKernel(const __nv_fp8_storage_t* __restrict__ values, const float* __restrict__ scales,
+                               const float* __restrict__ row_factor, int64_t rows, int64_t cols,
+                               __nv_fp8_storage_t* __restrict__ out, float* __restrict__ out_scales) {
+  __shared__ float half_amax[2][kBlock];
+  __shared__ __nv_fp8_storage_t tile[kBlock][kBlock + 4];  // [column][row]: written by column, read by row
+  const int64_t r0 = int64_t{blockIdx.y} * kBlock, c0 = int64_t{blockIdx.x} * kBlock;
+  const int col = threadIdx.x % kBlock, half = threadIdx.x / kBlock;
+  const int64_t c = c0 + col;
+  float d[kRowsPerThread];
+  float amax = 0.0f;
+#pragma unroll 8
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int64_t r = r0 + half * kRowsPerThread + i;
+    // the row GEMM's dequantised value, as XLA's dequantize computes it, then the factor
+    float v = __half2float(__nv_cvt_fp8_to_halfraw(values[r * cols + c], __NV_E4M3)) *
+              scales[r * (cols / kBlock) + c / kBlock];
+    if (row_factor != nullptr) v = row_factor[r] * v;
+    d[i] = v;
+    amax = fmaxf(amax, fabsf(v));
+  }
+  half_amax[half][col] = amax;
+  __syncthreads();
+  const float scale = Fp8Scale(fmaxf(half_amax[0][col], half_amax[1][col]));
+  if (half == 0) out_scales[int64_t{blockIdx.y} * cols + c] = scale;
+#pragma unroll 8
+  for (int i = 0; i < kRowsPerThread; ++i) tile[col][half * kRowsPerThread + i] = ToE4m3(d[i], scale);
+  __syncthreads();
+  // out [cols, rows]: row c0 + j of the output holds the tile's column j; 8 bytes per thread per step.
+  for (int idx = threadIdx.x; idx < kBlock * kBlock / 8; idx += kTokenThreads) {
+    const int j = idx / (kBlock / 8), k = (idx % (kBlock / 8)) * 8;
+    Vec<__nv_fp8_storage_t, 8> bytes;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) bytes.v[q] = tile[j][k + q];
+    *reinterpret_cast<Vec<__nv_fp8_storage_t, 8>*>(out + (c0 + j) * rows + r0 + k) = bytes;
+  }
+}
+
 Status Launched(const char* what) {
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return std::string(what) + " launch failed: " + cudaGetErrorString(err);
@@ -200,6 +246,18 @@ Status SwigluQuantizeRows(const void* gate_up, const int32_t* rows_used, int64_t
       static_cast<const __nv_bfloat16*>(gate_up), rows_used, rows, inter, static_cast<__nv_fp8_storage_t*>(values),
       scales);
   return Launched("SwigluQuantizeRows");
+}
+
+Status RequantizeTokenTiles(const void* values, const float* scales, const float* row_factor, int64_t rows,
+                            int64_t cols, void* out, float* out_scales, cudaStream_t stream) {
+  if (rows % kBlock != 0 || cols % kBlock != 0) return "RequantizeTokenTiles: rows and cols must be multiples of 128";
+  if (rows == 0 || cols == 0) return {};
+  if (rows / kBlock > 65535) return "RequantizeTokenTiles: too many row tiles";
+  const dim3 grid(static_cast<unsigned>(cols / kBlock), static_cast<unsigned>(rows / kBlock));
+  RequantizeTokenTilesKernel<<<grid, kTokenThreads, 0, stream>>>(static_cast<const __nv_fp8_storage_t*>(values), scales,
+                                                                 row_factor, rows, cols,
+                                                                 static_cast<__nv_fp8_storage_t*>(out), out_scales);
+  return Launched("RequantizeTokenTiles");
 }
 
 }  // namespace jmm::cuda

@@ -3,8 +3,8 @@ kernels on Hopper's FP8 tensor cores, or on CPU their emulation in float32 (dequ
 outputs), so that CI runs every step around the kernels.
 
 CUDA kernels quantise the operands in one pass each, writing the layout each GEMM takes (`fp8_weight_blocks`,
-`fp8_row_operand`, `fp8_hidden`; XLA's fusions on CPU), except the backward's dz and the weight gradients'
-transposed operands, which XLA quantises; the GEMMs take e4m3 values with float32 scales:
+`fp8_row_operand`, `fp8_hidden`, `fp8_token_tiles`; XLA's fusions on CPU), except the backward's dz, which XLA
+quantises; the GEMMs take e4m3 values with float32 scales:
   rows GEMM    gate_up = q(x) . q(Wgu), out = q(h) . q(Wd), g = q(dy) . q(Wd)^T, dx rows = q(dz) . q(Wgu)^T
   weight GEMM  dWd = qt(q(h))^T . qt(weights * q(dy)), dWgu = qt(q(x))^T . qt(q(dz))
 Rows live in a padded expert-sorted order: each expert's rows (stable in (token, k) order) start at a multiple of
@@ -85,7 +85,7 @@ def fp8_weight_gemm(
     a: `[M, P]`, b: `[N, P]` e4m3fn, token-contiguous (the transposed row operands), expert e's tokens at columns
     `[token_offsets[e], token_offsets[e + 1])`, each boundary a multiple of 128 (every expert's rows padded to a
     whole number of 128-token tiles); sfa `[P/128, M]`, sfb `[P/128, N]` float32: the scales of 1x128 tiles along
-    the tokens, counted from each expert's first row (`token_tiles` builds all four). M, N, P multiples of 128.
+    the tokens, counted from each expert's first row (`xla_token_tiles` builds all four). M, N, P multiples of 128.
     Columns past `token_offsets[E]` are not read. Experts without tokens get zeros. CUDA only
     (`jmm_cuda_fp8_weight_gemm`)."""
     m, tokens = a.shape
@@ -196,20 +196,6 @@ def xla_hidden(gate_up: jax.Array, offsets: jax.Array) -> tuple[jax.Array, jax.A
     return quantize(_used(h, offsets), (1, BLOCK))
 
 
-class _Kernels(NamedTuple):
-    rows: Callable  # fp8_rows_gemm's contract
-    weight: Callable  # fp8_weight_gemm's
-    blocks: Callable  # fp8_weight_blocks'
-    row_operand: Callable  # xla_row_operand's
-    hidden: Callable  # xla_hidden's
-
-
-KERNELS = {
-    "cuda": _Kernels(fp8_rows_gemm, fp8_weight_gemm, fp8_weight_blocks, fp8_row_operand, fp8_hidden),
-    "cpu": _Kernels(emulated_rows_gemm, emulated_weight_gemm, xla_weight_blocks, xla_row_operand, xla_hidden),
-}
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The padded row layout and the operands.
 
@@ -248,13 +234,35 @@ def _used(rows: jax.Array, offsets: jax.Array) -> jax.Array:
     return jnp.where((jnp.arange(rows.shape[0]) < offsets[-1])[:, None], rows, 0)
 
 
-def token_tiles(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`rows [R, C]` (float32, padded layout) as the weight GEMM's operand: values `[C, R]` e4m3fn quantised in
-    1x128 tiles along the rows, scales `[R/128, C]`."""
+def xla_token_tiles(values: jax.Array, scales: jax.Array, row_factor=None) -> tuple[jax.Array, jax.Array]:
+    """A row operand (`values [R, C]` e4m3fn, `scales [R, C/128]`, padded layout) as the weight GEMM's operand:
+    `row_factor [R] * dequantize(values, scales)` (factor 1 when None) requantised in 1x128 tiles along the rows,
+    values `[C, R]`, scales `[R/128, C]`."""
+    rows = dequantize(values, scales, (1, BLOCK))
+    if row_factor is not None:
+        rows = row_factor[:, None] * rows
     tiles = rows.reshape(rows.shape[0] // BLOCK, BLOCK, rows.shape[1])
-    scales = fp8._scale(jnp.max(jnp.abs(tiles), axis=1))
-    values = fp8._to_fp8(tiles, scales[:, None, :]).reshape(rows.shape)
-    return values.T, scales
+    out_scales = fp8._scale(jnp.max(jnp.abs(tiles), axis=1))
+    out = fp8._to_fp8(tiles, out_scales[:, None, :]).reshape(rows.shape)
+    return out.T, out_scales
+
+
+def fp8_token_tiles(values: jax.Array, scales: jax.Array, row_factor=None) -> tuple[jax.Array, jax.Array]:
+    """`xla_token_tiles` in one CUDA pass (`jmm_cuda_fp8_token_tiles`)."""
+    rows, cols = values.shape
+    if rows % BLOCK or cols % BLOCK:
+        raise ValueError(f"fp8_token_tiles needs both sizes multiples of {BLOCK}, got {values.shape}")
+    factor = jnp.ones((rows,), jnp.float32) if row_factor is None else row_factor.astype(jnp.float32)
+    return _ffi.call(
+        _targets.FP8_TOKEN_TILES,
+        (
+            jax.ShapeDtypeStruct((cols, rows), fp8.FP8_DTYPE),
+            jax.ShapeDtypeStruct((rows // BLOCK, cols), jnp.float32),
+        ),
+        values,
+        scales,
+        factor,
+    )
 
 
 def _pair_sum(rows: jax.Array, row_of_pair: jax.Array, top_k: int, weights=None) -> jax.Array:
@@ -263,6 +271,23 @@ def _pair_sum(rows: jax.Array, row_of_pair: jax.Array, top_k: int, weights=None)
     if weights is not None:
         picked = picked * weights.reshape(-1, 1).astype(jnp.float32)
     return picked.reshape(-1, top_k, rows.shape[1]).sum(axis=1)
+
+
+class _Kernels(NamedTuple):
+    rows: Callable  # fp8_rows_gemm's contract
+    weight: Callable  # fp8_weight_gemm's
+    blocks: Callable  # fp8_weight_blocks'
+    row_operand: Callable  # xla_row_operand's
+    hidden: Callable  # xla_hidden's
+    token_tiles: Callable  # xla_token_tiles'
+
+
+KERNELS = {
+    "cuda": _Kernels(fp8_rows_gemm, fp8_weight_gemm, fp8_weight_blocks, fp8_row_operand, fp8_hidden, fp8_token_tiles),
+    "cpu": _Kernels(
+        emulated_rows_gemm, emulated_weight_gemm, xla_weight_blocks, xla_row_operand, xla_hidden, xla_token_tiles
+    ),
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -332,16 +357,16 @@ def _moe_ffn_fp8_bwd(implementation, residuals, dy):
     dx = _pair_sum(dx_rows, layout.row_of_pair, s.top_k)[:, : s.hidden]
     d_weights = jnp.take(d_row_weights, layout.row_of_pair, mode="fill", fill_value=0).reshape(weights.shape)
     d_w_down = kernels.weight(
-        *token_tiles(h),
-        *token_tiles(row_weights[:, None] * dequantize(dyv, dys, (1, BLOCK))),
+        *kernels.token_tiles(hv, hs),
+        *kernels.token_tiles(dyv, dys, row_weights),
         layout.offsets,
         s.experts,
         w_down.dtype,
     )
     xv, xs = kernels.row_operand(_pad_hidden(x, s), token_of_row)
     d_w_gate_up = kernels.weight(
-        *token_tiles(dequantize(xv, xs, (1, BLOCK))),
-        *token_tiles(dequantize(dzv, dzs, (1, BLOCK))),
+        *kernels.token_tiles(xv, xs),
+        *kernels.token_tiles(dzv, dzs),
         layout.offsets,
         s.experts,
         w_gate_up.dtype,
