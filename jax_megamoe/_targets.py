@@ -103,13 +103,14 @@ NVLINK_MOE_BACKWARD = Target(
 )
 
 # The "fp8_blockwise" recipe's kernels (contract: jax_megamoe/ops/fp8_gemms.py: fp8_rows_gemm, fp8_weight_gemm,
-# fp8_weight_blocks, fp8_row_operand, fp8_hidden, fp8_token_tiles).
+# fp8_weight_blocks, fp8_row_operand, fp8_hidden, fp8_token_tiles, fp8_hidden_grad).
 FP8_ROWS_GEMM = Target("jmm_cuda_fp8_rows_gemm", "CUDA", workspace_query="jmm_cuda_fp8_rows_gemm_workspace_bytes")
 FP8_WEIGHT_GEMM = Target("jmm_cuda_fp8_weight_gemm", "CUDA", workspace_query="jmm_cuda_fp8_weight_gemm_workspace_bytes")
 FP8_QUANTIZE_BLOCKS = Target("jmm_cuda_fp8_quantize_blocks", "CUDA", attrs=("transpose",))
 FP8_QUANTIZE_ROWS = Target("jmm_cuda_fp8_quantize_rows", "CUDA")
 FP8_SWIGLU_ROWS = Target("jmm_cuda_fp8_swiglu_rows", "CUDA")
 FP8_TOKEN_TILES = Target("jmm_cuda_fp8_token_tiles", "CUDA")
+FP8_SWIGLU_GRAD_ROWS = Target("jmm_cuda_fp8_swiglu_grad_rows", "CUDA")
 
 
 def all_targets() -> tuple[Target, ...]:
@@ -127,4 +128,5 @@ def all_targets() -> tuple[Target, ...]:
         FP8_QUANTIZE_ROWS,
         FP8_SWIGLU_ROWS,
         FP8_TOKEN_TILES,
+        FP8_SWIGLU_GRAD_ROWS,
     )

@@ -198,6 +198,32 @@ def test_swiglu_rows_are_the_rule():
     assert np.linalg.norm(got - want) <= 1e-3 * np.linalg.norm(want)
 
 
+def test_swiglu_grad_rows_are_the_rule():
+    """dz = SwiGLU'(gate, up) applied to w * g in float32, in 1x128 tiles along 2I; the rows past offsets[E] zero.
+    float32 exp may differ from numpy's by an ulp: near, not bit for bit."""
+    rng = seeded_rng("fp8 swiglu grad rows")
+    rows, inter, used = 640, 256, 500
+    gate_up = np.asarray(jnp.asarray(rng.standard_normal((rows, 2 * inter)) * 3, jnp.bfloat16).astype(jnp.float32))
+    g = rng.standard_normal((rows, inter)).astype(np.float32)
+    w = rng.uniform(0, 1, rows).astype(np.float32)
+    offsets = jnp.asarray([0, 256, 384, used], jnp.int32)
+    values, scales = jax.jit(fp8_gemms.fp8_hidden_grad)(
+        jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(g), jnp.asarray(w), offsets
+    )
+    gate, up = gate_up[:, :inter].astype(np.float64), gate_up[:, inter:].astype(np.float64)
+    sig = 1 / (1 + np.exp(-gate))
+    dh = w[:, None].astype(np.float64) * g
+    dz = np.concatenate([dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig], axis=1).astype(np.float32)
+    dz[used:] = 0
+    want_values, want_scales = np_quantize_rows(dz, np.float32)
+    got_values = np.asarray(values).astype(np.float64)
+    assert np.all(got_values[used:] == 0) and np.all(np.asarray(scales)[used:] == 1)
+    assert np.mean(got_values == want_values) > 0.999
+    got = got_values.reshape(rows, -1, 128) * np.asarray(scales)[..., None]
+    want = want_values.reshape(rows, -1, 128) * want_scales[..., None]
+    assert np.linalg.norm(got - want) <= 1e-3 * np.linalg.norm(want)
+
+
 def np_token_tiles(values, scales, factor):
     """The rule in float32 numpy: factor * (values * scale) requantised in 1x128 tiles along the rows, transposed."""
     rows, cols = values.shape

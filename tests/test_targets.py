@@ -35,6 +35,7 @@ CONTRACT = {
     "jmm_cuda_fp8_quantize_rows": "CUDA",
     "jmm_cuda_fp8_swiglu_rows": "CUDA",
     "jmm_cuda_fp8_token_tiles": "CUDA",
+    "jmm_cuda_fp8_swiglu_grad_rows": "CUDA",
 }
 # The CUDA GEMM targets' tile attributes, each taking only the ones it uses.
 TILE_ATTRIBUTES = {

@@ -148,6 +148,32 @@ ffi::Error Fp8SwigluRowsCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> gate_up
   return ffi::Error::Success();
 }
 
+ffi::Error Fp8SwigluGradRowsCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> gate_up, ffi::Buffer<ffi::F32> g,
+                                 ffi::Buffer<ffi::F32> row_weight, ffi::Buffer<ffi::S32> offsets,
+                                 ffi::Result<ffi::AnyBuffer> values, ffi::Result<ffi::Buffer<ffi::F32>> scales) {
+  const std::string shapes =
+      "gate_up [R, 2I] bfloat16 with I a multiple of 128, g [R, I] float32, row_weight [R] float32, offsets [E + 1] "
+      "int32, values [R, 2I] float8_e4m3fn, scales [R, 2I/128] float32";
+  const auto gd = gate_up.dimensions(), ggd = g.dimensions(), vd = values->dimensions(), sd = scales->dimensions();
+  if (values->element_type() != ffi::F8E4M3FN) {
+    return InvalidArgument("fp8 SwiGLU gradient rows: dtypes disagree with " + shapes);
+  }
+  if (gd.size() != 2 || ggd.size() != 2 || vd.size() != 2 || sd.size() != 2 || row_weight.dimensions().size() != 1 ||
+      offsets.dimensions().size() != 1 || offsets.element_count() == 0) {
+    return InvalidArgument("fp8 SwiGLU gradient rows: ranks disagree with " + shapes);
+  }
+  const int64_t R = gd[0], I = gd[1] / 2;
+  if (gd[1] % 2 != 0 || I % 128 != 0 || ggd[0] != R || ggd[1] != I || row_weight.dimensions()[0] != R || vd[0] != R ||
+      vd[1] != 2 * I || sd[0] != R || sd[1] != 2 * I / 128) {
+    return InvalidArgument("fp8 SwiGLU gradient rows: shapes disagree with " + shapes);
+  }
+  const int32_t* rows_used = offsets.typed_data() + offsets.element_count() - 1;  // offsets[E], on the device
+  JMM_CUDA_TRY("fp8 SwiGLU gradient rows",
+               cuda::SwigluGradQuantizeRows(gate_up.untyped_data(), g.typed_data(), row_weight.typed_data(), rows_used,
+                                            R, I, values->untyped_data(), scales->typed_data(), stream));
+  return ffi::Error::Success();
+}
+
 ffi::Error Fp8TokenTilesCuda(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buffer<ffi::F32> scales,
                              ffi::Buffer<ffi::F32> row_factor, ffi::Result<ffi::AnyBuffer> out,
                              ffi::Result<ffi::Buffer<ffi::F32>> out_scales) {
@@ -234,4 +260,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_fp8_token_tiles, jmm::Fp8TokenTilesCuda,
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // row_factor
                                   .Ret<xla::ffi::AnyBuffer>()               // out
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // out_scales
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cuda_fp8_swiglu_grad_rows, jmm::Fp8SwigluGradRowsCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // gate_up
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // g
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // row_weight
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // offsets
+                                  .Ret<xla::ffi::AnyBuffer>()               // values
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // scales
                               {xla::ffi::Traits::kCmdBufferCompatible});

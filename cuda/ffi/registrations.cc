@@ -47,6 +47,7 @@ nb::dict Registrations() {
   table["jmm_cuda_fp8_quantize_rows"] = Capsule(jmm_cuda_fp8_quantize_rows);
   table["jmm_cuda_fp8_swiglu_rows"] = Capsule(jmm_cuda_fp8_swiglu_rows);
   table["jmm_cuda_fp8_token_tiles"] = Capsule(jmm_cuda_fp8_token_tiles);
+  table["jmm_cuda_fp8_swiglu_grad_rows"] = Capsule(jmm_cuda_fp8_swiglu_grad_rows);
 #endif
   return table;
 }

@@ -64,4 +64,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_fp8_swiglu_rows);
 //                   -> out [C,R] f8e4m3fn, out_scales [R/128,C] f32
 //   row_factor * dequantised values, requantised in 1x128 tiles along the rows, transposed.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_fp8_token_tiles);
+//   fp8_swiglu_grad_rows(gate_up [R,2I] bf16, g [R,I] f32, row_weight [R] f32, offsets [E+1] s32)
+//                        -> values [R,2I] f8e4m3fn, scales [R,2I/128] f32
+//   dz = SwiGLU'(gate_up) applied to row_weight * g, in 1x128 tiles, rows at or past offsets[E] zero.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_fp8_swiglu_grad_rows);
 #endif

@@ -56,6 +56,12 @@ Status QuantizeRows(const void* a, int64_t src_rows, const int32_t* index, int64
 Status SwigluQuantizeRows(const void* gate_up, const int32_t* rows_used, int64_t rows, int64_t inter, void* values,
                           float* scales, cudaStream_t stream);
 
+// dz = SwiGLU'(gate_up [rows, 2 * inter] bf16) applied to dh = row_weight[r] * g[r] (g float32 [rows, inter]) in
+// float32 (device_math.cuh's SwigluGateGrad / SwigluUpGrad), rows at or past *rows_used zero, quantised in 1x128
+// tiles: values e4m3 [rows, 2 * inter], scales float32 [rows, 2 * inter / 128]. inter a multiple of 128.
+Status SwigluGradQuantizeRows(const void* gate_up, const float* g, const float* row_weight, const int32_t* rows_used,
+                              int64_t rows, int64_t inter, void* values, float* scales, cudaStream_t stream);
+
 // The weight-gradient GEMMs' operand from a row operand (values e4m3 [rows, cols], scales float32 [rows, cols/128]):
 // d = row_factor[r] * (values * scale) in float32 (row_factor may be null: 1), requantised in 1x128 tiles along the
 // rows: out e4m3 [cols, rows] (transposed), out_scales float32 [rows/128, cols]. rows and cols multiples of 128.

@@ -4,6 +4,7 @@
 //   QuantizeWeightBlocks  128x128 blocks of each expert's matrix, as it is or transposed
 //   QuantizeRows          1x128 tiles of rows gathered by index (the tokens' rows in the padded row layout)
 //   SwigluQuantizeRows    h = SwiGLU(gate, up) rounded to bf16, then its 1x128 tiles
+//   SwigluGradQuantizeRows  dz = SwiGLU'(gate, up) applied to weight * g in float32, then its 1x128 tiles
 //   RequantizeTokenTiles  a row operand's dequantised values (times a per-row factor) in 1x128 tiles along the
 //                         rows, transposed: the weight-gradient GEMMs' operands
 #include <cuda_bf16.h>
@@ -154,6 +155,39 @@ __global__ void __launch_bounds__(kRowThreads)
   WriteTile(h, lane, values + r * inter + c, scales + tile);
 }
 
+// Tile (r, t) of dz [rows, 2 * inter]: tiles t < inter / 128 are the gate half's, the rest the up half's (inter a
+// multiple of 128, so no tile straddles them); dz = SwiGLU'(gate_up[r]) applied to dh = row_weight[r] * g[r] in
+// float32; rows at or past *rows_used are zero.
+__global__ void __launch_bounds__(kRowThreads)
+    SwigluGradQuantizeRowsKernel(const __nv_bfloat16* __restrict__ gate_up, const float* __restrict__ g,
+                                 const float* __restrict__ row_weight, const int32_t* __restrict__ rows_used,
+                                 int64_t rows, int64_t inter, __nv_fp8_storage_t* __restrict__ values,
+                                 float* __restrict__ scales) {
+  const int64_t tiles_per_row = 2 * inter / kBlock;
+  const int64_t tile = int64_t{blockIdx.x} * kTilesPerCta + threadIdx.x / 32;
+  if (tile >= rows * tiles_per_row) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t r = tile / tiles_per_row, t = tile % tiles_per_row;
+  const bool gate_half = t < tiles_per_row / 2;
+  const int64_t c = (gate_half ? t : t - tiles_per_row / 2) * kBlock + lane * kPerLane;  // column within a half
+  float dz[kPerLane] = {};
+  if (r < *rows_used) {
+    const __nv_bfloat16* row = gate_up + r * 2 * inter;
+    const auto gate = *reinterpret_cast<const Vec<__nv_bfloat16, kPerLane>*>(row + c);
+    const auto gr = *reinterpret_cast<const Vec<float, kPerLane>*>(g + r * inter + c);
+    const float w = row_weight[r];
+    if (gate_half) {
+      const auto up = *reinterpret_cast<const Vec<__nv_bfloat16, kPerLane>*>(row + inter + c);
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) dz[j] = SwigluGateGrad(ToFloat(gate.v[j]), ToFloat(up.v[j]), w * gr.v[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) dz[j] = SwigluUpGrad(ToFloat(gate.v[j]), w * gr.v[j]);
+    }
+  }
+  WriteTile(dz, lane, values + r * 2 * inter + t * kBlock, scales + tile);
+}
+
 // --- Token tiles: one CTA per 128x128 tile (blockIdx.x: column tile, y: row tile), a column's 128 rows per thread
 // pair: thread t handles column t % 128, rows (t / 128) * 64 .. + 63.
 constexpr int kTokenThreads = 256;
@@ -258,6 +292,17 @@ Status RequantizeTokenTiles(const void* values, const float* scales, const float
                                                                  row_factor, rows, cols,
                                                                  static_cast<__nv_fp8_storage_t*>(out), out_scales);
   return Launched("RequantizeTokenTiles");
+}
+
+Status SwigluGradQuantizeRows(const void* gate_up, const float* g, const float* row_weight, const int32_t* rows_used,
+                              int64_t rows, int64_t inter, void* values, float* scales, cudaStream_t stream) {
+  if (inter % kBlock != 0) return "SwigluGradQuantizeRows: I must be a multiple of 128";
+  const int64_t tiles = rows * (2 * inter / kBlock);
+  if (tiles == 0) return {};
+  SwigluGradQuantizeRowsKernel<<<RowGrid(tiles), kRowThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(gate_up), g, row_weight, rows_used, rows, inter,
+      static_cast<__nv_fp8_storage_t*>(values), scales);
+  return Launched("SwigluGradQuantizeRows");
 }
 
 }  // namespace jmm::cuda

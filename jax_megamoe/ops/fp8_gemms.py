@@ -3,8 +3,8 @@ kernels on Hopper's FP8 tensor cores, or on CPU their emulation in float32 (dequ
 outputs), so that CI runs every step around the kernels.
 
 CUDA kernels quantise the operands in one pass each, writing the layout each GEMM takes (`fp8_weight_blocks`,
-`fp8_row_operand`, `fp8_hidden`, `fp8_token_tiles`; XLA's fusions on CPU), except the backward's dz, which XLA
-quantises; the GEMMs take e4m3 values with float32 scales:
+`fp8_row_operand`, `fp8_hidden`, `fp8_hidden_grad`, `fp8_token_tiles`; XLA's fusions on CPU); the GEMMs take e4m3
+values with float32 scales:
   rows GEMM    gate_up = q(x) . q(Wgu), out = q(h) . q(Wd), g = q(dy) . q(Wd)^T, dx rows = q(dz) . q(Wgu)^T
   weight GEMM  dWd = qt(q(h))^T . qt(weights * q(dy)), dWgu = qt(q(x))^T . qt(q(dz))
 Rows live in a padded expert-sorted order: each expert's rows (stable in (token, k) order) start at a multiple of
@@ -273,6 +273,30 @@ def _pair_sum(rows: jax.Array, row_of_pair: jax.Array, top_k: int, weights=None)
     return picked.reshape(-1, top_k, rows.shape[1]).sum(axis=1)
 
 
+def xla_hidden_grad(gate_up, g, row_weights, offsets) -> tuple[jax.Array, jax.Array]:
+    """q(dz): SwiGLU's derivative at the projections applied to `row_weights * g` in float32, the rows past the last
+    expert's zero, quantised along 2I."""
+    dz = fp8._swiglu_bwd(gate_up.astype(jnp.float32), row_weights[:, None] * g)
+    return quantize(_used(dz, offsets), (1, BLOCK))
+
+
+def fp8_hidden_grad(gate_up, g, row_weights, offsets) -> tuple[jax.Array, jax.Array]:
+    """`xla_hidden_grad` in one CUDA pass (`jmm_cuda_fp8_swiglu_grad_rows`): bf16 `gate_up [R, 2I]`, float32
+    `g [R, I]` and `row_weights [R]`, I a multiple of 128."""
+    rows, two_inter = gate_up.shape
+    return _ffi.call(
+        _targets.FP8_SWIGLU_GRAD_ROWS,
+        (
+            jax.ShapeDtypeStruct((rows, two_inter), fp8.FP8_DTYPE),
+            jax.ShapeDtypeStruct((rows, two_inter // BLOCK), jnp.float32),
+        ),
+        gate_up,
+        g.astype(jnp.float32),
+        row_weights.astype(jnp.float32),
+        offsets.astype(jnp.int32),
+    )
+
+
 class _Kernels(NamedTuple):
     rows: Callable  # fp8_rows_gemm's contract
     weight: Callable  # fp8_weight_gemm's
@@ -280,12 +304,27 @@ class _Kernels(NamedTuple):
     row_operand: Callable  # xla_row_operand's
     hidden: Callable  # xla_hidden's
     token_tiles: Callable  # xla_token_tiles'
+    hidden_grad: Callable  # xla_hidden_grad's
 
 
 KERNELS = {
-    "cuda": _Kernels(fp8_rows_gemm, fp8_weight_gemm, fp8_weight_blocks, fp8_row_operand, fp8_hidden, fp8_token_tiles),
+    "cuda": _Kernels(
+        fp8_rows_gemm,
+        fp8_weight_gemm,
+        fp8_weight_blocks,
+        fp8_row_operand,
+        fp8_hidden,
+        fp8_token_tiles,
+        fp8_hidden_grad,
+    ),
     "cpu": _Kernels(
-        emulated_rows_gemm, emulated_weight_gemm, xla_weight_blocks, xla_row_operand, xla_hidden, xla_token_tiles
+        emulated_rows_gemm,
+        emulated_weight_gemm,
+        xla_weight_blocks,
+        xla_row_operand,
+        xla_hidden,
+        xla_token_tiles,
+        xla_hidden_grad,
     ),
 }
 
@@ -351,8 +390,7 @@ def _moe_ffn_fp8_bwd(implementation, residuals, dy):
     h = dequantize(hv, hs, (1, BLOCK))
     row_weights = jnp.take(weights.reshape(-1).astype(jnp.float32), layout.pair_of_row, mode="fill", fill_value=0)
     d_row_weights = jnp.sum(h * g, axis=-1)
-    dz = _used(fp8._swiglu_bwd(gate_up.astype(jnp.float32), row_weights[:, None] * g), layout.offsets)
-    dzv, dzs = quantize(dz, (1, BLOCK))
+    dzv, dzs = kernels.hidden_grad(gate_up, g, row_weights, layout.offsets)
     dx_rows = kernels.rows(dzv, dzs, *kernels.blocks(wgu, transpose=False), layout.offsets)
     dx = _pair_sum(dx_rows, layout.row_of_pair, s.top_k)[:, : s.hidden]
     d_weights = jnp.take(d_row_weights, layout.row_of_pair, mode="fill", fill_value=0).reshape(weights.shape)
