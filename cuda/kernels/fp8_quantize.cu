@@ -231,13 +231,6 @@ __global__ void __launch_bounds__(kTokenThreads)
   }
 }
 
-Status Launched(const char* what) {
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
-    return std::string(what) + " launch failed: " + cudaGetErrorString(err);
-  }
-  return {};
-}
-
 unsigned RowGrid(int64_t tiles) { return static_cast<unsigned>((tiles + kTilesPerCta - 1) / kTilesPerCta); }
 
 }  // namespace
@@ -257,7 +250,7 @@ Status QuantizeWeightBlocks(const void* w, bool w_float32, int64_t experts, int6
     QuantizeBlocksKernel<<<grid, kBlockThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(w), rows, cols,
                                                              transpose, out, scales);
   }
-  return Launched("QuantizeWeightBlocks");
+  return LaunchStatus("QuantizeWeightBlocks");
 }
 
 Status QuantizeRows(const void* a, int64_t src_rows, const int32_t* index, int64_t rows, int64_t cols, void* values,
@@ -268,7 +261,7 @@ Status QuantizeRows(const void* a, int64_t src_rows, const int32_t* index, int64
   QuantizeRowsKernel<<<RowGrid(tiles), kRowThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(a), src_rows, index,
                                                                  rows, cols, static_cast<__nv_fp8_storage_t*>(values),
                                                                  scales);
-  return Launched("QuantizeRows");
+  return LaunchStatus("QuantizeRows");
 }
 
 Status SwigluQuantizeRows(const void* gate_up, const int32_t* rows_used, int64_t rows, int64_t inter, void* values,
@@ -279,7 +272,7 @@ Status SwigluQuantizeRows(const void* gate_up, const int32_t* rows_used, int64_t
   SwigluQuantizeRowsKernel<<<RowGrid(tiles), kRowThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(gate_up), rows_used, rows, inter, static_cast<__nv_fp8_storage_t*>(values),
       scales);
-  return Launched("SwigluQuantizeRows");
+  return LaunchStatus("SwigluQuantizeRows");
 }
 
 Status RequantizeTokenTiles(const void* values, const float* scales, const float* row_factor, int64_t rows,
@@ -291,7 +284,7 @@ Status RequantizeTokenTiles(const void* values, const float* scales, const float
   RequantizeTokenTilesKernel<<<grid, kTokenThreads, 0, stream>>>(static_cast<const __nv_fp8_storage_t*>(values), scales,
                                                                  row_factor, rows, cols,
                                                                  static_cast<__nv_fp8_storage_t*>(out), out_scales);
-  return Launched("RequantizeTokenTiles");
+  return LaunchStatus("RequantizeTokenTiles");
 }
 
 Status SwigluGradQuantizeRows(const void* gate_up, const float* g, const float* row_weight, const int32_t* rows_used,
@@ -302,7 +295,7 @@ Status SwigluGradQuantizeRows(const void* gate_up, const float* g, const float* 
   SwigluGradQuantizeRowsKernel<<<RowGrid(tiles), kRowThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(gate_up), g, row_weight, rows_used, rows, inter,
       static_cast<__nv_fp8_storage_t*>(values), scales);
-  return Launched("SwigluGradQuantizeRows");
+  return LaunchStatus("SwigluGradQuantizeRows");
 }
 
 }  // namespace jmm::cuda
