@@ -96,142 +96,214 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
-// --- 1x128 row tiles: one warp per tile, 4 elements a lane.
+// --- 1x128 row tiles: a half-warp per tile, 8 consecutive elements a lane, each warp two tiles per step and
+// kRowSteps steps, every step's loads issued before any is used (the pass is bound by the bytes in flight). An Op
+// loads a lane's inputs for row r, columns c..c+7 (`Load`), and makes its 8 values from them (`Compute`).
 constexpr int kRowThreads = 256;
-constexpr int kTilesPerCta = kRowThreads / 32;
-constexpr int kPerLane = kBlock / 32;
+constexpr int kPerLane = 8;
+constexpr int kLanesPerTile = kBlock / kPerLane;  // 16
+constexpr int kRowSteps = 4;
+constexpr int kTilesPerWarp = 2 * kRowSteps;
+constexpr int kTilesPerCta = kRowThreads / 32 * kTilesPerWarp;
 
-__device__ __forceinline__ void WriteTile(const float (&h)[kPerLane], int lane, __nv_fp8_storage_t* values,
-                                          float* scale_out) {
-  float amax = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j) amax = fmaxf(amax, fabsf(h[j]));
-  const float scale = Fp8Scale(WarpMax(amax));
-  Vec<__nv_fp8_storage_t, kPerLane> out;
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j) out.v[j] = ToE4m3(h[j], scale);
-  *reinterpret_cast<Vec<__nv_fp8_storage_t, kPerLane>*>(values + lane * kPerLane) = out;
-  if (lane == 0) *scale_out = scale;
-}
-
-// Tile (r, c) of the output: row r of a is a[index[r]] (a zero row for an index outside [0, src_rows)).
+template <class Op>
 __global__ void __launch_bounds__(kRowThreads)
-    QuantizeRowsKernel(const __nv_bfloat16* __restrict__ a, int64_t src_rows, const int32_t* __restrict__ index,
-                       int64_t rows, int64_t cols, __nv_fp8_storage_t* __restrict__ values,
-                       float* __restrict__ scales) {
-  const int64_t tiles_per_row = cols / kBlock;
-  const int64_t tile = int64_t{blockIdx.x} * kTilesPerCta + threadIdx.x / 32;
-  if (tile >= rows * tiles_per_row) return;
+    RowTilesKernel(Op op, int64_t tiles, int64_t tiles_per_row, __nv_fp8_storage_t* __restrict__ values,
+                   float* __restrict__ scales) {
   const int lane = threadIdx.x % 32;
-  const int64_t r = tile / tiles_per_row, c = (tile % tiles_per_row) * kBlock;
-  const int64_t src = index[r];
-  float h[kPerLane] = {};
-  if (src >= 0 && src < src_rows) {
-    const auto in = *reinterpret_cast<const Vec<__nv_bfloat16, kPerLane>*>(a + src * cols + c + lane * kPerLane);
+  const int64_t warp = int64_t{blockIdx.x} * (kRowThreads / 32) + threadIdx.x / 32;
+  const int64_t first = warp * kTilesPerWarp + lane / kLanesPerTile;
+  const int64_t col = (lane % kLanesPerTile) * kPerLane;
+  typename Op::Loaded in[kRowSteps] = {};
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) h[j] = ToFloat(in.v[j]);
+  for (int s = 0; s < kRowSteps; ++s) {
+    const int64_t tile = first + 2 * s;
+    if (tile < tiles) in[s] = op.Load(tile / tiles_per_row, (tile % tiles_per_row) * kBlock + col);
   }
-  WriteTile(h, lane, values + r * cols + c, scales + tile);
-}
-
-// Tile (r, c) of h = bf16(SwiGLU(gate_up[r, c..], gate_up[r, I + c..])); rows at or past *rows_used are zero.
-__global__ void __launch_bounds__(kRowThreads)
-    SwigluQuantizeRowsKernel(const __nv_bfloat16* __restrict__ gate_up, const int32_t* __restrict__ rows_used,
-                             int64_t rows, int64_t inter, __nv_fp8_storage_t* __restrict__ values,
-                             float* __restrict__ scales) {
-  const int64_t tiles_per_row = inter / kBlock;
-  const int64_t tile = int64_t{blockIdx.x} * kTilesPerCta + threadIdx.x / 32;
-  if (tile >= rows * tiles_per_row) return;
-  const int lane = threadIdx.x % 32;
-  const int64_t r = tile / tiles_per_row, c = (tile % tiles_per_row) * kBlock;
-  float h[kPerLane] = {};
-  if (r < *rows_used) {
-    const __nv_bfloat16* gate_row = gate_up + r * 2 * inter + c + lane * kPerLane;
-    const auto gate = *reinterpret_cast<const Vec<__nv_bfloat16, kPerLane>*>(gate_row);
-    const auto up = *reinterpret_cast<const Vec<__nv_bfloat16, kPerLane>*>(gate_row + inter);
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) h[j] = Round<__nv_bfloat16>(Swiglu(ToFloat(gate.v[j]), ToFloat(up.v[j])));
+  for (int s = 0; s < kRowSteps; ++s) {
+    const int64_t tile = first + 2 * s;
+    float v[kPerLane];
+    op.Compute(in[s], v);
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+    for (int offset = kLanesPerTile / 2; offset > 0; offset /= 2) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    }
+    if (tile >= tiles) continue;  // after the shuffles, which every lane takes part in
+    const float scale = Fp8Scale(amax);
+    Vec<__nv_fp8_storage_t, kPerLane> out;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) out.v[j] = ToE4m3(v[j], scale);
+    const int64_t r = tile / tiles_per_row, c = (tile % tiles_per_row) * kBlock + col;
+    *reinterpret_cast<Vec<__nv_fp8_storage_t, kPerLane>*>(values + r * tiles_per_row * kBlock + c) = out;
+    if (col == 0) scales[tile] = scale;
   }
-  WriteTile(h, lane, values + r * inter + c, scales + tile);
 }
 
-// Tile (r, t) of dz [rows, 2 * inter]: tiles t < inter / 128 are the gate half's, the rest the up half's (inter a
-// multiple of 128, so no tile straddles them); dz = SwiGLU'(gate_up[r]) applied to dh = row_weight[r] * g[r] in
-// float32; rows at or past *rows_used are zero.
-__global__ void __launch_bounds__(kRowThreads)
-    SwigluGradQuantizeRowsKernel(const __nv_bfloat16* __restrict__ gate_up, const float* __restrict__ g,
-                                 const float* __restrict__ row_weight, const int32_t* __restrict__ rows_used,
-                                 int64_t rows, int64_t inter, __nv_fp8_storage_t* __restrict__ values,
-                                 float* __restrict__ scales) {
-  const int64_t tiles_per_row = 2 * inter / kBlock;
-  const int64_t tile = int64_t{blockIdx.x} * kTilesPerCta + threadIdx.x / 32;
-  if (tile >= rows * tiles_per_row) return;
-  const int lane = threadIdx.x % 32;
-  const int64_t r = tile / tiles_per_row, t = tile % tiles_per_row;
-  const bool gate_half = t < tiles_per_row / 2;
-  const int64_t c = (gate_half ? t : t - tiles_per_row / 2) * kBlock + lane * kPerLane;  // column within a half
-  float dz[kPerLane] = {};
-  if (r < *rows_used) {
-    const __nv_bfloat16* row = gate_up + r * 2 * inter;
-    const auto gate = *reinterpret_cast<const Vec<__nv_bfloat16, kPerLane>*>(row + c);
-    const auto gr = *reinterpret_cast<const Vec<float, kPerLane>*>(g + r * inter + c);
-    const float w = row_weight[r];
-    if (gate_half) {
-      const auto up = *reinterpret_cast<const Vec<__nv_bfloat16, kPerLane>*>(row + inter + c);
+using Bf16x8 = Vec<__nv_bfloat16, kPerLane>;
+
+// Row r is a[index[r]] (a zero row for an index outside [0, src_rows)).
+struct IndexedRows {
+  const __nv_bfloat16* a;
+  int64_t src_rows, cols;
+  const int32_t* index;
+  struct Loaded {
+    Bf16x8 a;
+  };
+  __device__ Loaded Load(int64_t r, int64_t c) const {
+    const int64_t src = index[r];
+    Loaded in = {};
+    if (src >= 0 && src < src_rows) in.a = *reinterpret_cast<const Bf16x8*>(a + src * cols + c);
+    return in;
+  }
+  __device__ void Compute(const Loaded& in, float (&v)[kPerLane]) const {
 #pragma unroll
-      for (int j = 0; j < kPerLane; ++j) dz[j] = SwigluGateGrad(ToFloat(gate.v[j]), ToFloat(up.v[j]), w * gr.v[j]);
-    } else {
+    for (int j = 0; j < kPerLane; ++j) v[j] = ToFloat(in.a.v[j]);
+  }
+};
+
+// h = bf16(SwiGLU(gate_up[r, c..], gate_up[r, I + c..])); rows at or past *rows_used are zero.
+struct SwigluRows {
+  const __nv_bfloat16* gate_up;
+  const int32_t* rows_used;
+  int64_t inter;
+  struct Loaded {
+    Bf16x8 gate, up;
+  };
+  __device__ Loaded Load(int64_t r, int64_t c) const {
+    Loaded in = {};
+    if (r < *rows_used) {
+      const __nv_bfloat16* row = gate_up + r * 2 * inter + c;
+      in.gate = *reinterpret_cast<const Bf16x8*>(row);
+      in.up = *reinterpret_cast<const Bf16x8*>(row + inter);
+    }
+    return in;
+  }
+  __device__ void Compute(const Loaded& in, float (&v)[kPerLane]) const {
 #pragma unroll
-      for (int j = 0; j < kPerLane; ++j) dz[j] = SwigluUpGrad(ToFloat(gate.v[j]), w * gr.v[j]);
+    for (int j = 0; j < kPerLane; ++j) v[j] = Round<__nv_bfloat16>(Swiglu(ToFloat(in.gate.v[j]), ToFloat(in.up.v[j])));
+  }
+};
+
+// dz [rows, 2I]: columns c < I are the gate half's, the rest the up half's (I a multiple of 128, so no tile
+// straddles them); dz = SwiGLU'(gate_up[r]) applied to dh = row_weight[r] * g[r] in float32; rows at or past
+// *rows_used are zero.
+struct SwigluGradRows {
+  const __nv_bfloat16* gate_up;
+  const float* g;
+  const float* row_weight;
+  const int32_t* rows_used;
+  int64_t inter;
+  struct Loaded {
+    Bf16x8 gate, up;
+    Vec<float, kPerLane> g;
+    float weight;
+    bool gate_half;
+  };
+  __device__ Loaded Load(int64_t r, int64_t c) const {
+    Loaded in = {};
+    in.gate_half = c < inter;
+    const int64_t col = in.gate_half ? c : c - inter;
+    if (r < *rows_used) {
+      const __nv_bfloat16* row = gate_up + r * 2 * inter;
+      in.gate = *reinterpret_cast<const Bf16x8*>(row + col);
+      if (in.gate_half) in.up = *reinterpret_cast<const Bf16x8*>(row + inter + col);
+      in.g = *reinterpret_cast<const Vec<float, kPerLane>*>(g + r * inter + col);
+      in.weight = row_weight[r];
+    }
+    return in;
+  }
+  __device__ void Compute(const Loaded& in, float (&v)[kPerLane]) const {
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const float dh = in.weight * in.g.v[j], gate = ToFloat(in.gate.v[j]);
+      v[j] = in.gate_half ? SwigluGateGrad(gate, ToFloat(in.up.v[j]), dh) : SwigluUpGrad(gate, dh);
     }
   }
-  WriteTile(dz, lane, values + r * 2 * inter + t * kBlock, scales + tile);
-}
+};
 
-// --- Token tiles: one CTA per 128x128 tile (blockIdx.x: column tile, y: row tile), a column's 128 rows per thread
-// pair: thread t handles column t % 128, rows (t / 128) * 64 .. + 63.
+// --- Token tiles: one CTA per 128x128 tile (blockIdx.x: column tile, y: row tile). Thread t reads rows
+// 4q .. 4q+3 (q = t / 8) of columns 16k .. 16k+15 (k = t % 8) with four 16-byte loads, so the four bytes of a column
+// that it writes to the transposed tile are one word. The tile's words are swizzled (row quad q of column c at
+// q ^ 4 (c / 16 % 8)): both the word stores and the 16-byte reads of the transposed rows touch 32 banks.
 constexpr int kTokenThreads = 256;
-constexpr int kRowsPerThread = kBlock * kBlock / kTokenThreads;  // 64
+constexpr int kTokenCols = 16;  // per thread
+constexpr int kTokenRows = 4;   // per thread
 
-__global__ void __launch_bounds__(kTokenThreads)
+__device__ __forceinline__ int TileWord(int quad, int col) { return quad ^ (4 * (col / kTokenCols % 8)); }
+
+__global__ void __launch_bounds__(kTokenThreads, 3)
     RequantizeTokenTilesKernel(const __nv_fp8_storage_t* __restrict__ values, const float* __restrict__ scales,
                                const float* __restrict__ row_factor, int64_t rows, int64_t cols,
                                __nv_fp8_storage_t* __restrict__ out, float* __restrict__ out_scales) {
-  __shared__ float half_amax[2][kBlock];
-  __shared__ __nv_fp8_storage_t tile[kBlock][kBlock + 4];  // [column][row]: written by column, read by row
+  __shared__ float warp_amax[kTokenThreads / 32][kBlock];
+  __shared__ uint32_t tile[kBlock][kBlock / 4];  // [column][row quad]
   const int64_t r0 = int64_t{blockIdx.y} * kBlock, c0 = int64_t{blockIdx.x} * kBlock;
-  const int col = threadIdx.x % kBlock, half = threadIdx.x / kBlock;
-  const int64_t c = c0 + col;
-  float d[kRowsPerThread];
-  float amax = 0.0f;
-#pragma unroll 8
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    const int64_t r = r0 + half * kRowsPerThread + i;
-    // the row GEMM's dequantised value, as XLA's dequantize computes it, then the factor
-    float v = __half2float(__nv_cvt_fp8_to_halfraw(values[r * cols + c], __NV_E4M3)) *
-              scales[r * (cols / kBlock) + c / kBlock];
-    if (row_factor != nullptr) v = row_factor[r] * v;
-    d[i] = v;
-    amax = fmaxf(amax, fabsf(v));
-  }
-  half_amax[half][col] = amax;
-  __syncthreads();
-  const float scale = Fp8Scale(fmaxf(half_amax[0][col], half_amax[1][col]));
-  if (half == 0) out_scales[int64_t{blockIdx.y} * cols + c] = scale;
-#pragma unroll 8
-  for (int i = 0; i < kRowsPerThread; ++i) tile[col][half * kRowsPerThread + i] = ToE4m3(d[i], scale);
-  __syncthreads();
-  // out [cols, rows]: row c0 + j of the output holds the tile's column j; 8 bytes per thread per step.
-  for (int idx = threadIdx.x; idx < kBlock * kBlock / 8; idx += kTokenThreads) {
-    const int j = idx / (kBlock / 8), k = (idx % (kBlock / 8)) * 8;
-    Vec<__nv_fp8_storage_t, 8> bytes;
+  const int lane = threadIdx.x % 32, quad = threadIdx.x / 8, col = (threadIdx.x % 8) * kTokenCols;
+  Vec<__nv_fp8_storage_t, kTokenCols> raw[kTokenRows];
+  float row_scale[kTokenRows], factor[kTokenRows];
 #pragma unroll
-    for (int q = 0; q < 8; ++q) bytes.v[q] = tile[j][k + q];
-    *reinterpret_cast<Vec<__nv_fp8_storage_t, 8>*>(out + (c0 + j) * rows + r0 + k) = bytes;
+  for (int i = 0; i < kTokenRows; ++i) {
+    const int64_t r = r0 + quad * kTokenRows + i;
+    raw[i] = *reinterpret_cast<const Vec<__nv_fp8_storage_t, kTokenCols>*>(values + r * cols + c0 + col);
+    row_scale[i] = scales[r * (cols / kBlock) + c0 / kBlock];
+    factor[i] = row_factor != nullptr ? row_factor[r] : 1.0f;
+  }
+  // the row GEMM's dequantised value, as XLA's dequantize computes it, then the factor
+  auto value = [&](int i, int j) {
+    const float v = __half2float(__nv_cvt_fp8_to_halfraw(raw[i].v[j], __NV_E4M3)) * row_scale[i];
+    return row_factor != nullptr ? factor[i] * v : v;
+  };
+  float amax[kTokenCols];
+#pragma unroll
+  for (int j = 0; j < kTokenCols; ++j) {
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kTokenRows; ++i) m = fmaxf(m, fabsf(value(i, j)));
+    // the warp's four row quads of this column: lanes 8 apart
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+    amax[j] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+  }
+  if (lane < 8) {
+#pragma unroll
+    for (int j = 0; j < kTokenCols; ++j) warp_amax[threadIdx.x / 32][col + j] = amax[j];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kTokenCols; ++j) {
+    float m = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kTokenThreads / 32; ++w) m = fmaxf(m, warp_amax[w][col + j]);
+    const float scale = Fp8Scale(m);
+    if (quad == 0) out_scales[int64_t{blockIdx.y} * cols + c0 + col + j] = scale;
+    uint32_t word = 0;
+#pragma unroll
+    for (int i = 0; i < kTokenRows; ++i) word |= uint32_t{ToE4m3(value(i, j), scale)} << (8 * i);
+    tile[col + j][TileWord(quad, col + j)] = word;
+  }
+  __syncthreads();
+  // out [cols, rows]: row c0 + c of the output is the tile's column c; 16 bytes (four row quads) per thread and pass.
+#pragma unroll
+  for (int p = 0; p < kBlock * kBlock / 16 / kTokenThreads; ++p) {
+    const int c = threadIdx.x / 8 + p * (kTokenThreads / 8), quads = (threadIdx.x % 8) * 4;
+    const uint4 bytes = *reinterpret_cast<const uint4*>(&tile[c][TileWord(quads, c)]);
+    *reinterpret_cast<uint4*>(out + (c0 + c) * rows + r0 + quads * kTokenRows) = bytes;
   }
 }
 
-unsigned RowGrid(int64_t tiles) { return static_cast<unsigned>((tiles + kTilesPerCta - 1) / kTilesPerCta); }
+template <class Op>
+Status LaunchRowTiles(const char* name, const Op& op, int64_t rows, int64_t cols, void* values, float* scales,
+                      cudaStream_t stream) {
+  const int64_t tiles = rows * (cols / kBlock);
+  if (tiles == 0) return {};
+  const auto grid = static_cast<unsigned>((tiles + kTilesPerCta - 1) / kTilesPerCta);
+  RowTilesKernel<<<grid, kRowThreads, 0, stream>>>(op, tiles, cols / kBlock, static_cast<__nv_fp8_storage_t*>(values),
+                                                   scales);
+  return LaunchStatus(name);
+}
 
 }  // namespace
 
@@ -256,23 +328,15 @@ Status QuantizeWeightBlocks(const void* w, bool w_float32, int64_t experts, int6
 Status QuantizeRows(const void* a, int64_t src_rows, const int32_t* index, int64_t rows, int64_t cols, void* values,
                     float* scales, cudaStream_t stream) {
   if (cols % kBlock != 0) return "QuantizeRows: the row width must be a multiple of 128";
-  const int64_t tiles = rows * (cols / kBlock);
-  if (tiles == 0) return {};
-  QuantizeRowsKernel<<<RowGrid(tiles), kRowThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(a), src_rows, index,
-                                                                 rows, cols, static_cast<__nv_fp8_storage_t*>(values),
-                                                                 scales);
-  return LaunchStatus("QuantizeRows");
+  const IndexedRows op{static_cast<const __nv_bfloat16*>(a), src_rows, cols, index};
+  return LaunchRowTiles("QuantizeRows", op, rows, cols, values, scales, stream);
 }
 
 Status SwigluQuantizeRows(const void* gate_up, const int32_t* rows_used, int64_t rows, int64_t inter, void* values,
                           float* scales, cudaStream_t stream) {
   if (inter % kBlock != 0) return "SwigluQuantizeRows: I must be a multiple of 128";
-  const int64_t tiles = rows * (inter / kBlock);
-  if (tiles == 0) return {};
-  SwigluQuantizeRowsKernel<<<RowGrid(tiles), kRowThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(gate_up), rows_used, rows, inter, static_cast<__nv_fp8_storage_t*>(values),
-      scales);
-  return LaunchStatus("SwigluQuantizeRows");
+  const SwigluRows op{static_cast<const __nv_bfloat16*>(gate_up), rows_used, inter};
+  return LaunchRowTiles("SwigluQuantizeRows", op, rows, inter, values, scales, stream);
 }
 
 Status RequantizeTokenTiles(const void* values, const float* scales, const float* row_factor, int64_t rows,
@@ -290,12 +354,8 @@ Status RequantizeTokenTiles(const void* values, const float* scales, const float
 Status SwigluGradQuantizeRows(const void* gate_up, const float* g, const float* row_weight, const int32_t* rows_used,
                               int64_t rows, int64_t inter, void* values, float* scales, cudaStream_t stream) {
   if (inter % kBlock != 0) return "SwigluGradQuantizeRows: I must be a multiple of 128";
-  const int64_t tiles = rows * (2 * inter / kBlock);
-  if (tiles == 0) return {};
-  SwigluGradQuantizeRowsKernel<<<RowGrid(tiles), kRowThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(gate_up), g, row_weight, rows_used, rows, inter,
-      static_cast<__nv_fp8_storage_t*>(values), scales);
-  return LaunchStatus("SwigluGradQuantizeRows");
+  const SwigluGradRows op{static_cast<const __nv_bfloat16*>(gate_up), g, row_weight, rows_used, inter};
+  return LaunchRowTiles("SwigluGradQuantizeRows", op, rows, 2 * inter, values, scales, stream);
 }
 
 }  // namespace jmm::cuda
