@@ -28,6 +28,16 @@ __device__ __forceinline__ __nv_fp8_storage_t ToE4m3(float v, float scale) {
   return __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
 }
 
+// Four values, the first in the lowest byte, two per conversion; saturating to the largest finite e4m3 value is the
+// rule's clip to +-448 (the same bytes as ToE4m3's, measured on q30's operands).
+__device__ __forceinline__ uint32_t ToE4m3x4(float a, float b, float c, float d, float scale) {
+  const uint32_t lo =
+      __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(a, scale), __fdiv_rn(b, scale)), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi =
+      __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(c, scale), __fdiv_rn(d, scale)), __NV_SATFINITE, __NV_E4M3);
+  return lo | hi << 16;
+}
+
 __device__ __forceinline__ float WarpMax(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
@@ -96,51 +106,37 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
-// --- 1x128 row tiles: a half-warp per tile, 8 consecutive elements a lane, each warp two tiles per step and
-// kRowSteps steps, every step's loads issued before any is used (the pass is bound by the bytes in flight). An Op
-// loads a lane's inputs for row r, columns c..c+7 (`Load`), and makes its 8 values from them (`Compute`).
+// --- 1x128 row tiles: a half-warp per tile, 8 consecutive elements a lane, two tiles a warp. An Op loads a lane's
+// inputs for row r, columns c..c+7 (`Load`) and makes its 8 values from them (`Compute`). One tile pair per warp
+// beat two or four with their loads issued together (the Ops' registers then cap the warps resident; measured).
 constexpr int kRowThreads = 256;
 constexpr int kPerLane = 8;
 constexpr int kLanesPerTile = kBlock / kPerLane;  // 16
-constexpr int kRowSteps = 4;
-constexpr int kTilesPerWarp = 2 * kRowSteps;
-constexpr int kTilesPerCta = kRowThreads / 32 * kTilesPerWarp;
+constexpr int kTilesPerCta = kRowThreads / kLanesPerTile;
 
 template <class Op>
 __global__ void __launch_bounds__(kRowThreads)
     RowTilesKernel(Op op, int64_t tiles, int64_t tiles_per_row, __nv_fp8_storage_t* __restrict__ values,
                    float* __restrict__ scales) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warp = int64_t{blockIdx.x} * (kRowThreads / 32) + threadIdx.x / 32;
-  const int64_t first = warp * kTilesPerWarp + lane / kLanesPerTile;
-  const int64_t col = (lane % kLanesPerTile) * kPerLane;
-  typename Op::Loaded in[kRowSteps] = {};
+  const int64_t tile = (int64_t{blockIdx.x} * kRowThreads + threadIdx.x) / kLanesPerTile;
+  const int64_t r = tile / tiles_per_row,
+                c = (tile % tiles_per_row) * kBlock + (threadIdx.x % kLanesPerTile) * kPerLane;
+  float v[kPerLane];
+  op.Compute(tile < tiles ? op.Load(r, c) : typename Op::Loaded{}, v);
+  float amax = 0.0f;
 #pragma unroll
-  for (int s = 0; s < kRowSteps; ++s) {
-    const int64_t tile = first + 2 * s;
-    if (tile < tiles) in[s] = op.Load(tile / tiles_per_row, (tile % tiles_per_row) * kBlock + col);
+  for (int j = 0; j < kPerLane; ++j) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+  for (int offset = kLanesPerTile / 2; offset > 0; offset /= 2) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
   }
+  if (tile >= tiles) return;  // after the shuffles, which every lane takes part in
+  const float scale = Fp8Scale(amax);
+  Vec<__nv_fp8_storage_t, kPerLane> out;
 #pragma unroll
-  for (int s = 0; s < kRowSteps; ++s) {
-    const int64_t tile = first + 2 * s;
-    float v[kPerLane];
-    op.Compute(in[s], v);
-    float amax = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) amax = fmaxf(amax, fabsf(v[j]));
-#pragma unroll
-    for (int offset = kLanesPerTile / 2; offset > 0; offset /= 2) {
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    }
-    if (tile >= tiles) continue;  // after the shuffles, which every lane takes part in
-    const float scale = Fp8Scale(amax);
-    Vec<__nv_fp8_storage_t, kPerLane> out;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) out.v[j] = ToE4m3(v[j], scale);
-    const int64_t r = tile / tiles_per_row, c = (tile % tiles_per_row) * kBlock + col;
-    *reinterpret_cast<Vec<__nv_fp8_storage_t, kPerLane>*>(values + r * tiles_per_row * kBlock + c) = out;
-    if (col == 0) scales[tile] = scale;
-  }
+  for (int j = 0; j < kPerLane; ++j) out.v[j] = ToE4m3(v[j], scale);
+  *reinterpret_cast<Vec<__nv_fp8_storage_t, kPerLane>*>(values + r * tiles_per_row * kBlock + c) = out;
+  if (threadIdx.x % kLanesPerTile == 0) scales[tile] = scale;
 }
 
 using Bf16x8 = Vec<__nv_bfloat16, kPerLane>;
@@ -232,6 +228,7 @@ struct SwigluGradRows {
 constexpr int kTokenThreads = 256;
 constexpr int kTokenCols = 16;  // per thread
 constexpr int kTokenRows = 4;   // per thread
+static_assert(kTokenRows == 4, "a column's rows are one ToE4m3x4 word");
 
 __device__ __forceinline__ int TileWord(int quad, int col) { return quad ^ (4 * (col / kTokenCols % 8)); }
 
@@ -279,10 +276,7 @@ __global__ void __launch_bounds__(kTokenThreads, 3)
     for (int w = 0; w < kTokenThreads / 32; ++w) m = fmaxf(m, warp_amax[w][col + j]);
     const float scale = Fp8Scale(m);
     if (quad == 0) out_scales[int64_t{blockIdx.y} * cols + c0 + col + j] = scale;
-    uint32_t word = 0;
-#pragma unroll
-    for (int i = 0; i < kTokenRows; ++i) word |= uint32_t{ToE4m3(value(i, j), scale)} << (8 * i);
-    tile[col + j][TileWord(quad, col + j)] = word;
+    tile[col + j][TileWord(quad, col + j)] = ToE4m3x4(value(0, j), value(1, j), value(2, j), value(3, j), scale);
   }
   __syncthreads();
   // out [cols, rows]: row c0 + c of the output is the tile's column c; 16 bytes (four row quads) per thread and pass.
