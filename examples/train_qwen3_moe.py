@@ -231,12 +231,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+# The share of each GPU's memory JAX's allocator may use (its own default is 0.75): the memory plan's default budget
+# is 90% of an H200's 141 GB, and a 10-layer 30B-width step planned at 118.6 GB ran out of memory at 0.75.
+GPU_MEMORY_FRACTION = "0.92"
+
+
 def configure_jax_environment(host_devices: int) -> None:
-    """Gives the host platform `host_devices` devices (before JAX starts), so a CPU-only machine still gets
-    a data x expert mesh. Harmless where there is a GPU: the flag only concerns the CPU platform."""
+    """Before JAX starts: gives the host platform `host_devices` devices, so a CPU-only machine still gets a data x
+    expert mesh (the flag only concerns the CPU platform), and lets JAX's GPU allocator use GPU_MEMORY_FRACTION of
+    each GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={host_devices}".strip()
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
 
 
 def multi_process_launch(args) -> bool:

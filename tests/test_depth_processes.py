@@ -113,7 +113,7 @@ def test_dry_run_prints_the_memory_plan_without_training(tmp_path):
         assert field in result.stdout
     plan = json.loads((tmp_path / "memory_plan.json").read_text())
     assert plan["estimate"] and plan["mesh"] == {"data": 2, "expert": 4} and plan["layers"] == 3
-    assert plan["attention_impl"] == "chunked" and plan["fits"]
+    assert plan["attention_impl"] == "chunked" and plan["fits"] and plan["allocator_limit_bytes"] is None
     sizes = plan["per_device_bytes"]
     # The arguments are the train state's shards and the batch: FSDP halves every matrix, experts over 4.
     assert (

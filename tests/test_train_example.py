@@ -2,6 +2,7 @@
 loss falls, outputs are written, resuming from a checkpoint reproduces the uninterrupted run's losses
 exactly, bad flags get clear errors."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -167,3 +168,18 @@ def test_bf16_parameters_and_the_fp8_recipe(tmp_path):
         assert all(np.isfinite(r["loss"]) for r in records)
     bf16, fp8 = (runs[n][0]["lm_loss"] for n in ("bf16", "fp8"))
     assert bf16 != fp8 and abs(fp8 - bf16) / bf16 < 1e-2, (bf16, fp8)
+
+
+def test_jax_gpu_allocator_share_is_raised_unless_the_user_set_it(monkeypatch):
+    """JAX's allocator takes 75% of a GPU's memory by default, less than the memory plan's budget."""
+    spec = importlib.util.spec_from_file_location("train_qwen3_moe", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/dev/null")
+    module.configure_jax_environment(8)
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == module.GPU_MEMORY_FRACTION
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/dev/null --xla_force_host_platform_device_count=8"
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    module.configure_jax_environment(8)
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"

@@ -282,6 +282,8 @@ def memory_plan(args, config) -> dict:
     fields = memory_analysis(compiled)
     total = fields.pop("total")
     device = jax.devices()[0]
+    # what the platform's allocator will hand out (GPUs report it; XLA_PYTHON_CLIENT_MEM_FRACTION sets it)
+    limit = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
     return {
         "preset": args.preset,
         "layers": config.num_hidden_layers,
@@ -311,7 +313,8 @@ def memory_plan(args, config) -> dict:
             "optimizer_state": shard_bytes(state.opt_state, shardings.opt_state),
         },
         "budget_bytes": args.memory_budget_gb * GB,
-        "fits": total <= args.memory_budget_gb * GB,
+        "allocator_limit_bytes": limit,
+        "fits": total <= args.memory_budget_gb * GB and (limit is None or total <= limit),
         "lower_s": lowered_s,
         "compile_s": compile_s,
         "program_bytes": len(lowered.as_text()),
@@ -349,9 +352,11 @@ def format_memory_plan(plan: dict) -> str:
         f"    of which parameters {sizes['params'] / GB:.3f}, optimizer state {sizes['optimizer_state'] / GB:.3f}"
     )
     verdict = "fits" if plan["fits"] else "does NOT fit"
+    limit = plan["allocator_limit_bytes"]
+    allocator = f" and the allocator's {limit / GB:.1f} GB (XLA_PYTHON_CLIENT_MEM_FRACTION)" if limit else ""
     lines.append(
-        f"  {verdict} in {plan['budget_bytes'] / GB:.1f} GB; lowered in {plan['lower_s']:.1f} s, compiled "
-        f"in {plan['compile_s']:.1f} s"
+        f"  {verdict} in {plan['budget_bytes'] / GB:.1f} GB{allocator}; lowered in {plan['lower_s']:.1f} s, "
+        f"compiled in {plan['compile_s']:.1f} s"
     )
     return "\n".join(lines)
 
