@@ -177,6 +177,18 @@ def test_row_quantizer_is_the_rule_bit_for_bit():
     np.testing.assert_array_equal(np.asarray(values).astype(np.float64), want_values)
 
 
+def assert_near_the_rule(values, scales, want_rows, used):
+    """A SwiGLU pass's tiles against the rule applied to numpy's rows: the rows past `used` zero with scale 1, at
+    least 99.9% of the values equal, and within 1e-3 in norm (float32's exp may differ from numpy's by an ulp)."""
+    want_values, want_scales = np_quantize_rows(want_rows)
+    got_values = np.asarray(values).astype(np.float64)
+    assert np.all(got_values[used:] == 0) and np.all(np.asarray(scales)[used:] == 1)
+    assert np.mean(got_values == want_values) > 0.999
+    got = got_values.reshape(want_rows.shape[0], -1, 128) * np.asarray(scales)[..., None]
+    want = want_values.reshape(want_rows.shape[0], -1, 128) * want_scales[..., None]
+    assert np.linalg.norm(got - want) <= 1e-3 * np.linalg.norm(want)
+
+
 def test_swiglu_rows_are_the_rule():
     """h = bf16(silu(gate) * up) in 1x128 tiles; the rows past offsets[E] zero. SwiGLU's float32 exp may differ from
     numpy's by an ulp, which can move h to the next bf16 value and, rarely, a tile's e4m3 rounding: near, not bit
@@ -189,13 +201,7 @@ def test_swiglu_rows_are_the_rule():
     gate, up = gate_up[:, :inter].astype(np.float64), gate_up[:, inter:].astype(np.float64)
     h = (gate / (1 + np.exp(-gate)) * up).astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
     h[used:] = 0
-    want_values, want_scales = np_quantize_rows(h)
-    got_values = np.asarray(values).astype(np.float64)
-    assert np.all(got_values[used:] == 0) and np.all(np.asarray(scales)[used:] == 1)
-    assert np.mean(got_values == want_values) > 0.999
-    got = got_values.reshape(rows, -1, 128) * np.asarray(scales)[..., None]
-    want = want_values.reshape(rows, -1, 128) * want_scales[..., None]
-    assert np.linalg.norm(got - want) <= 1e-3 * np.linalg.norm(want)
+    assert_near_the_rule(values, scales, h, used)
 
 
 def test_swiglu_grad_rows_are_the_rule():
@@ -215,13 +221,7 @@ def test_swiglu_grad_rows_are_the_rule():
     dh = w[:, None].astype(np.float64) * g
     dz = np.concatenate([dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig], axis=1).astype(np.float32)
     dz[used:] = 0
-    want_values, want_scales = np_quantize_rows(dz)
-    got_values = np.asarray(values).astype(np.float64)
-    assert np.all(got_values[used:] == 0) and np.all(np.asarray(scales)[used:] == 1)
-    assert np.mean(got_values == want_values) > 0.999
-    got = got_values.reshape(rows, -1, 128) * np.asarray(scales)[..., None]
-    want = want_values.reshape(rows, -1, 128) * want_scales[..., None]
-    assert np.linalg.norm(got - want) <= 1e-3 * np.linalg.norm(want)
+    assert_near_the_rule(values, scales, dz, used)
 
 
 def np_token_tiles(values, scales, factor):

@@ -152,6 +152,14 @@ def xla_weight_blocks(w: jax.Array, transpose: bool) -> tuple[jax.Array, jax.Arr
     return quantize(jnp.swapaxes(w, 1, 2) if transpose else w, (1, BLOCK, BLOCK))
 
 
+def _row_tiles(rows: int, cols: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """The results of a CUDA row-tile quantiser: values `[rows, cols]` e4m3fn, scales `[rows, cols / 128]`."""
+    return (
+        jax.ShapeDtypeStruct((rows, cols), fp8.FP8_DTYPE),
+        jax.ShapeDtypeStruct((rows, cols // BLOCK), jnp.float32),
+    )
+
+
 def fp8_row_operand(a: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`xla_row_operand` in one CUDA pass (`jmm_cuda_fp8_quantize_rows`): bf16 `a [T, C]`, C a multiple of 128."""
     rows, cols = index.shape[0], a.shape[1]
@@ -159,10 +167,7 @@ def fp8_row_operand(a: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Arra
         raise ValueError(f"fp8_row_operand needs a row width that is a multiple of {BLOCK}, got {cols}")
     return _ffi.call(
         _targets.FP8_QUANTIZE_ROWS,
-        (
-            jax.ShapeDtypeStruct((rows, cols), fp8.FP8_DTYPE),
-            jax.ShapeDtypeStruct((rows, cols // BLOCK), jnp.float32),
-        ),
+        _row_tiles(rows, cols),
         a.astype(jnp.bfloat16),
         index.astype(jnp.int32),
     )
@@ -180,10 +185,7 @@ def fp8_hidden(gate_up: jax.Array, offsets: jax.Array) -> tuple[jax.Array, jax.A
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     return _ffi.call(
         _targets.FP8_SWIGLU_ROWS,
-        (
-            jax.ShapeDtypeStruct((rows, inter), fp8.FP8_DTYPE),
-            jax.ShapeDtypeStruct((rows, inter // BLOCK), jnp.float32),
-        ),
+        _row_tiles(rows, inter),
         gate_up,
         offsets.astype(jnp.int32),
     )
@@ -286,10 +288,7 @@ def fp8_hidden_grad(gate_up, g, row_weights, offsets) -> tuple[jax.Array, jax.Ar
     rows, two_inter = gate_up.shape
     return _ffi.call(
         _targets.FP8_SWIGLU_GRAD_ROWS,
-        (
-            jax.ShapeDtypeStruct((rows, two_inter), fp8.FP8_DTYPE),
-            jax.ShapeDtypeStruct((rows, two_inter // BLOCK), jnp.float32),
-        ),
+        _row_tiles(rows, two_inter),
         gate_up,
         g.astype(jnp.float32),
         row_weights.astype(jnp.float32),
