@@ -9,6 +9,7 @@
 #include <cutlass/detail/blockwise_scale_layout.hpp>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/fp8_kernels.h"
 #include "kernels/grouped_gemm_cutlass.cuh"
@@ -147,7 +148,7 @@ __global__ void FillFp8RowGroups(const int32_t* offsets, int num_experts, const 
 // One thread per expert writes its weight-grouped group: expert e's padded token range
 // [token_offsets[e], token_offsets[e + 1]) of a [m, tokens] and b [n, tokens], its scales rows
 // token_offsets[e] / 128 .. of sfa [tokens/128, m] and sfb [tokens/128, n] (MN-major: the group's compact block). An
-// expert without tokens gets no tiles (M = 0); the caller has zeroed d.
+// expert without tokens gets no tiles (M = 0); WeightGemm zeroes its d.
 template <class G>
 __global__ void FillFp8WeightGroups(const int32_t* token_offsets, int num_experts, const Fp8* a, const float* sfa,
                                     const Fp8* b, const float* sfb, typename G::ElementD* d, int m, int n,
@@ -200,9 +201,9 @@ template <class G>
 Status WeightGemm(const void* a, const float* sfa, const void* b, const float* sfb, void* d,
                   const int32_t* token_offsets, int experts, int64_t m, int64_t n, int64_t tokens,
                   const Scratch& scratch, cudaStream_t stream) {
-  if (cudaMemsetAsync(d, 0, experts * m * n * sizeof(typename G::ElementD), stream) != cudaSuccess) {
-    return "Fp8WeightGemm: cannot zero d";
-  }
+  // Only the experts without tokens: the GEMM writes every other expert's d whole.
+  constexpr Dtype kDtype = std::is_same_v<typename G::ElementD, float> ? Dtype::kFloat32 : Dtype::kBFloat16;
+  if (Status s = ZeroEmptyExperts(kDtype, token_offsets, experts, m * n, d, stream); !s.empty()) return s;
   Fp8GroupArrays<G> arrays;
   if (!CarveFp8GroupArrays(experts, scratch, &arrays)) return "out of scratch memory for the FP8 GEMM arguments";
   const int threads = 128;
