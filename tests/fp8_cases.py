@@ -47,7 +47,7 @@ def e4m3_round(v: np.ndarray) -> np.ndarray:
     return np.sign(v) * np.minimum(np.round(a / step) * step, 448.0)  # np.round: ties to even
 
 
-def _quantize_tiles(tiles: np.ndarray, axis) -> tuple[np.ndarray, np.ndarray]:
+def np_quantize_tiles(tiles: np.ndarray, axis) -> tuple[np.ndarray, np.ndarray]:
     """The rule over `axis` of `tiles`, its arithmetic in float32 as the rule states it (scale = amax / 448, the
     values' division, IEEE-rounded; round-to-nearest-even onto e4m3): (values as float64, float32 scales with the
     reduced axes kept). The rule's float32 arithmetic matters: the same steps in float64 land on the other side of an
@@ -60,7 +60,7 @@ def _quantize_tiles(tiles: np.ndarray, axis) -> tuple[np.ndarray, np.ndarray]:
 
 def np_quantize_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """1x128 tiles along the last axis: (values, scales `[..., C/128]`)."""
-    values, scale = _quantize_tiles(np.reshape(a, a.shape[:-1] + (a.shape[-1] // 128, 128)), -1)
+    values, scale = np_quantize_tiles(np.reshape(a, a.shape[:-1] + (a.shape[-1] // 128, 128)), -1)
     return values.reshape(a.shape), scale[..., 0]
 
 
@@ -71,13 +71,13 @@ def _qdq_rows(a):
 
 def qdq_blocks(w):  # [R, C] in 128x128 blocks
     r, c = w.shape
-    values, scale = _quantize_tiles(w.reshape(r // 128, 128, c // 128, 128), (1, 3))
+    values, scale = np_quantize_tiles(w.reshape(r // 128, 128, c // 128, 128), (1, 3))
     return (values * scale).reshape(w.shape)
 
 
 def _qdq_tokens(a):  # [n, C]: tiles of 128 consecutive rows (the last one padded with zeros), a scale per column
     padded = np.pad(a, ((0, _up(a.shape[0]) - a.shape[0]), (0, 0)))
-    values, scale = _quantize_tiles(padded.reshape(-1, 128, a.shape[1]), 1)
+    values, scale = np_quantize_tiles(padded.reshape(-1, 128, a.shape[1]), 1)
     return (values * scale).reshape(padded.shape)[: a.shape[0]]
 
 
@@ -89,7 +89,7 @@ def np_quantize_blocks(w: np.ndarray, transpose: bool = False) -> tuple[np.ndarr
     """`w [E, A, B]` in 128x128 blocks -> (values, float32 scales `[E, A/128, B/128]`), as the rows GEMM's operand:
     transposed with `transpose`."""
     e, a, b = w.shape
-    values, scale = _quantize_tiles(w.reshape(e, a // 128, 128, b // 128, 128), (2, 4))
+    values, scale = np_quantize_tiles(w.reshape(e, a // 128, 128, b // 128, 128), (2, 4))
     values, scale = values.reshape(w.shape), scale[:, :, 0, :, 0]
     return (np.swapaxes(values, 1, 2), np.swapaxes(scale, 1, 2)) if transpose else (values, scale)
 

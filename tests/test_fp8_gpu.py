@@ -12,7 +12,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from fp8_cases import Fp8KernelsBase, block_quantizer_problem, np_quantize_blocks, np_quantize_rows, parametrize_cases
+from fp8_cases import (
+    Fp8KernelsBase,
+    block_quantizer_problem,
+    np_quantize_blocks,
+    np_quantize_rows,
+    np_quantize_tiles,
+    parametrize_cases,
+)
 from moe_cases import Case, seeded_rng
 
 from jax_megamoe.ops import fp8, fp8_gemms
@@ -228,11 +235,9 @@ def np_token_tiles(values, scales, factor):
     """The rule in float32 numpy: factor * (values * scale) requantised in 1x128 tiles along the rows, transposed."""
     rows, cols = values.shape
     d = values.astype(np.float32) * np.repeat(scales, 128, axis=1).astype(np.float32)
-    d = (factor[:, None].astype(np.float32) * d).reshape(rows // 128, 128, cols)
-    amax = np.max(np.abs(d), axis=1)
-    scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
-    out = np.clip(d / scale[:, None, :], -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    return out.reshape(rows, cols).T, scale
+    d = factor[:, None].astype(np.float32) * d
+    out, scale = np_quantize_tiles(d.reshape(rows // 128, 128, cols), 1)
+    return out.reshape(rows, cols).T, scale[:, 0, :]
 
 
 @pytest.mark.parametrize("with_factor", [False, True])
