@@ -38,9 +38,11 @@ __device__ __forceinline__ uint32_t ToE4m3x4(float a, float b, float c, float d,
   return lo | hi << 16;
 }
 
+// The max over each group of kLanes consecutive lanes (a power of two dividing 32), in every lane of the group.
+template <int kLanes = 32>
 __device__ __forceinline__ float WarpMax(float v) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
 }
 
@@ -126,10 +128,7 @@ __global__ void __launch_bounds__(kRowThreads)
   float amax = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) amax = fmaxf(amax, fabsf(v[j]));
-#pragma unroll
-  for (int offset = kLanesPerTile / 2; offset > 0; offset /= 2) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  }
+  amax = WarpMax<kLanesPerTile>(amax);
   if (tile >= tiles) return;  // after the shuffles, which every lane takes part in
   const float scale = Fp8Scale(amax);
   Vec<__nv_fp8_storage_t, kPerLane> out;
