@@ -123,3 +123,15 @@ def call(target: Target, result_shapes, *operands, workspace_args: tuple = (), *
     )(*guarded, **attrs)
     results = results[: len(result_shapes)]
     return tuple(_mark_varying(r, axes) for r in results)
+
+
+def residuals(values):
+    """`values` (a forward's arrays kept for its backward) behind an optimisation barrier.
+
+    Inside a scan over layers every residual is written into a stacked buffer. Without the barrier XLA's
+    GPU dynamic-slice fusion makes an FFI call whose result is a residual write that buffer itself by running
+    the call a second time (its other users keep the first run: the gate/up GEMM ran twice per layer), and
+    a cast feeding both an FFI call and the stack is computed twice. Behind it the stack gets a copy. One
+    barrier per array, so that under `jax.checkpoint` a saved residual does not tie the others to it.
+    """
+    return jax.tree.map(jax.lax.optimization_barrier, values)

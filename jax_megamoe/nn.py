@@ -214,6 +214,15 @@ def default_expert_init() -> nnx.Initializer:
     return nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
 
 
+def _router_logits(router: nnx.Linear, tokens: jax.Array) -> jax.Array:
+    return router(tokens.astype(jnp.float32))
+
+
+# The router runs in float32; its backward recasts the tokens instead of keeping a float32 copy of them (inside
+# a scan over layers, a stacked residual of twice the tokens' bytes). Its logits, a dot, are kept.
+_recomputed_router = nnx.remat(_router_logits, prevent_cse=False, policy=jax.checkpoint_policies.dots_saveable)
+
+
 class MoE(nnx.Module):
     """Top-k routed SwiGLU experts (Qwen3-MoE): `y, aux = moe(x)` for `x [..., H]`.
 
@@ -294,7 +303,7 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
         dtype = self.dtype or x.dtype
         tokens = x.reshape(-1, x.shape[-1])
-        router_logits = self.router(tokens.astype(jnp.float32))
+        router_logits = _recomputed_router(self.router, tokens)
         y, aux = moe_block(
             tokens.astype(dtype),
             router_logits,

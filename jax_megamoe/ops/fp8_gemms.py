@@ -370,12 +370,11 @@ def _moe_ffn_fp8_fwd(x, weights, experts, w_gate_up, w_down, implementation):
     layout = RowLayout(*(checkpoint_name(a, fp8.LAYOUT_NAME) for a in row_layout(experts, s.experts, implementation)))
     wgu, wd = _padded_weights(w_gate_up, w_down, s)
     xv, xs = kernels.row_operand(_pad_hidden(x, s), layout.pair_of_row // s.top_k)
-    gate_up = checkpoint_name(
-        kernels.rows(xv, xs, *kernels.blocks(wgu, transpose=True), layout.offsets), fp8.GATE_UP_NAME
-    )
+    gate_up = kernels.rows(xv, xs, *kernels.blocks(wgu, transpose=True), layout.offsets)
     out = kernels.rows(*kernels.hidden(gate_up, layout.offsets), *kernels.blocks(wd, transpose=True), layout.offsets)
     y = _pair_sum(out, layout.row_of_pair, s.top_k, weights)[:, : s.hidden].astype(x.dtype)
-    return y, (x, weights, experts, w_gate_up, w_down, gate_up, layout)
+    *saved, gate_up = _ffi.residuals((x, weights, experts, w_gate_up, w_down, layout, gate_up))
+    return y, (*saved[:5], checkpoint_name(gate_up, fp8.GATE_UP_NAME), RowLayout(*saved[5]))
 
 
 def _moe_ffn_fp8_bwd(implementation, residuals, dy):
