@@ -123,6 +123,35 @@ def one_device_reference():
     return graphdef, state, jax.jit(loss_and_grads, static_argnums=0)(graphdef, state, ids())
 
 
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_backward_keeps_no_float32_activations(scan_layers, capsys):
+    # Inside the layer scan every residual is a stacked buffer: the norms, RoPE and the router's input are
+    # recomputed from their bf16 inputs in the backward instead of keeping float32 copies of the activations.
+    model = qwen3_moe.Qwen3MoeForCausalLM(
+        CONFIG, dtype=jnp.bfloat16, implementation="cpu", scan_layers=scan_layers, rngs=nnx.Rngs(0)
+    )
+    graphdef, state = nnx.split(model)
+    tokens = ids()
+    batch, seq = tokens.shape
+    heads, kv_heads, hidden = CONFIG.num_attention_heads, CONFIG.num_key_value_heads, CONFIG.hidden_size
+    activations = {(batch, seq, hidden), (batch * seq, hidden), (batch, seq, heads, 8), (batch, seq, kv_heads, 8)}
+
+    def loss(state):
+        logits, aux = nnx.merge(graphdef, state)(tokens)
+        return jnp.mean(logits.astype(jnp.float32)) + aux.load_balancing_loss
+
+    jax.ad_checkpoint.print_saved_residuals(loss, state)
+    saved = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("bf16[") for line in saved)  # the bf16 activations are what is kept
+    shapes = [tuple(int(d) for d in line.split("[", 1)[1].split("]", 1)[0].split(",") if d) for line in saved]
+    kept = [
+        line
+        for line, shape in zip(saved, shapes, strict=True)
+        if line.startswith("f32[") and any(shape[-len(a) :] == a for a in activations)
+    ]
+    assert not kept, kept
+
+
 @pytest.mark.parametrize(
     "data, expert, over_expert",
     MESHES,

@@ -417,7 +417,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
                 x, aux = apply(layer, x, cos, sin)
                 if aux is not None:
                     layer_aux.append(jax.tree.map(lambda a: a[None], aux))
-        return self.norm(x), combine_aux(layer_aux, self.config.num_experts)
+        return recomputed_norm(self.norm, x), combine_aux(layer_aux, self.config.num_experts)
 
 
 def from_pretrained(
