@@ -5,17 +5,9 @@
 #include <cstdint>
 
 #include "cpu/scalar.h"
+#include "moe_dims.h"
 
 namespace jmm::cpu {
-
-// The problem sizes of one call.
-struct MoeDims {
-  int64_t tokens;        // T
-  int64_t hidden;        // H
-  int64_t intermediate;  // I
-  int64_t experts;       // E (local experts held in the weights)
-  int64_t top_k;         // K
-};
 
 // Sorts (token, k) pairs by expert, stable in pair order; ids outside [0, E) are dropped.
 void MoeLayout(const int32_t* experts, int64_t num_pairs, int64_t num_experts, int32_t* row_of_pair,

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "moe_dims.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jmm {
@@ -14,15 +15,6 @@ namespace ffi = xla::ffi;
 inline ffi::Error InvalidArgument(const std::string& message) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_megamoe: " + message);
 }
-
-// Problem sizes read off the buffers of one moe_gate_up / moe_down / moe_backward call.
-struct MoeDims {
-  int64_t tokens;        // T
-  int64_t hidden;        // H
-  int64_t intermediate;  // I
-  int64_t experts;       // E (local experts held in the weights)
-  int64_t top_k;         // K
-};
 
 // Routing weights travel in the accumulation type: float64 with float64 x, float32 otherwise.
 inline ffi::Error CheckWeightsType(const ffi::AnyBuffer& weights, ffi::DataType x_type) {

@@ -10,8 +10,6 @@
 namespace jmm {
 namespace {
 
-cpu::MoeDims CpuDims(const MoeDims& d) { return {d.tokens, d.hidden, d.intermediate, d.experts, d.top_k}; }
-
 // Calls fn with a null pointer of the C++ storage type matching `type`.
 template <typename Fn>
 ffi::Error DispatchFloat(ffi::DataType type, Fn&& fn) {
@@ -51,7 +49,7 @@ ffi::Error MoeGateUpCpu(ffi::AnyBuffer x, ffi::AnyBuffer w_gate_up, ffi::Buffer<
   if (auto err = ReadGateUpDims(x, w_gate_up, pair_of_row.element_count(), &d); err.failure()) return err;
   return DispatchFloat(x.element_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    cpu::MoeGateUp<T>(CpuDims(d), Data<T>(x), Data<T>(w_gate_up), pair_of_row.typed_data(), expert_offsets.typed_data(),
+    cpu::MoeGateUp<T>(d, Data<T>(x), Data<T>(w_gate_up), pair_of_row.typed_data(), expert_offsets.typed_data(),
                       Data<T>(*gate_up));
     return ffi::Error::Success();
   });
@@ -64,7 +62,7 @@ ffi::Error MoeDownCpu(ffi::AnyBuffer gate_up, ffi::AnyBuffer weights, ffi::AnyBu
   if (auto err = ReadDownDims(gate_up, weights, w_down, &d); err.failure()) return err;
   return DispatchFloat(gate_up.element_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    cpu::MoeDown<T>(CpuDims(d), Data<T>(gate_up), Data<typename cpu::Acc<T>::type>(weights), Data<T>(w_down),
+    cpu::MoeDown<T>(d, Data<T>(gate_up), Data<typename cpu::Acc<T>::type>(weights), Data<T>(w_down),
                     row_of_pair.typed_data(), expert_offsets.typed_data(), Data<T>(*y));
     return ffi::Error::Success();
   });
@@ -80,7 +78,7 @@ ffi::Error MoeBackwardCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer we
   return DispatchFloat(x.element_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = typename cpu::Acc<T>::type;
-    cpu::MoeBackward<T>(CpuDims(d), Data<T>(dy), Data<T>(x), Data<A>(weights), Data<T>(w_gate_up), Data<T>(w_down),
+    cpu::MoeBackward<T>(d, Data<T>(dy), Data<T>(x), Data<A>(weights), Data<T>(w_gate_up), Data<T>(w_down),
                         Data<T>(gate_up), row_of_pair.typed_data(), pair_of_row.typed_data(),
                         expert_offsets.typed_data(), Data<T>(*dx), Data<A>(*d_weights), Data<T>(*d_w_gate_up),
                         Data<T>(*d_w_down));
