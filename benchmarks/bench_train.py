@@ -34,7 +34,9 @@ experts = step - the same step with the experts replaced by a zero function (moe
 the router stays); optimizer = step - the step without the optimizer update (loss and gradients only);
 LM head + loss = forward+backward of the head and its cross-entropy alone, on [N, H] bf16 hidden states
 (random: the time does not depend on their values) and the head's parameter; rest = what remains
-(attention, norms, router, embedding).
+(attention, norms, router, embedding). Beside them, `moe_ffn_alone_ms`: one moe_ffn per sparse layer at the
+step's size, forward+backward with the weight casts, in one jitted call, and `experts_over_alone`, the experts
+term over it (what the MoE layers cost inside the step against alone).
 
 Usage: python benchmarks/bench_train.py [--preset qwen3-30b-a3b-4layer|tiny] [--layers L] [--batch B]
            [--seq S] [--steps N] [--warmup W] [--param-dtype float32|bfloat16] [--stacks ours,ours_lce,...]
@@ -427,11 +429,53 @@ def jax_breakdown(args, row, config, graphdef, create, loss_fn, train_step, stat
     out["lm_head_loss_ms"] = median_ms(
         time_steps(lambda: head_step(hidden, kernel_param, flat_labels), sync, args.warmup, args.steps)[1]
     )
+    out["moe_ffn_alone_ms"] = moe_ffn_alone_ms(args, config, row["recipe"], sync)
     step_ms = row["median_step_ms"]
     out["experts_ms"] = step_ms - out["zero_experts_step_ms"]
     out["optimizer_ms"] = step_ms - out["no_optimizer_step_ms"]
     out["rest_ms"] = step_ms - out["experts_ms"] - out["optimizer_ms"] - out["lm_head_loss_ms"]
+    out["experts_over_alone"] = out["experts_ms"] / out["moe_ffn_alone_ms"]
     return out
+
+
+def moe_ffn_alone_ms(args, config, recipe, sync) -> float:
+    """Forward+backward of one `moe_ffn` per sparse layer at the step's size, in one jitted call: what the
+    step's experts term (moe_ffn and its weight casts) would cost alone. Each layer has its own tokens, fixed
+    routing (top-k of random logits) and `--param-dtype` weights, cast to bf16 and differentiated as the model
+    does; separate arrays per layer, so that no stacked buffer is timed."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_megamoe import moe_ffn
+    from jax_megamoe.ops.routing import route
+
+    layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    tokens, hidden, inter = args.batch * args.seq, config.hidden_size, config.moe_intermediate_size
+    experts = config.num_experts
+    keys = iter(jax.random.split(jax.random.PRNGKey(args.seed + 2), 5 * layers))
+    param_dtype = jnp.dtype(args.param_dtype)
+
+    def normal(shape, dtype, scale=1.0):
+        return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+    xs = [normal((tokens, hidden), jnp.bfloat16) for _ in range(layers)]
+    cotangents = [normal((tokens, hidden), jnp.bfloat16) for _ in range(layers)]
+    routes = [
+        route(normal((tokens, experts), jnp.float32), config.num_experts_per_tok, config.norm_topk_prob)
+        for _ in range(layers)
+    ]
+    w_gate_up = [normal((experts, hidden, 2 * inter), param_dtype, hidden**-0.5) for _ in range(layers)]
+    w_down = [normal((experts, inter, hidden), param_dtype, inter**-0.5) for _ in range(layers)]
+
+    def loss(xs, w_gate_up, w_down):
+        total = jnp.zeros((), jnp.float32)
+        for x, dy, (weights, ids), wgu, wd in zip(xs, cotangents, routes, w_gate_up, w_down, strict=True):
+            y = moe_ffn(x, weights, ids, wgu.astype(x.dtype), wd.astype(x.dtype), recipe=recipe)
+            total += jnp.vdot(y.astype(jnp.float32), dy.astype(jnp.float32))
+        return total
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(xs, w_gate_up, w_down).compile()
+    return median_ms(time_steps(lambda: step(xs, w_gate_up, w_down), sync, args.warmup, args.steps)[1])
 
 
 # ----------------------------------------------------------------------------------------- torch stack
@@ -685,6 +729,13 @@ def table(result: dict) -> str:
         "breakdown (ms): experts = step - step with zero experts; optim = step - step without the update; "
         "head+CE = the LM head and its loss alone (fwd+bwd); rest = the remainder"
     )
+    for r in result["stacks"]:
+        b = r.get("breakdown") or {}
+        if r.get("status") == "ok" and b.get("moe_ffn_alone_ms"):
+            lines.append(
+                f"{r['label']}: experts {b['experts_ms']:.1f} ms in the step = {b['experts_over_alone']:.2f}x "
+                f"the same moe_ffn calls alone ({b['moe_ffn_alone_ms']:.1f} ms, forward+backward with the casts)"
+            )
     return "\n".join(lines)
 
 

@@ -121,6 +121,8 @@ def test_tiny_run_breakdown(tiny_run):
     assert b["experts_ms"] == pytest.approx(step - b["zero_experts_step_ms"])
     assert b["optimizer_ms"] == pytest.approx(step - b["no_optimizer_step_ms"])
     assert b["experts_ms"] + b["optimizer_ms"] + b["lm_head_loss_ms"] + b["rest_ms"] == pytest.approx(step)
+    assert b["moe_ffn_alone_ms"] > 0
+    assert b["experts_over_alone"] == pytest.approx(b["experts_ms"] / b["moe_ffn_alone_ms"])
 
 
 def test_sorted_ragged_ffn_matches_the_reference():
