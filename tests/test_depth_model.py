@@ -133,8 +133,14 @@ def test_backward_keeps_no_float32_activations(scan_layers, capsys):
     graphdef, state = nnx.split(model)
     tokens = ids()
     batch, seq = tokens.shape
-    heads, kv_heads, hidden = CONFIG.num_attention_heads, CONFIG.num_key_value_heads, CONFIG.hidden_size
-    activations = {(batch, seq, hidden), (batch * seq, hidden), (batch, seq, heads, 8), (batch, seq, kv_heads, 8)}
+    heads, kv_heads, head_dim = CONFIG.num_attention_heads, CONFIG.num_key_value_heads, CONFIG.head_dim
+    hidden = CONFIG.hidden_size
+    activations = {
+        (batch, seq, hidden),
+        (batch * seq, hidden),
+        (batch, seq, heads, head_dim),
+        (batch, seq, kv_heads, head_dim),
+    }
 
     def loss(state):
         logits, aux = nnx.merge(graphdef, state)(tokens)

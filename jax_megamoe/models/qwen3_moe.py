@@ -59,8 +59,8 @@ def _norm_rope(norm: nnx.RMSNorm, x: jax.Array, cos: jax.Array, sin: jax.Array) 
 # than keep their float32 intermediates. Inside the layer scan every kept value is written to a stacked
 # buffer, and these were about half of a layer's residual bytes. (No CSE barrier: the recomputation sits in
 # the backward's own loop, and unrolled, XLA may share it with the forward.)
-recomputed_norm = nnx.remat(_norm, prevent_cse=False)
-recomputed_norm_rope = nnx.remat(_norm_rope, prevent_cse=False)
+_recomputed_norm = nnx.remat(_norm, prevent_cse=False)
+_recomputed_norm_rope = nnx.remat(_norm_rope, prevent_cse=False)
 
 
 def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 512) -> jax.Array:
@@ -122,8 +122,8 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         batch, seq, _ = x.shape
         heads = functools.partial(jnp.reshape, shape=(batch, seq, -1, self.head_dim))
-        q = recomputed_norm_rope(self.q_norm, heads(self.q_proj(x)), cos, sin)
-        k = recomputed_norm_rope(self.k_norm, heads(self.k_proj(x)), cos, sin)
+        q = _recomputed_norm_rope(self.q_norm, heads(self.q_proj(x)), cos, sin)
+        k = _recomputed_norm_rope(self.k_norm, heads(self.k_proj(x)), cos, sin)
         v = heads(self.v_proj(x))
         if self.attention_impl == "chunked":
             out = chunked_attention(q, k, v)
@@ -194,8 +194,8 @@ class DecoderLayer(nnx.Module):
             self.mlp = DenseMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, MoEAux | None]:
-        x = x + self.self_attn(recomputed_norm(self.input_layernorm, x), cos, sin)
-        h = recomputed_norm(self.post_attention_layernorm, x)
+        x = x + self.self_attn(_recomputed_norm(self.input_layernorm, x), cos, sin)
+        h = _recomputed_norm(self.post_attention_layernorm, x)
         if isinstance(self.mlp, MoE):
             y, aux = self.mlp(h)
             return x + y, aux
@@ -417,7 +417,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
                 x, aux = apply(layer, x, cos, sin)
                 if aux is not None:
                     layer_aux.append(jax.tree.map(lambda a: a[None], aux))
-        return recomputed_norm(self.norm, x), combine_aux(layer_aux, self.config.num_experts)
+        return _recomputed_norm(self.norm, x), combine_aux(layer_aux, self.config.num_experts)
 
 
 def from_pretrained(

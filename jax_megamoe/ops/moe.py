@@ -138,7 +138,7 @@ def _moe_ffn_kernels_fwd(x, weights, experts, w_gate_up, w_down, implementation,
     layout = Layout(*(checkpoint_name(a, LAYOUT_NAME) for a in layout))
     y, gate_up = _forward(implementation, config, x, weights, w_gate_up, w_down, layout)
     *saved, gate_up = _ffi.residuals((x, weights, w_gate_up, w_down, layout, gate_up))
-    return y, (*saved[:4], checkpoint_name(gate_up, GATE_UP_NAME), Layout(*saved[4]))
+    return y, (*saved[:4], checkpoint_name(gate_up, GATE_UP_NAME), saved[4])
 
 
 def _moe_ffn_kernels_bwd(implementation, config, residuals, dy):
