@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_megamoe.models import hf_checkpoint, sharding
+from jax_megamoe.models import hf_checkpoint, layer_scan, sharding
 from jax_megamoe.models.qwen3_moe_config import Qwen3MoeConfig, qwen3_30b_a3b, qwen3_235b_a22b, tiny
 from jax_megamoe.nn import MoE, MoEAux, active_mesh
 
@@ -407,9 +407,13 @@ class Qwen3MoeForCausalLM(nnx.Module):
         apply = self._layer_fn()
         layer_aux = []
         if self.scan_layers:
-            scan = nnx.scan(apply, in_axes=(0, nnx.Carry, None, None), out_axes=(nnx.Carry, 0))
             for run in self.layer_runs:
-                x, aux = scan(run, x, cos, sin)
+                graphdef, stacked = nnx.split(run)
+
+                def layer(params, x, tables, graphdef=graphdef):
+                    return apply(nnx.merge(graphdef, params), x, *tables)
+
+                x, aux = layer_scan.scan(layer, stacked, x, (cos, sin))
                 if aux is not None:
                     layer_aux.append(aux)
         else:
