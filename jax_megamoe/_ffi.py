@@ -132,6 +132,8 @@ def residuals(values):
     GPU dynamic-slice fusion makes an FFI call whose result is a residual write that buffer itself by running
     the call a second time (its other users keep the first run: the gate/up GEMM ran twice per layer), and
     a cast feeding both an FFI call and the stack is computed twice. Behind it the stack gets a copy. One
-    barrier per array, so that under `jax.checkpoint` a saved residual does not tie the others to it.
+    barrier per array, so that under `jax.checkpoint` a saved residual does not tie the others to it. The
+    weights are left out: they are the forward's inputs as they came, which the layer scan
+    (`jax_megamoe.models.layer_scan`) recognises and slices again in the backward instead of stacking them.
     """
     return jax.tree.map(jax.lax.optimization_barrier, values)

@@ -250,6 +250,18 @@ def stack_layers(layers) -> DecoderLayer:
 _COMPUTE_DTYPE_LEAVES = ("kernel", "embedding", "w_gate_up", "w_down")
 
 
+def compute_dtype(state, dtype):
+    """`state` (a module's parameters) with its matrices cast to the compute dtype `dtype`."""
+
+    def cast(path, value):
+        names = sharding.path_names(path)
+        if names[-1] in _COMPUTE_DTYPE_LEAVES and "router" not in names:
+            return value.astype(dtype)
+        return value
+
+    return jax.tree_util.tree_map_with_path(cast, state)
+
+
 def gathered(module: nnx.Module, dtype, expert_axis: str | None) -> nnx.Module:
     """`module` with its parameters in their compute form: matrices cast to the compute dtype, then
     constrained to `sharding.compute_spec`, which all-gathers FSDP shards (over `data`) here, one layer at a time,
@@ -257,11 +269,10 @@ def gathered(module: nnx.Module, dtype, expert_axis: str | None) -> nnx.Module:
     casts remain (the modules would do them anyway). Casting first gathers half the bytes in bf16."""
     mesh = active_mesh()
     graphdef, state = nnx.split(module)
+    state = compute_dtype(state, dtype)
 
     def compute_form(path, value):
         names = sharding.path_names(path)
-        if names[-1] in _COMPUTE_DTYPE_LEAVES and "router" not in names:
-            value = value.astype(dtype)
         if mesh is not None:
             value = jax.lax.with_sharding_constraint(value, sharding.compute_spec(names, value.ndim, mesh, expert_axis))
         return value
@@ -408,7 +419,12 @@ class Qwen3MoeForCausalLM(nnx.Module):
         layer_aux = []
         if self.scan_layers:
             for run in self.layer_runs:
+                # The stacks are cast to the compute dtype before the scan, not layer by layer inside it: a cast
+                # inside would be a residual of every layer (a stacked copy of its weights), and the weights'
+                # gradients would be stacked in float32; cast outside, the backward slices the cast stacks and
+                # their gradients stack in the compute dtype, converted once, where the optimizer reads them.
                 graphdef, stacked = nnx.split(run)
+                stacked = compute_dtype(stacked, self.dtype)
 
                 def layer(params, x, tables, graphdef=graphdef):
                     return apply(nnx.merge(graphdef, params), x, *tables)

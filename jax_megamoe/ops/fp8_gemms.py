@@ -373,8 +373,8 @@ def _moe_ffn_fp8_fwd(x, weights, experts, w_gate_up, w_down, implementation):
     gate_up = kernels.rows(xv, xs, *kernels.blocks(wgu, transpose=True), layout.offsets)
     out = kernels.rows(*kernels.hidden(gate_up, layout.offsets), *kernels.blocks(wd, transpose=True), layout.offsets)
     y = _pair_sum(out, layout.row_of_pair, s.top_k, weights)[:, : s.hidden].astype(x.dtype)
-    *saved, gate_up = _ffi.residuals((x, weights, experts, w_gate_up, w_down, layout, gate_up))
-    return y, (*saved[:5], checkpoint_name(gate_up, fp8.GATE_UP_NAME), saved[5])
+    x, weights, experts, layout, gate_up = _ffi.residuals((x, weights, experts, layout, gate_up))
+    return y, (x, weights, experts, w_gate_up, w_down, checkpoint_name(gate_up, fp8.GATE_UP_NAME), layout)
 
 
 def _moe_ffn_fp8_bwd(implementation, residuals, dy):

@@ -137,8 +137,8 @@ def _moe_ffn_kernels_fwd(x, weights, experts, w_gate_up, w_down, implementation,
     layout = moe_layout(experts, w_gate_up.shape[0], implementation)
     layout = Layout(*(checkpoint_name(a, LAYOUT_NAME) for a in layout))
     y, gate_up = _forward(implementation, config, x, weights, w_gate_up, w_down, layout)
-    *saved, gate_up = _ffi.residuals((x, weights, w_gate_up, w_down, layout, gate_up))
-    return y, (*saved[:4], checkpoint_name(gate_up, GATE_UP_NAME), saved[4])
+    x, weights, layout, gate_up = _ffi.residuals((x, weights, layout, gate_up))
+    return y, (x, weights, w_gate_up, w_down, checkpoint_name(gate_up, GATE_UP_NAME), layout)
 
 
 def _moe_ffn_kernels_bwd(implementation, config, residuals, dy):

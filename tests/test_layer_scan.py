@@ -1,0 +1,98 @@
+"""`jax_megamoe.models.layer_scan.scan` against `jax.lax.scan`: values and gradients of every argument, integer
+outputs, remat inside the layer; what it stacks (the layer's inputs among its residuals are not copied); the
+model's expert weights never stacked as residuals."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_megamoe.models import layer_scan, qwen3_moe
+
+L, B, H = 3, 4, 8
+
+
+def problem(seed=0):
+    k = jax.random.split(jax.random.key(seed), 4)
+    params = {"w": jax.random.normal(k[0], (L, H, H)) / H**0.5, "b": jax.random.normal(k[1], (L, H))}
+    return params, jax.random.normal(k[2], (B, H)), (jax.random.normal(k[3], (H,)),)
+
+
+def layer(params, c, consts):
+    (scale,) = consts
+    h = jnp.tanh(c @ params["w"] + params["b"]) * scale
+    return c + h, {"energy": jnp.sum(h**2), "positive": jnp.sum(h > 0).astype(jnp.int32)}
+
+
+def reference(fn, params, carry, consts):
+    return jax.lax.scan(lambda c, p: fn(p, c, consts), carry, params)
+
+
+def loss(scan, fn, params, carry, consts):
+    c, ys = scan(fn, params, carry, consts)
+    return jnp.sum(c**2) + jnp.sum(ys["energy"] * jnp.arange(1.0, L + 1)), ys["positive"]
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_matches_lax_scan(remat):
+    fn = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable) if remat else layer
+    args = problem()
+    grad = jax.value_and_grad(loss, argnums=(2, 3, 4), has_aux=True)
+    (value, positive), grads = jax.jit(grad, static_argnums=(0, 1))(layer_scan.scan, fn, *args)
+    (ref_value, ref_positive), ref_grads = jax.jit(grad, static_argnums=(0, 1))(reference, fn, *args)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    np.testing.assert_array_equal(positive, ref_positive)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
+
+
+def stack_shapes(jaxpr) -> list[tuple]:
+    """The shapes of the buffers `jaxpr` makes from nothing: `lax.empty` (one device) or zeros from a literal
+    (several devices, where the scan zero-fills its stacks)."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "empty":
+            shapes.append(tuple(eqn.params["shape"]))
+        if eqn.primitive.name == "broadcast_in_dim" and isinstance(eqn.invars[0], jax.extend.core.Literal):
+            shapes.append(tuple(eqn.params["shape"]))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            shapes += stack_shapes(sub)
+    return shapes
+
+
+def test_inputs_among_the_residuals_are_not_stacked():
+    # x @ w keeps x (the carry: stacked) and w (a parameter slice: sliced again in the backward, not stacked).
+    def matmul_layer(params, c, consts):
+        return jnp.tanh(c @ params["w"]), None
+
+    params, x, consts = problem()
+    step = jax.grad(lambda p, x: jnp.sum(layer_scan.scan(matmul_layer, p, x, consts)[0]), argnums=(0, 1))
+    shapes = stack_shapes(jax.make_jaxpr(step)(params, x).jaxpr)
+    assert shapes.count((L, B, H)) >= 1  # the carry
+    assert shapes.count((L, H, H)) == 1  # w's gradient, no copy of w
+
+
+def test_model_does_not_stack_the_expert_weights():
+    config = qwen3_moe.tiny()
+    model = qwen3_moe.Qwen3MoeForCausalLM(config, dtype=jnp.bfloat16, implementation="cpu", rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    ids = jnp.zeros((2, 8), jnp.int32)
+
+    def loss(state):
+        logits, aux = nnx.merge(graphdef, state)(ids)
+        return jnp.mean(logits.astype(jnp.float32)) + aux.load_balancing_loss
+
+    shapes = stack_shapes(jax.make_jaxpr(jax.grad(loss))(state).jaxpr)
+    experts = [tuple(v.shape) for path, v in nnx.to_flat_state(state) if path[-1] in ("w_gate_up", "w_down")]
+    assert experts
+    for shape in experts:  # once: the weight's gradient
+        assert shapes.count(shape) == 1, (shape, shapes.count(shape))
+
+
+def test_stacks_of_different_lengths_are_refused():
+    params = {"w": jnp.zeros((2, H, H)), "b": jnp.zeros((3, H))}
+    with pytest.raises(ValueError, match="one leading length"):
+        layer_scan.scan(layer, params, jnp.zeros((B, H)), (jnp.ones(H),))
