@@ -75,9 +75,12 @@ def test_inputs_among_the_residuals_are_not_stacked():
     assert shapes.count((L, H, H)) == 1  # w's gradient, no copy of w
 
 
-def test_model_does_not_stack_the_expert_weights():
+@pytest.mark.parametrize("remat", [False, True])
+def test_model_does_not_stack_the_expert_weights(remat):
     config = qwen3_moe.tiny()
-    model = qwen3_moe.Qwen3MoeForCausalLM(config, dtype=jnp.bfloat16, implementation="cpu", rngs=nnx.Rngs(0))
+    model = qwen3_moe.Qwen3MoeForCausalLM(
+        config, dtype=jnp.bfloat16, implementation="cpu", remat=remat, rngs=nnx.Rngs(0)
+    )
     graphdef, state = nnx.split(model)
     ids = jnp.zeros((2, 8), jnp.int32)
 

@@ -419,12 +419,14 @@ class Qwen3MoeForCausalLM(nnx.Module):
         layer_aux = []
         if self.scan_layers:
             for run in self.layer_runs:
-                # The stacks are cast to the compute dtype before the scan, not layer by layer inside it: a cast
-                # inside would be a residual of every layer (a stacked copy of its weights), and the weights'
-                # gradients would be stacked in float32; cast outside, the backward slices the cast stacks and
-                # their gradients stack in the compute dtype, converted once, where the optimizer reads them.
                 graphdef, stacked = nnx.split(run)
-                stacked = compute_dtype(stacked, self.dtype)
+                if not self.remat:
+                    # Cast before the scan, not layer by layer inside it: a cast inside would be a residual of
+                    # every layer (a stacked copy of its weights) and the weights' gradients would stack in
+                    # float32; cast outside, the backward slices the cast stacks and the gradients stack in the
+                    # compute dtype, converted once where the optimizer reads them. Under remat the cast stays
+                    # inside, recomputed per layer, so that no cast copy of every layer is kept.
+                    stacked = compute_dtype(stacked, self.dtype)
 
                 def layer(params, x, tables, graphdef=graphdef):
                     return apply(nnx.merge(graphdef, params), x, *tables)
