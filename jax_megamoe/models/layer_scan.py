@@ -79,7 +79,8 @@ def scan(fn: Callable[[Any, Any, Any], tuple[Any, Any]], stacked: Any, carry: An
         params_ids = {id(p): k for k, p in enumerate(jax.tree.leaves(params))}
         consts_ids = {id(c): k for k, c in enumerate(jax.tree.leaves(consts_))}
         kept_ids: dict[int, int] = {}
-        sources, kept = [], []
+        sources: list[tuple[int, int]] = []
+        kept: list[Any] = []
         for leaf in leaves:
             if id(leaf) in params_ids:
                 sources.append((_PARAM, params_ids[id(leaf)]))

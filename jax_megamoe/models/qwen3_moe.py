@@ -435,8 +435,8 @@ class Qwen3MoeForCausalLM(nnx.Module):
                 if aux is not None:
                     layer_aux.append(aux)
         else:
-            for layer in self.layers:
-                x, aux = apply(layer, x, cos, sin)
+            for decoder_layer in self.layers:
+                x, aux = apply(decoder_layer, x, cos, sin)
                 if aux is not None:
                     layer_aux.append(jax.tree.map(lambda a: a[None], aux))
         return _recomputed_norm(self.norm, x), combine_aux(layer_aux, self.config.num_experts)
