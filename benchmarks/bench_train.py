@@ -12,7 +12,8 @@ and their next-token labels), one subprocess each, so each one's peak memory is 
                    "moe_gate_up"): the training example's `--remat --remat-save-moe`.
   ours_remat       the same with the optax head.
   ours_unrolled    ours with the decoder layers as a Python loop (`scan_layers=False`) instead of one
-                   `nnx.scan` over stacked layers: what scanning costs or saves at this depth.
+                   scan over stacked layers (`jax_megamoe.models.layer_scan`): what scanning costs or saves at
+                   this depth.
   ours_fp8         ours with the experts' GEMMs in FP8 (`recipe="fp8_blockwise"`, docs/fp8.md): the training
                    job's `--recipe fp8_blockwise`.
   tokamax          the same JAX model and step (optax head, bf16 parameters) with the experts as a pure-JAX

@@ -70,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--scan-layers",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="run same-kind layers under nnx.scan (compile time independent of depth); --no-scan-layers unrolls them",
+        help="one scan per run of same-kind layers (compile time independent of depth); --no-scan-layers unrolls them",
     )
     model.add_argument(
         "--implementation",

@@ -233,7 +233,7 @@ def layer_runs(config: Qwen3MoeConfig) -> tuple[tuple[int, int, bool], ...]:
 
 def stack_layers(layers) -> DecoderLayer:
     """One `DecoderLayer` whose parameters are the given same-kind layers' stacked on a leading layer axis
-    (what `nnx.scan` iterates over); sharding names gain a leading None for that axis."""
+    (what `layer_scan.scan` iterates over); sharding names gain a leading None for that axis."""
     graphdef = nnx.graphdef(layers[0])
     if any(nnx.graphdef(layer) != graphdef for layer in layers[1:]):
         raise ValueError("stack_layers needs layers of one kind (same structure and static attributes)")
@@ -296,8 +296,8 @@ class Qwen3MoeForCausalLM(nnx.Module):
         recomputes nothing (`jax_megamoe.moe_ffn`).
       attention_impl: `jax.nn.dot_product_attention`'s `implementation` (None: XLA; "cudnn" on GPUs), or
         "chunked" (`chunked_attention`: pure JAX, memory linear in the sequence).
-      scan_layers: run each run of consecutive same-kind layers (`layer_runs`) as one `nnx.scan` over its
-        stacked parameters (`layer_runs.{r}.*` with a leading layer axis), so the step's program and compile
+      scan_layers: run each run of consecutive same-kind layers (`layer_runs`) as one `layer_scan.scan` over
+        its stacked parameters (`layer_runs.{r}.*` with a leading layer axis), so the step's program and compile
         time grow with the number of runs, not the depth. False: a Python loop over `layers.{i}` (unrolled),
         for comparison. Both initialise the same parameters from the same `rngs`.
       rngs: parameter initialisation keys (HF's: normal(initializer_range), norms at one).
