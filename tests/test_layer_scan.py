@@ -2,6 +2,8 @@
 outputs, remat inside the layer; what it stacks (the layer's inputs among its residuals are not copied); the
 model's expert weights never stacked as residuals."""
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -49,18 +51,23 @@ def test_matches_lax_scan(remat):
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
 
 
-def stack_shapes(jaxpr) -> list[tuple]:
-    """The shapes of the buffers `jaxpr` makes from nothing: `lax.empty` (one device) or zeros from a literal
-    (several devices, where the scan zero-fills its stacks)."""
-    shapes = []
+def stacks(jaxpr) -> list[tuple[tuple, jnp.dtype]]:
+    """The shapes and dtypes of the buffers `jaxpr` makes from nothing: `lax.empty` (one device) or zeros from
+    a literal (several devices, where the scan zero-fills its stacks)."""
+    found = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "empty":
-            shapes.append(tuple(eqn.params["shape"]))
-        if eqn.primitive.name == "broadcast_in_dim" and isinstance(eqn.invars[0], jax.extend.core.Literal):
-            shapes.append(tuple(eqn.params["shape"]))
+        made = eqn.primitive.name == "empty" or (
+            eqn.primitive.name == "broadcast_in_dim" and isinstance(eqn.invars[0], jax.extend.core.Literal)
+        )
+        if made:
+            found.append((tuple(eqn.outvars[0].aval.shape), eqn.outvars[0].aval.dtype))
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            shapes += stack_shapes(sub)
-    return shapes
+            found += stacks(sub)
+    return found
+
+
+def stack_shapes(jaxpr) -> list[tuple]:
+    return [shape for shape, _ in stacks(jaxpr)]
 
 
 def test_inputs_among_the_residuals_are_not_stacked():
@@ -88,11 +95,40 @@ def test_model_does_not_stack_the_expert_weights(remat):
         logits, aux = nnx.merge(graphdef, state)(ids)
         return jnp.mean(logits.astype(jnp.float32)) + aux.load_balancing_loss
 
-    shapes = stack_shapes(jax.make_jaxpr(jax.grad(loss))(state).jaxpr)
+    made = stacks(jax.make_jaxpr(jax.grad(loss))(state).jaxpr)
     experts = [tuple(v.shape) for path, v in nnx.to_flat_state(state) if path[-1] in ("w_gate_up", "w_down")]
     assert experts
-    for shape in experts:  # once: the weight's gradient
-        assert shapes.count(shape) == 1, (shape, shapes.count(shape))
+    for shape in experts:  # once: the weight's gradient, in the compute dtype
+        assert made.count((shape, jnp.dtype(jnp.bfloat16))) == 1, (shape, made)
+        assert [s for s, _ in made].count(shape) == 1, (shape, made)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_prepare_runs_per_layer_and_stacks_its_dtype(remat):
+    # prepare = a cast to bf16: values and gradients equal jax.lax.scan with the cast inside the layer, the
+    # parameters' gradients stack in bf16 (converted once after the loop), and no cast copy is stacked.
+    def cast(p):
+        return jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
+
+    def bf16_layer(params, c, consts):
+        h = jnp.tanh(c.astype(jnp.bfloat16) @ params["w"] + params["b"]).astype(jnp.float32) * consts[0]
+        return c + h, {"energy": jnp.sum(h**2), "positive": jnp.sum(h > 0).astype(jnp.int32)}
+
+    fn = jax.checkpoint(bf16_layer, policy=jax.checkpoint_policies.nothing_saveable) if remat else bf16_layer
+    args = problem(1)
+    grad = jax.value_and_grad(loss, argnums=(2, 3, 4), has_aux=True)
+    ours = functools.partial(layer_scan.scan, prepare=cast)
+    (value, _), grads = jax.jit(grad, static_argnums=(0, 1))(ours, fn, *args)
+    cast_inside = lambda p, c, k: fn(cast(p), c, k)  # noqa: E731
+    (ref_value, _), ref_grads = jax.jit(grad, static_argnums=(0, 1))(reference, cast_inside, *args)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for got, want, param in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), jax.tree.leaves(args), strict=True):
+        assert got.dtype == param.dtype
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    params, x, consts = args
+    made = stacks(jax.make_jaxpr(lambda p: grad(ours, fn, p, x, consts))(params).jaxpr)
+    assert ((L, H, H), jnp.dtype(jnp.bfloat16)) in made  # w's gradient
+    assert ((L, H, H), jnp.dtype(jnp.float32)) not in made
 
 
 def test_stacks_of_different_lengths_are_refused():

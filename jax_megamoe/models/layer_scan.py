@@ -33,6 +33,10 @@ def _uninitialized(shape, dtype) -> jax.Array:
     return jax.lax.empty(shape, dtype)
 
 
+def _identity(tree):
+    return tree
+
+
 def _index(tree, i):
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
@@ -55,13 +59,26 @@ def _add_cotangents(total, ct):
     return jax.tree.map(lambda a, b: a if a.dtype == jax.dtypes.float0 else a + b, total, ct)
 
 
-def scan(fn: Callable[[Any, Any, Any], tuple[Any, Any]], stacked: Any, carry: Any, consts: Any) -> tuple[Any, Any]:
-    """`jax.lax.scan(lambda c, p: fn(p, c, consts), carry, stacked)`, differentiable in all three arguments.
+def scan(
+    fn: Callable[[Any, Any, Any], tuple[Any, Any]],
+    stacked: Any,
+    carry: Any,
+    consts: Any,
+    prepare: Callable[[Any], Any] | None = None,
+) -> tuple[Any, Any]:
+    """`jax.lax.scan(lambda c, p: fn(prepare(p), c, consts), carry, stacked)`, differentiable in all three
+    arguments.
 
     `fn(params, carry, consts) -> (carry, y)` is one layer: `params` a slice of `stacked` (a pytree of arrays
     with a leading layer axis), `y` stacked over the layers in the result. `fn` must be pure (everything it
-    reads passed in) and its parameters floating point.
+    reads passed in) and its parameters floating point. `prepare` (default: none) maps parameters leaf by leaf
+    and elementwise, e.g. a cast to the compute dtype: it runs on each layer's slice in the forward and again in
+    the backward, so no prepared copy of every layer is kept, and the gradients stack in its output's dtype
+    and pass through its transpose once, after the loop (float32 parameters cast to bf16 stack bf16
+    gradients).
     """
+    if prepare is None:
+        prepare = _identity
     lengths = {leaf.shape[0] for leaf in jax.tree.leaves(stacked)}
     if len(lengths) != 1:
         raise ValueError(f"scan needs stacked parameters with one leading length, got {sorted(lengths)}")
@@ -69,7 +86,7 @@ def scan(fn: Callable[[Any, Any, Any], tuple[Any, Any]], stacked: Any, carry: An
 
     @jax.custom_vjp
     def run(stacked, carry, consts):
-        return jax.lax.scan(lambda c, p: fn(p, c, consts), carry, stacked)
+        return jax.lax.scan(lambda c, p: fn(prepare(p), c, consts), carry, stacked)
 
     # The VJP pytree's structure, and where each of its leaves comes from, as traced in the forward's loop
     # body: the backward rebuilds each layer's vjp from them.
@@ -100,7 +117,7 @@ def scan(fn: Callable[[Any, Any, Any], tuple[Any, Any]], stacked: Any, carry: An
         return out, kept, treedef, sources
 
     def run_fwd(stacked, carry, consts):
-        params0 = _index(stacked, 0)
+        params0 = prepare(_index(stacked, 0))
         shapes = {}
 
         def probe(params, c, consts_):
@@ -114,7 +131,7 @@ def scan(fn: Callable[[Any, Any, Any], tuple[Any, Any]], stacked: Any, carry: An
 
         def body(i, state):
             c, ys, res_stacks = state
-            (c, y), kept, treedef, sources = layer_vjp(_index(stacked, i), c, consts)
+            (c, y), kept, treedef, sources = layer_vjp(prepare(_index(stacked, i)), c, consts)
             if sources != shapes["sources"]:
                 raise AssertionError("the layer's vjp residuals differ between two traces of the layer")
             traced["treedef"], traced["sources"] = treedef, sources
@@ -132,7 +149,7 @@ def scan(fn: Callable[[Any, Any, Any], tuple[Any, Any]], stacked: Any, carry: An
         def body(j, state):
             i = length - 1 - j
             d_c, d_stacked, d_consts = state
-            params = _index(stacked, i)
+            params = prepare(_index(stacked, i))
             params_leaves = jax.tree.leaves(params)
             kept = _index(res_stacks, i)
             from_ = {_STACKED: kept, _PARAM: params_leaves, _CONST: consts_leaves}
@@ -148,9 +165,10 @@ def scan(fn: Callable[[Any, Any, Any], tuple[Any, Any]], stacked: Any, carry: An
             d_params, d_c, d_k = jax.tree.unflatten(treedef, leaves)((d_c, d_y))
             return d_c, _write(d_stacked, d_params, i), _add_cotangents(d_consts, d_k)
 
-        d_stacked = _stacks_like(_index(stacked, 0), length)
+        d_prepared = _stacks_like(jax.eval_shape(prepare, _index(stacked, 0)), length)
         d_consts = jax.tree.map(lambda a: _zero_cotangent(a.shape, a.dtype), consts)
-        d_carry, d_stacked, d_consts = jax.lax.fori_loop(0, length, body, (d_carry, d_stacked, d_consts))
+        d_carry, d_prepared, d_consts = jax.lax.fori_loop(0, length, body, (d_carry, d_prepared, d_consts))
+        (d_stacked,) = jax.vjp(prepare, stacked)[1](d_prepared)
         return d_stacked, d_carry, d_consts
 
     run.defvjp(run_fwd, run_bwd)

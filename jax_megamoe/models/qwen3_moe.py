@@ -420,18 +420,20 @@ class Qwen3MoeForCausalLM(nnx.Module):
         if self.scan_layers:
             for run in self.layer_runs:
                 graphdef, stacked = nnx.split(run)
-                if not self.remat:
-                    # Cast before the scan, not layer by layer inside it: a cast inside would be a residual of
-                    # every layer (a stacked copy of its weights) and the weights' gradients would stack in
-                    # float32; cast outside, the backward slices the cast stacks and the gradients stack in the
-                    # compute dtype, converted once where the optimizer reads them. Under remat the cast stays
-                    # inside, recomputed per layer, so that no cast copy of every layer is kept.
+                # The weights' gradients stack in the compute dtype either way, converted once where the
+                # optimizer reads them. Without remat the stacks are cast once before the scan and the backward
+                # slices the cast stacks; under remat the scan casts each layer's slice (again in the
+                # backward), so that no cast copy of every layer is kept.
+                prepare = None
+                if self.remat:
+                    prepare = functools.partial(compute_dtype, dtype=self.dtype)
+                else:
                     stacked = compute_dtype(stacked, self.dtype)
 
                 def layer(params, x, tables, graphdef=graphdef):
                     return apply(nnx.merge(graphdef, params), x, *tables)
 
-                x, aux = layer_scan.scan(layer, stacked, x, (cos, sin))
+                x, aux = layer_scan.scan(layer, stacked, x, (cos, sin), prepare)
                 if aux is not None:
                     layer_aux.append(aux)
         else:
