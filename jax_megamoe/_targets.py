@@ -74,6 +74,13 @@ MOE_BACKWARD = {
     ),
 }
 
+# linear_cross_entropy's rows of one logits chunk (contract: jax_megamoe/losses.py): the gradient (result 1) is
+# written over the logits (operand 0).
+CROSS_ENTROPY_ROWS = {
+    "cpu": Target("jmm_cpu_cross_entropy_rows", "cpu", aliases=_aliases(operand0=1)),
+    "cuda": Target("jmm_cuda_cross_entropy_rows", "CUDA", aliases=_aliases(operand0=1)),
+}
+
 # The nvlink transport (contract: jax_megamoe/parallel/nvlink/). Emulated workspaces run every shard in one
 # call, so under jax.vmap the handler sees the whole batch.
 NVLINK_EXCHANGE = Target(
@@ -115,7 +122,7 @@ FP8_SWIGLU_GRAD_ROWS = Target("jmm_cuda_fp8_swiglu_grad_rows", "CUDA")
 
 def all_targets() -> tuple[Target, ...]:
     """Every declared target, for registration and the table's tests."""
-    per_op = (MOE_LAYOUT, MOE_GATE_UP, MOE_DOWN, MOE_BACKWARD)
+    per_op = (MOE_LAYOUT, MOE_GATE_UP, MOE_DOWN, MOE_BACKWARD, CROSS_ENTROPY_ROWS)
     return (
         *(t for op in per_op for t in op.values()),
         NVLINK_EXCHANGE,

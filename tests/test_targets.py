@@ -25,6 +25,8 @@ CONTRACT = {
     "jmm_cuda_moe_gate_up": "CUDA",
     "jmm_cuda_moe_down": "CUDA",
     "jmm_cuda_moe_backward": "CUDA",
+    "jmm_cpu_cross_entropy_rows": "cpu",
+    "jmm_cuda_cross_entropy_rows": "CUDA",
     "jmm_cuda_nvlink_exchange": "CUDA",
     "jmm_cuda_nvlink_moe_gate_up": "CUDA",
     "jmm_cuda_nvlink_moe_down": "CUDA",

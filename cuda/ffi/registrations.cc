@@ -32,11 +32,13 @@ nb::dict Registrations() {
   table["jmm_cpu_moe_gate_up"] = Capsule(jmm_cpu_moe_gate_up);
   table["jmm_cpu_moe_down"] = Capsule(jmm_cpu_moe_down);
   table["jmm_cpu_moe_backward"] = Capsule(jmm_cpu_moe_backward);
+  table["jmm_cpu_cross_entropy_rows"] = Capsule(jmm_cpu_cross_entropy_rows);
 #ifdef JMM_WITH_CUDA
   table["jmm_cuda_moe_layout"] = Capsule(jmm_cuda_moe_layout);
   table["jmm_cuda_moe_gate_up"] = Capsule(jmm_cuda_moe_gate_up);
   table["jmm_cuda_moe_down"] = Capsule(jmm_cuda_moe_down);
   table["jmm_cuda_moe_backward"] = Capsule(jmm_cuda_moe_backward);
+  table["jmm_cuda_cross_entropy_rows"] = Capsule(jmm_cuda_cross_entropy_rows);
   table["jmm_cuda_nvlink_exchange"] = Capsule(jmm_cuda_nvlink_exchange);
   table["jmm_cuda_nvlink_moe_gate_up"] = Capsule(jmm_cuda_nvlink_moe_gate_up);
   table["jmm_cuda_nvlink_moe_down"] = Capsule(jmm_cuda_nvlink_moe_down);

@@ -29,12 +29,20 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cpu_moe_gate_up);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cpu_moe_down);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cpu_moe_backward);
 
+// linear_cross_entropy's rows (jax_megamoe/losses.py), cuda/ffi/cross_entropy_cpu.cc and cross_entropy_cuda.cc:
+//   cross_entropy_rows(logits [R,V] bf16|f32, labels [R] s32, scale [] f32) -> loss [R] f32, grad [R,V] (logits'
+//                      dtype)
+//   loss[r] = logsumexp(logits[r]) - logits[r, labels[r]], grad[r] = scale * (softmax(logits[r]) - onehot), both
+//   zero for a label outside [0, V); grad may be written over logits (the caller aliases them).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cpu_cross_entropy_rows);
+
 #ifdef JMM_WITH_CUDA
 // cuda/ffi/moe_cuda.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_layout);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_gate_up);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_down);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_moe_backward);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_cross_entropy_rows);
 // The nvlink transport, cuda/nvlink/
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_exchange);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jmm_cuda_nvlink_moe_gate_up);
