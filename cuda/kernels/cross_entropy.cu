@@ -8,6 +8,7 @@
 
 #include "kernels/cross_entropy.h"
 #include "kernels/device_math.cuh"
+#include "kernels/kernel_module.cuh"
 
 namespace jmm::cuda {
 namespace {
