@@ -37,9 +37,9 @@ __device__ __forceinline__ MaxSum WarpCombine(MaxSum v) {
 }
 
 template <typename T, int kVec>
-__global__ void __launch_bounds__(kThreads) CrossEntropyRowsKernel(const T* logits, const int32_t* labels,
-                                                                    const float* scale_ptr, int64_t vocab, float* loss,
-                                                                    T* grad) {
+__global__ void __launch_bounds__(kThreads)
+    CrossEntropyRowsKernel(const T* logits, const int32_t* labels, const float* scale_ptr, int64_t vocab, float* loss,
+                           T* grad) {
   using P = Vec<T, kVec>;  // kVec = 1 when the row width does not allow 16-byte accesses
   const int64_t row = blockIdx.x;
   const int32_t label = labels[row];
