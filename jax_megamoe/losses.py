@@ -43,12 +43,6 @@ def _matmul_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _chunk_logits(h, kernel):
-    """The chunk's logits in the operands' dtype (float32 accumulation), as `h @ kernel` gives them."""
-    dtype = jnp.promote_types(h.dtype, kernel.dtype)
-    return jnp.dot(h, kernel, preferred_element_type=dtype, precision=_matmul_precision(dtype))
-
-
 def _reference_rows(logits, labels, mask, scale):
     """Per-row losses and `scale * d loss / d logits` (in the logits' dtype) of one chunk, in float32 math: the
     semantics of the kernels' cross-entropy rows (`_targets.CROSS_ENTROPY_ROWS`)."""
@@ -83,7 +77,8 @@ def _scan_chunks(hidden, kernel, labels, mask, scale, implementation, with_grad:
     def step(carry, xs):
         loss, d_kernel = carry
         h_c, lab_c, msk_c = xs
-        logits = _chunk_logits(h_c, kernel)
+        # The logits in the operands' dtype (float32 accumulation), as `h_c @ kernel` gives them.
+        logits = jnp.dot(h_c, kernel, preferred_element_type=dtype, precision=precision)
         if not with_grad:  # the loss alone needs no kernel: XLA's reductions over the chunk
             return (loss + jnp.sum(_reference_rows(logits, lab_c, msk_c, scale)[0]), d_kernel), None
         loss_rows, g = _rows(implementation, logits, lab_c, msk_c, scale)

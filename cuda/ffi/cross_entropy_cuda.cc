@@ -14,7 +14,8 @@ ffi::Error CrossEntropyRowsCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi:
                                 ffi::Result<ffi::AnyBuffer> grad) {
   int64_t rows = 0, vocab = 0;
   if (auto err = CheckCrossEntropyRows(logits, labels, scale, *loss, *grad, &rows, &vocab); err.failure()) return err;
-  const cuda::Dtype dtype = logits.element_type() == ffi::BF16 ? cuda::Dtype::kBFloat16 : cuda::Dtype::kFloat32;
+  cuda::Dtype dtype;
+  if (auto err = ReadDtype(logits.element_type(), &dtype); err.failure()) return err;
   JMM_CUDA_TRY("cross-entropy rows",
                cuda::CrossEntropyRows(dtype, logits.untyped_data(), labels.typed_data(), scale.typed_data(), rows,
                                       vocab, loss->typed_data(), grad->untyped_data(), stream));
