@@ -1,10 +1,13 @@
-// The cross-entropy rows of a logits chunk in one kernel (kernels/cross_entropy.h): one block per row, a pass
-// reading the row for its running maximum and sum of exponentials, then a pass reading it again to write
-// the gradient. Reading a row twice costs less than it seems: the rows the blocks in flight hold mostly stay in L2
-// between the two passes.
+// The cross-entropy rows of a logits chunk (kernels/cross_entropy.h). Each row is split over a cluster of blocks:
+// each block copies its segment of the row into shared memory while it takes the segment's running maximum and sum
+// of exponentials, the blocks combine theirs through distributed shared memory, and each writes its segment's
+// gradient from shared memory. The logits are read from memory once and the gradient written once. A row too wide
+// for the cluster's shared memory runs one block per row instead, reading the row twice.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <cmath>
+#include <utility>
 
 #include "kernels/cross_entropy.h"
 #include "kernels/device_math.cuh"
@@ -13,8 +16,12 @@
 namespace jmm::cuda {
 namespace {
 
-constexpr int kThreads = 1024;
-constexpr int kWarps = kThreads / 32;
+namespace cg = cooperative_groups;
+
+constexpr int kThreads = 1024;  // the one-block-per-row kernel
+constexpr int kCluster = 8;     // blocks per row (the portable cluster size)
+constexpr int kClusterThreads = 256;
+constexpr int kMaxSegmentBytes = 226 * 1024;  // of a block's 227 KiB, leaving room for the static shared memory
 
 // A running maximum and the sum of exp(x - m) over the values seen.
 struct MaxSum {
@@ -36,6 +43,122 @@ __device__ __forceinline__ MaxSum WarpCombine(MaxSum v) {
   return v;
 }
 
+// The block's combined running maximum and sum, in every thread; `partial` holds one entry per warp.
+template <int kBlockThreads>
+__device__ __forceinline__ MaxSum BlockCombine(MaxSum acc, MaxSum* partial) {
+  constexpr int kWarps = kBlockThreads / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  acc = WarpCombine(acc);
+  if (lane == 0) partial[warp] = acc;
+  __syncthreads();
+  acc = WarpCombine(lane < kWarps ? partial[lane] : MaxSum{-INFINITY, 0.f});
+  __syncthreads();  // partial may be reused
+  return acc;
+}
+
+// Folds a pack of values into the running maximum and sum.
+template <typename T, int kVec>
+__device__ __forceinline__ MaxSum Accumulate(MaxSum acc, const Vec<T, kVec>& p) {
+  float x[kVec];
+  float top = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    x[j] = ToFloat(p.v[j]);
+    top = fmaxf(top, x[j]);
+  }
+  const float m = fmaxf(acc.m, top);
+  if (m == -INFINITY) return acc;
+  float s = acc.s * __expf(acc.m - m);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) s += __expf(x[j] - m);
+  return {m, s};
+}
+
+// The gradient of a pack whose first element is column `col`.
+template <typename T, int kVec>
+__device__ __forceinline__ Vec<T, kVec> Gradient(const Vec<T, kVec>& p, int64_t col, int32_t label, float lse,
+                                                 float scale) {
+  Vec<T, kVec> q;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    float g = __expf(ToFloat(p.v[j]) - lse) * scale;
+    if (col + j == label) g -= scale;
+    q.v[j] = FromFloat<T>(g);
+  }
+  return q;
+}
+
+template <typename T, int kVec>
+__device__ __forceinline__ void ZeroPacks(Vec<T, kVec>* out, int64_t packs, int first, int stride) {
+  Vec<T, kVec> zero;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) zero.v[j] = FromFloat<T>(0.f);
+  for (int64_t i = first; i < packs; i += stride) out[i] = zero;
+}
+
+// Row blockIdx.x / kCluster, its segment cluster rank r: packs [r * segment, (r + 1) * segment) of the row.
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kClusterThreads)
+    CrossEntropyRowsClusterKernel(const T* logits, const int32_t* labels, const float* scale_ptr, int64_t vocab,
+                                  int64_t segment, float* loss, T* grad) {
+  using P = Vec<T, kVec>;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  P* held = reinterpret_cast<P*>(shared_bytes);
+  __shared__ MaxSum partial[kClusterThreads / 32];
+  __shared__ MaxSum block_total;
+  __shared__ float row_lse;
+
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t row = blockIdx.x / kCluster;
+  const int32_t label = labels[row];
+  const int64_t packs = vocab / kVec;
+  const int64_t begin = rank * segment;
+  const int64_t count = begin < packs ? min(segment, packs - begin) : 0;
+  const P* in = reinterpret_cast<const P*>(logits + row * vocab) + begin;
+  P* out = reinterpret_cast<P*>(grad + row * vocab) + begin;
+
+  if (label < 0 || label >= vocab) {  // the whole cluster returns here: no block touches another's memory
+    ZeroPacks(out, count, threadIdx.x, kClusterThreads);
+    if (rank == 0 && threadIdx.x == 0) loss[row] = 0.f;
+    return;
+  }
+
+  MaxSum acc{-INFINITY, 0.f};
+#pragma unroll 4
+  for (int64_t i = threadIdx.x; i < count; i += kClusterThreads) {
+    const P p = in[i];
+    held[i] = p;
+    acc = Accumulate(acc, p);
+  }
+  acc = BlockCombine<kClusterThreads>(acc, partial);
+  if (threadIdx.x == 0) block_total = acc;
+  cluster.sync();  // every block's total is visible to the cluster
+
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    acc = WarpCombine(lane < kCluster ? *cluster.map_shared_rank(&block_total, lane) : MaxSum{-INFINITY, 0.f});
+    if (lane == 0) row_lse = acc.m + __logf(acc.s);
+  }
+  __syncthreads();
+  // No block may leave while another still reads its total: arrive now, wait before returning.
+  auto token = cluster.barrier_arrive();
+
+  const float lse = row_lse;
+  const int64_t first_col = begin * kVec;
+  if (threadIdx.x == 0 && label >= first_col && label < first_col + count * kVec) {
+    loss[row] = lse - ToFloat(held[(label - first_col) / kVec].v[(label - first_col) % kVec]);
+  }
+  const float scale = *scale_ptr;
+#pragma unroll 4
+  for (int64_t i = threadIdx.x; i < count; i += kClusterThreads) {
+    out[i] = Gradient(held[i], first_col + i * kVec, label, lse, scale);
+  }
+  cluster.barrier_wait(std::move(token));
+}
+
+// One block per row, for rows wider than the cluster's shared memory: a pass for the running maximum and sum, a
+// second pass over the row (read again) for the gradient.
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads)
     CrossEntropyRowsKernel(const T* logits, const int32_t* labels, const float* scale_ptr, int64_t vocab, float* loss,
@@ -48,61 +171,49 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t packs = vocab / kVec;
 
   if (label < 0 || label >= vocab) {
-    P zero;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) zero.v[j] = FromFloat<T>(0.f);
-    for (int64_t i = threadIdx.x; i < packs; i += kThreads) out[i] = zero;
+    ZeroPacks(out, packs, threadIdx.x, kThreads);
     if (threadIdx.x == 0) loss[row] = 0.f;
     return;
   }
 
   MaxSum acc{-INFINITY, 0.f};
-  for (int64_t i = threadIdx.x; i < packs; i += kThreads) {
-    const P p = in[i];
-    float x[kVec];
-    float top = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      x[j] = ToFloat(p.v[j]);
-      top = fmaxf(top, x[j]);
-    }
-    const float m = fmaxf(acc.m, top);
-    if (m == -INFINITY) continue;
-    float s = acc.s * __expf(acc.m - m);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) s += __expf(x[j] - m);
-    acc = {m, s};
-  }
+  for (int64_t i = threadIdx.x; i < packs; i += kThreads) acc = Accumulate(acc, in[i]);
+  __shared__ MaxSum partial[kThreads / 32];
+  acc = BlockCombine<kThreads>(acc, partial);
+  const float lse = acc.m + __logf(acc.s);
+  const float label_logit = ToFloat(logits[row * vocab + label]);
+  __syncthreads();  // every thread has read the label's logit before any writes: grad may be logits
+  if (threadIdx.x == 0) loss[row] = lse - label_logit;
 
-  __shared__ MaxSum partial[kWarps];
-  __shared__ float row_lse;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  acc = WarpCombine(acc);
-  if (lane == 0) partial[warp] = acc;
-  __syncthreads();
-  if (warp == 0) {
-    acc = WarpCombine(lane < kWarps ? partial[lane] : MaxSum{-INFINITY, 0.f});
-    if (lane == 0) {
-      const float lse = acc.m + __logf(acc.s);
-      row_lse = lse;
-      loss[row] = lse - ToFloat(logits[row * vocab + label]);  // read before the barrier: grad may be logits
-    }
-  }
-  __syncthreads();
-
-  const float lse = row_lse;
   const float scale = *scale_ptr;
-  for (int64_t i = threadIdx.x; i < packs; i += kThreads) {
-    const P p = in[i];
-    P q;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      float g = __expf(ToFloat(p.v[j]) - lse) * scale;
-      if (i * kVec + j == label) g -= scale;
-      q.v[j] = FromFloat<T>(g);
-    }
-    out[i] = q;
+  for (int64_t i = threadIdx.x; i < packs; i += kThreads) out[i] = Gradient(in[i], i * kVec, label, lse, scale);
+}
+
+template <typename T, int kVec>
+void LaunchRows(const T* logits, const int32_t* labels, const float* scale, int64_t rows, int64_t vocab, float* loss,
+                T* grad, cudaStream_t stream) {
+  const int64_t packs = vocab / kVec;
+  const int64_t segment = (packs + kCluster - 1) / kCluster;
+  const int64_t bytes = segment * static_cast<int64_t>(sizeof(Vec<T, kVec>));
+  if (bytes > kMaxSegmentBytes || rows > 0x7fffffff / kCluster) {
+    CrossEntropyRowsKernel<T, kVec><<<rows, kThreads, 0, stream>>>(logits, labels, scale, vocab, loss, grad);
+    return;
   }
+  const auto kernel = CrossEntropyRowsClusterKernel<T, kVec>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = kCluster;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(rows * kCluster));
+  config.blockDim = dim3(kClusterThreads);
+  config.dynamicSmemBytes = static_cast<size_t>(bytes);
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, kernel, logits, labels, scale, vocab, segment, loss, grad);
 }
 
 template <typename T>
@@ -112,9 +223,9 @@ void Launch(const void* logits, const int32_t* labels, const float* scale, int64
   const auto* in = static_cast<const T*>(logits);
   auto* out = static_cast<T*>(grad);
   if (vocab % kVec == 0) {
-    CrossEntropyRowsKernel<T, kVec><<<rows, kThreads, 0, stream>>>(in, labels, scale, vocab, loss, out);
+    LaunchRows<T, kVec>(in, labels, scale, rows, vocab, loss, out, stream);
   } else {
-    CrossEntropyRowsKernel<T, 1><<<rows, kThreads, 0, stream>>>(in, labels, scale, vocab, loss, out);
+    LaunchRows<T, 1>(in, labels, scale, rows, vocab, loss, out, stream);
   }
 }
 
