@@ -204,6 +204,7 @@ void LaunchRows(const T* logits, const int32_t* labels, const float* scale, int6
     return;
   }
   const auto kernel = CrossEntropyRowsClusterKernel<T, kVec>;
+  // Set at every launch: the attribute belongs to the current device, and one process may drive several.
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   cudaLaunchAttribute attribute;
   attribute.id = cudaLaunchAttributeClusterDimension;
