@@ -47,6 +47,7 @@ Status FusedGateUp(const ShardSet& shards, const FusedDims& d, const std::vector
   const int ep = d.ep;
   const int64_t H = d.hidden, K = d.top_k, E = d.experts, block = d.block_bytes();
   const int64_t stride = d.one_block ? 0 : block;
+  const int side_sms = SideSMs(ep);
   std::vector<ScratchCursor> cursors;
   cursors.reserve(shards.count);
   std::vector<uint64_t*> group_counters(shards.count);
@@ -78,7 +79,7 @@ Status FusedGateUp(const ShardSet& shards, const FusedDims& d, const std::vector
             SourceBlocks slots{};
             for (int s = 0; s < ep; ++s) slots.rows[s] = s == me ? nullptr : push.Received(i, s);
             if (Status gather = GatherSourceRows(slots, ((1u << ep) - 1) & ~(1u << me), ep, me, d.capacity, H, K,
-                                                 calls[i].pair_of_row, calls[i].source_offsets, E, x_perms[i], kSideSMs,
+                                                 calls[i].pair_of_row, calls[i].source_offsets, E, x_perms[i], side_sms,
                                                  group_counters[i], push.side());
                 !gather.empty()) {
               return "gathering the peers' rows: " + gather;
@@ -104,8 +105,8 @@ Status FusedGateUp(const ShardSet& shards, const FusedDims& d, const std::vector
         }
         return Step("gate_up GEMM",
                     GatedGateUpGemm(x_perms[i], c.w_gate_up, c.gate_up, c.source_offsets, ep, me, E, 2 * d.intermediate,
-                                    H, group_counters[i], GatherArrivalsPerGroup(kSideSMs),
-                                    shards.workspace->timeout_ns, d.sms - kSideSMs, alloc, stream));
+                                    H, group_counters[i], GatherArrivalsPerGroup(side_sms),
+                                    shards.workspace->timeout_ns, d.sms - side_sms, alloc, stream));
       });
       !status.empty()) {
     return status;

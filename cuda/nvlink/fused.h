@@ -18,10 +18,10 @@
 // returns x's cotangent summed the same way, both in rows.sum_blocks' order.
 //
 // Streams of one shard (S: XLA's stream, S2: the side stream; f, f+1, ...: push calls):
-//   gate_up  S:  gather the own rows ─ gate_up GEMM on all SMs but kSideSMs: the own groups at once, each peer group
+//   gate_up  S:  gather the own rows ─ gate_up GEMM on all SMs but SideSMs(ep): the own groups at once, each peer group
 //                waiting for its rows ─ wait(join)
 //            S2: push f: block d to peer d ─ wait for the peers' ─ gather their rows group by group in the GEMM's
-//                order on the kSideSMs SMs the GEMM leaves, counting each group's finished warps ─ DMA them into
+//                order on the SideSMs(ep) SMs the GEMM leaves, counting each group's finished warps ─ DMA them into
 //                recv_x (the backward's operand) ─ release ─ join
 //   down     S:  SwiGLU ─ down GEMM of the peers' rows ─ combine the peers' tokens ─ fork ─ down GEMM of the own rows ─
 //                combine the own tokens into returned's own block (one block: wait(join), then combine the own
@@ -50,9 +50,12 @@
 
 namespace jmm::nvlink {
 
-// SMs left free of the gated gate_up GEMM for the side gather: at EP = 2, q30, 16 was the fastest of 4-32
-// (cuda/tests/fused_forward_bench.cu). The gather's blocks each fill an SM, so it takes exactly these.
-inline constexpr int kSideSMs = 16;
+// SMs left free of the gated gate_up GEMM for the side gather (its blocks each fill an SM, so it takes exactly
+// these). The gather moves the peers' (ep - 1) / ep of the rows while the GEMM starts on the own 1 / ep, so it needs
+// more SMs as ep grows: 16 at ep = 2 (the fastest of 4-32 on two GPUs, q30, cuda/tests/fused_forward_bench.cu), 32 at
+// 3-4 and 48 at 5-8 (the fastest of 16-64 at ep = 4 and 8, q30s, emulated shards on one GPU); with 16 at ep = 8 the
+// GEMM waited for its rows.
+inline int SideSMs(int ep) { return ep <= 2 ? 16 : ep <= 4 ? 32 : 48; }
 
 // The sizes of one fused call, per shard.
 struct FusedDims {
