@@ -53,8 +53,8 @@ namespace jmm::nvlink {
 // SMs left free of the gated gate_up GEMM for the side gather (its blocks each fill an SM, so it takes exactly
 // these). The gather moves the peers' (ep - 1) / ep of the rows while the GEMM starts on the own 1 / ep, so it needs
 // more SMs as ep grows: 16 at ep = 2 (the fastest of 4-32 on two GPUs, q30, cuda/tests/fused_forward_bench.cu), 32 at
-// 3-4 and 48 at 5-8 (the fastest of 16-64 at ep = 4 and 8, q30s, emulated shards on one GPU); with 16 at ep = 8 the
-// GEMM waited for its rows.
+// 3-4 and 48 at 5-8 (the fastest of 16-48 at ep = 4 and of 16-64 at ep = 8, q30s, emulated shards on one GPU); with 16
+// at ep = 8 the GEMM waited for its rows.
 inline int SideSMs(int ep) { return ep <= 2 ? 16 : ep <= 4 ? 32 : 48; }
 
 // The sizes of one fused call, per shard.
