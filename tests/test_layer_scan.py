@@ -132,6 +132,41 @@ def test_prepare_runs_per_layer_and_stacks_its_dtype(remat):
     assert ((L, H, H), jnp.dtype(jnp.float32)) not in made
 
 
+def viewed_layer(view):
+    # h * scale keeps h and h' * c' keeps both, where ' is a view: none, [B, 2, H/2], or an optimisation
+    # barrier (as a kernel's residuals pass one); c @ w keeps c.
+    views = {
+        "none": lambda a: a,
+        "reshape": lambda a: a.reshape(B, 2, H // 2),
+        "barrier": jax.lax.optimization_barrier,
+    }
+
+    def fn(params, c, consts):
+        h = jnp.tanh(c @ params["w"] + params["b"])
+        s = (views[view](h) * views[view](c)).reshape(B, H)
+        return c + h * consts[0] + s, {"energy": jnp.sum(h**2), "positive": jnp.sum(h > 0).astype(jnp.int32)}
+
+    return fn
+
+
+@pytest.mark.parametrize("view", ["reshape", "barrier"])
+def test_a_view_of_a_residual_is_not_stacked_again(view):
+    # The backward rebuilds the view from h's slice: the stacks are those of the layer without the view.
+    args = problem(2)
+    grad = jax.value_and_grad(loss, argnums=(2, 3, 4), has_aux=True)
+    (value, _), grads = jax.jit(grad, static_argnums=(0, 1))(layer_scan.scan, viewed_layer(view), *args)
+    (ref_value, _), ref_grads = jax.jit(grad, static_argnums=(0, 1))(reference, viewed_layer(view), *args)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    params, x, consts = args
+
+    def made(fn):
+        return stack_shapes(jax.make_jaxpr(lambda p: grad(layer_scan.scan, fn, p, x, consts))(params).jaxpr)
+
+    assert sorted(made(viewed_layer(view))) == sorted(made(viewed_layer("none")))
+
+
 def test_stacks_of_different_lengths_are_refused():
     params = {"w": jnp.zeros((2, H, H)), "b": jnp.zeros((3, H))}
     with pytest.raises(ValueError, match="one leading length"):

@@ -7,8 +7,11 @@ computes the same thing under a `jax.custom_vjp`: its forward runs each layer un
 residuals of that vjp (the leaves of the VJP pytree) into stacks made by `jax.lax.empty` (uninitialised
 memory on GPUs), and its backward runs the layers' vjps in reverse from slices of those stacks. A residual
 that is one of the layer's inputs (a parameter slice, a constant) is not stacked: the backward slices it
-again. What the layer saves is unchanged (its remat policies and custom_vjps decide), so values and
-gradients equal `jax.lax.scan`'s.
+again. Nor is a residual that is another one seen through reshapes or optimisation barriers (attention's
+output and its [B, S, N*D] view for the output projection, an array and the copy of it that a kernel keeps
+behind a barrier): the backward rebuilds it from the other's slice, where XLA, which aliases such views in an
+unrolled program, would copy each into a stack of its own. What the layer saves is unchanged (its remat
+policies and custom_vjps decide), so values and gradients equal `jax.lax.scan`'s.
 """
 
 from __future__ import annotations
@@ -20,9 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Where a residual of a layer's vjp comes from in the backward: its stack, the layer's parameter slice, or
-# the constants.
-_STACKED, _PARAM, _CONST = 0, 1, 2
+# Where a residual of a layer's vjp comes from in the backward: its stack, the layer's parameter slice, the
+# constants, or another residual (reshaped).
+_STACKED, _PARAM, _CONST, _VIEW = 0, 1, 2, 3
+
+# Primitives whose output is their input's values in another shape: a residual made by a chain of them from
+# another residual is rebuilt from it.
+_RESHAPES = ("reshape", "squeeze", "expand_dims")
 
 
 def _uninitialized(shape, dtype) -> jax.Array:
@@ -43,6 +50,30 @@ def _index(tree, i):
 
 def _write(stacks, values, i):
     return jax.tree.map(lambda s, v: jax.lax.dynamic_update_index_in_dim(s, v, i, 0), stacks, values)
+
+
+def _views(jaxpr) -> dict[int, int]:
+    """{k: j}: output k of `jaxpr` is output j's values, through reshapes and optimisation barriers only (j
+    the deepest such output along the chain, so never itself a view)."""
+    producer = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    position: dict[int, int] = {}
+    for j, v in enumerate(jaxpr.outvars):
+        position.setdefault(id(v), j)
+    views = {}
+    for k, v in enumerate(jaxpr.outvars):
+        root = None
+        while (eqn := producer.get(id(v))) is not None:
+            if eqn.primitive.name == "optimization_barrier":
+                v = eqn.invars[[id(o) for o in eqn.outvars].index(id(v))]
+            elif eqn.primitive.name in _RESHAPES and eqn.params.get("dimensions") is None:
+                v = eqn.invars[0]
+            else:
+                break
+            if position.get(id(v), k) != k:
+                root = position[id(v)]
+        if root is not None:
+            views[k] = root
+    return views
 
 
 def _stacks_like(tree, length: int):
@@ -92,17 +123,19 @@ def scan(
     # body: the backward rebuilds each layer's vjp from them.
     traced: dict[str, Any] = {}
 
-    def classify(leaves, params, consts_):
+    def classify(leaves, params, consts_, views):
         params_ids = {id(p): k for k, p in enumerate(jax.tree.leaves(params))}
         consts_ids = {id(c): k for k, c in enumerate(jax.tree.leaves(consts_))}
         kept_ids: dict[int, int] = {}
         sources: list[tuple[int, int]] = []
         kept: list[Any] = []
-        for leaf in leaves:
+        for position, leaf in enumerate(leaves):
             if id(leaf) in params_ids:
                 sources.append((_PARAM, params_ids[id(leaf)]))
             elif id(leaf) in consts_ids:
                 sources.append((_CONST, consts_ids[id(leaf)]))
+            elif position in views:
+                sources.append((_VIEW, views[position]))
             else:
                 if id(leaf) not in kept_ids:
                     kept_ids[id(leaf)] = len(kept)
@@ -110,18 +143,21 @@ def scan(
                 sources.append((_STACKED, kept_ids[id(leaf)]))
         return tuple(sources), kept
 
-    def layer_vjp(params, c, consts_):
+    def layer_vjp(params, c, consts_, views):
         out, vjp = jax.vjp(fn, params, c, consts_)
         leaves, treedef = jax.tree.flatten(vjp)
-        sources, kept = classify(leaves, params, consts_)
+        sources, kept = classify(leaves, params, consts_, views)
         return out, kept, treedef, sources
 
     def run_fwd(stacked, carry, consts):
         params0 = prepare(_index(stacked, 0))
+        residuals = jax.make_jaxpr(lambda *args: jax.tree.leaves(jax.vjp(fn, *args)[1]))(params0, carry, consts)
+        views = _views(residuals.jaxpr)
+        traced["view_shapes"] = {k: residuals.jaxpr.outvars[k].aval.shape for k in views}
         shapes = {}
 
         def probe(params, c, consts_):
-            out, kept, _, sources = layer_vjp(params, c, consts_)
+            out, kept, _, sources = layer_vjp(params, c, consts_, views)
             shapes["sources"] = sources
             return out, kept
 
@@ -131,7 +167,7 @@ def scan(
 
         def body(i, state):
             c, ys, res_stacks = state
-            (c, y), kept, treedef, sources = layer_vjp(prepare(_index(stacked, i)), c, consts)
+            (c, y), kept, treedef, sources = layer_vjp(prepare(_index(stacked, i)), c, consts, views)
             if sources != shapes["sources"]:
                 raise AssertionError("the layer's vjp residuals differ between two traces of the layer")
             traced["treedef"], traced["sources"] = treedef, sources
@@ -153,7 +189,10 @@ def scan(
             params_leaves = jax.tree.leaves(params)
             kept = _index(res_stacks, i)
             from_ = {_STACKED: kept, _PARAM: params_leaves, _CONST: consts_leaves}
-            leaves = [from_[kind][k] for kind, k in sources]
+            leaves = [None if kind == _VIEW else from_[kind][k] for kind, k in sources]
+            for position, (kind, k) in enumerate(sources):
+                if kind == _VIEW:
+                    leaves[position] = jnp.reshape(leaves[k], traced["view_shapes"][position])
             d_y = jax.tree.map(
                 lambda d: (
                     _zero_cotangent(d.shape[1:], d.dtype)
