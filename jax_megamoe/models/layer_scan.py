@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Where a residual of a layer's vjp comes from in the backward: its stack, the layer's parameter slice, the
-# constants, or another residual (reshaped).
+# constants, or another residual (reshaped to the residual's shape).
 _STACKED, _PARAM, _CONST, _VIEW = 0, 1, 2, 3
 
 # Primitives whose output is their input's values in another shape: a residual made by a chain of them from
@@ -52,9 +52,9 @@ def _write(stacks, values, i):
     return jax.tree.map(lambda s, v: jax.lax.dynamic_update_index_in_dim(s, v, i, 0), stacks, values)
 
 
-def _views(jaxpr) -> dict[int, int]:
-    """{k: j}: output k of `jaxpr` is output j's values, through reshapes and optimisation barriers only (j
-    the deepest such output along the chain, so never itself a view)."""
+def _views(jaxpr) -> dict[int, tuple[int, tuple[int, ...]]]:
+    """{k: (j, shape)}: output k of `jaxpr` (of that shape) is output j's values, through reshapes and
+    optimisation barriers only (j the deepest such output along the chain, so never itself a view)."""
     producer = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     position: dict[int, int] = {}
     for j, v in enumerate(jaxpr.outvars):
@@ -69,10 +69,10 @@ def _views(jaxpr) -> dict[int, int]:
                 v = eqn.invars[0]
             else:
                 break
-            if position.get(id(v), k) != k:
+            if id(v) in position:  # another output: the chain has no cycles
                 root = position[id(v)]
         if root is not None:
-            views[k] = root
+            views[k] = (root, jaxpr.outvars[k].aval.shape)
     return views
 
 
@@ -127,7 +127,7 @@ def scan(
         params_ids = {id(p): k for k, p in enumerate(jax.tree.leaves(params))}
         consts_ids = {id(c): k for k, c in enumerate(jax.tree.leaves(consts_))}
         kept_ids: dict[int, int] = {}
-        sources: list[tuple[int, int]] = []
+        sources: list[tuple[int, Any]] = []
         kept: list[Any] = []
         for position, leaf in enumerate(leaves):
             if id(leaf) in params_ids:
@@ -153,7 +153,6 @@ def scan(
         params0 = prepare(_index(stacked, 0))
         residuals = jax.make_jaxpr(lambda *args: jax.tree.leaves(jax.vjp(fn, *args)[1]))(params0, carry, consts)
         views = _views(residuals.jaxpr)
-        traced["view_shapes"] = {k: residuals.jaxpr.outvars[k].aval.shape for k in views}
         shapes = {}
 
         def probe(params, c, consts_):
@@ -192,7 +191,8 @@ def scan(
             leaves = [None if kind == _VIEW else from_[kind][k] for kind, k in sources]
             for position, (kind, k) in enumerate(sources):
                 if kind == _VIEW:
-                    leaves[position] = jnp.reshape(leaves[k], traced["view_shapes"][position])
+                    root, shape = k
+                    leaves[position] = jnp.reshape(leaves[root], shape)
             d_y = jax.tree.map(
                 lambda d: (
                     _zero_cotangent(d.shape[1:], d.dtype)
