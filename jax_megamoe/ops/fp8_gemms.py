@@ -341,8 +341,8 @@ class _Sizes(NamedTuple):
     inter_p: int
 
 
-def _sizes(x, weights, w_gate_up) -> _Sizes:
-    hidden, top_k = x.shape[1], weights.shape[1]
+def _sizes(hidden, weights, w_gate_up) -> _Sizes:
+    top_k = weights.shape[1]
     experts, _, two_inter = w_gate_up.shape
     inter = two_inter // 2
     return _Sizes(hidden, inter, experts, top_k, fp8._round_up(hidden), fp8._round_up(inter))
@@ -366,25 +366,31 @@ def _moe_ffn_fp8(x, weights, experts, w_gate_up, w_down, implementation):
 
 
 def _moe_ffn_fp8_fwd(x, weights, experts, w_gate_up, w_down, implementation):
-    kernels, s = KERNELS[implementation], _sizes(x, weights, w_gate_up)
+    kernels, s = KERNELS[implementation], _sizes(x.shape[1], weights, w_gate_up)
     layout = RowLayout(*(checkpoint_name(a, fp8.LAYOUT_NAME) for a in row_layout(experts, s.experts, implementation)))
     wgu, wd = _padded_weights(w_gate_up, w_down, s)
     xv, xs = kernels.row_operand(_pad_hidden(x, s), layout.pair_of_row // s.top_k)
     gate_up = kernels.rows(xv, xs, *kernels.blocks(wgu, transpose=True), layout.offsets)
-    out = kernels.rows(*kernels.hidden(gate_up, layout.offsets), *kernels.blocks(wd, transpose=True), layout.offsets)
+    hidden = kernels.hidden(gate_up, layout.offsets)
+    out = kernels.rows(*hidden, *kernels.blocks(wd, transpose=True), layout.offsets)
     y = _pair_sum(out, layout.row_of_pair, s.top_k, weights)[:, : s.hidden].astype(x.dtype)
-    x, weights, experts, layout, gate_up = _ffi.residuals((x, weights, experts, layout, gate_up))
-    return y, (x, weights, experts, w_gate_up, w_down, checkpoint_name(gate_up, fp8.GATE_UP_NAME), layout)
+    # q(h) and the token tiles of q(x) are saved rather than recomputed: the backward then skips a quantising pass
+    # over x's rows and one over the projections (under a remat policy that saves only the named residuals below,
+    # the backward recomputes them from x and the projections, the same values).
+    x_tiles = kernels.token_tiles(xv, xs)
+    weights, layout, gate_up, hidden, x_tiles = _ffi.residuals((weights, layout, gate_up, hidden, x_tiles))
+    gate_up = checkpoint_name(gate_up, fp8.GATE_UP_NAME)
+    return y, (weights, experts, w_gate_up, w_down, gate_up, layout, hidden, x_tiles)
 
 
 def _moe_ffn_fp8_bwd(implementation, residuals, dy):
-    x, weights, experts, w_gate_up, w_down, gate_up, layout = residuals
-    kernels, s = KERNELS[implementation], _sizes(x, weights, w_gate_up)
+    weights, experts, w_gate_up, w_down, gate_up, layout, (hv, hs), x_tiles = residuals
+    x_dtype = dy.dtype  # y's, which is x's
+    kernels, s = KERNELS[implementation], _sizes(dy.shape[1], weights, w_gate_up)
     wgu, wd = _padded_weights(w_gate_up, w_down, s)
     token_of_row = layout.pair_of_row // s.top_k
-    dyv, dys = kernels.row_operand(_pad_hidden(dy.astype(x.dtype), s), token_of_row)
+    dyv, dys = kernels.row_operand(_pad_hidden(dy.astype(x_dtype), s), token_of_row)
     g = kernels.rows(dyv, dys, *kernels.blocks(wd, transpose=False), layout.offsets, jnp.float32)
-    hv, hs = kernels.hidden(gate_up, layout.offsets)
     h = dequantize(hv, hs, (1, BLOCK))
     row_weights = jnp.take(weights.reshape(-1).astype(jnp.float32), layout.pair_of_row, mode="fill", fill_value=0)
     d_row_weights = jnp.sum(h * g, axis=-1)
@@ -399,16 +405,15 @@ def _moe_ffn_fp8_bwd(implementation, residuals, dy):
         s.experts,
         w_down.dtype,
     )
-    xv, xs = kernels.row_operand(_pad_hidden(x, s), token_of_row)
     d_w_gate_up = kernels.weight(
-        *kernels.token_tiles(xv, xs),
+        *x_tiles,
         *kernels.token_tiles(dzv, dzs),
         layout.offsets,
         s.experts,
         w_gate_up.dtype,
     )
     return (
-        dx.astype(x.dtype),
+        dx.astype(x_dtype),
         d_weights.astype(weights.dtype),
         np.zeros(experts.shape, jax.dtypes.float0),
         fp8._unpad_gate_up(d_w_gate_up, s.hidden, s.inter).astype(w_gate_up.dtype),
