@@ -11,7 +11,9 @@ is one `jax_megamoe.GemmTiles` member name for every row-grouped GEMM (`ours_til
 `<gemm>=<member>` pairs joined by '+' (`ours_tiles_fwd_down=coop_128x256+bwd_down=coop_128x256`; <gemm>: fwd_gate_up,
 fwd_down, bwd_down, bwd_gate_up), the GEMMs not named keeping the heuristic's tiles for the config's shape
 (`GemmConfig.for_problem`), to compare GEMM tile configurations in one run,
-`ours_fp8`: `ours` with `recipe="fp8_blockwise"` (FP8 blockwise GEMMs, docs/fp8.md),
+`ours_fp8`: `ours` with `recipe="fp8_blockwise"` (FP8 blockwise GEMMs, docs/fp8.md), `torch_fp8_rowwise`:
+`torch_grouped_mm` with torchao's FP8 rowwise recipe on `torch._scaled_grouped_mm` (its quantisers
+`torch.compile`d),
 and `ours_graphs`: `ours` with XLA recording the custom calls into CUDA graphs (command buffers; XLA_FLAGS of
 GRAPH_XLA_FLAGS set for its subprocess), which XLA does not do for custom calls by default.
 Configs (bf16): q30 (T=16384, H=2048, I=768, E=128, K=8), q235 (H=4096, I=1536), q30s (T=2048), and `tiny`
@@ -329,25 +331,89 @@ def torch_variant(moe, variant, top_k):
     raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
 
 
-def torch_grouped_mm_moe(x, w, ids, gu, d):
-    """torchtitan's MoE experts: stable sort by expert, torch._grouped_mm twice, weighted index_add scatter."""
+def torch_fp8_grouped_mm():
+    """torchao's FP8 rowwise MoE GEMM (`_Float8GroupedMM`'s recipe) on torch 2.11's `torch._scaled_grouped_mm`:
+    `a [M, K] @ b[e] [K, N]` for the rows of each group in `offs`, forward and backward, e4m3 operands with one
+    float32 scale (amax / 448) per row of a and per output column of each expert's b; the weight gradient's operands
+    with one scale per column per group, along the tokens. The quantisers are `torch.compile`d (fused)."""
+    import torch
+
+    def rowwise(a):  # one scale per slice along the last dimension
+        amax = a.abs().amax(dim=-1, keepdim=True).float()
+        scale = torch.where(amax > 0, amax / 448.0, 1.0)
+        return (a.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale.squeeze(-1)
+
+    def per_group_columns(a, offs):  # a [M, C] -> values [C, M] (token-contiguous), scales [groups * C]
+        group = torch.searchsorted(offs, torch.arange(a.shape[0], device=a.device, dtype=offs.dtype), right=True)
+        group = group.clamp(max=offs.shape[0] - 1)
+        amax = torch.zeros(offs.shape[0], a.shape[1], device=a.device, dtype=torch.float32)
+        amax = amax.scatter_reduce(0, group[:, None].expand(a.shape), a.abs().float(), "amax")
+        scale = torch.where(amax > 0, amax / 448.0, 1.0)
+        values = (a.float() / scale[group]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return values.t().contiguous(), scale.reshape(-1)
+
+    rowwise, per_group_columns = torch.compile(rowwise), torch.compile(per_group_columns)
+
+    def mm(a, sa, b, sb, offs):
+        return torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    class Fp8GroupedMM(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b, offs):
+            ctx.save_for_backward(a, b, offs)
+            qa, sa = rowwise(a)
+            qb, sb = rowwise(b.transpose(-2, -1).contiguous())  # [E, N, K]: K-major
+            return mm(qa, sa, qb.transpose(-2, -1), sb, offs)
+
+        @staticmethod
+        def backward(ctx, dout):
+            a, b, offs = ctx.saved_tensors
+            qd, sd = rowwise(dout)
+            qb, sb = rowwise(b)  # [E, K, N]: N-major, the contraction of da = dout . b^T
+            da = mm(qd, sd, qb.transpose(-2, -1), sb, offs)
+            qdt, sdt = per_group_columns(dout, offs)  # [N, M]
+            qat, sat = per_group_columns(a, offs)  # [K, M]
+            db = mm(qdt, sdt, qat.t(), sat, offs)  # [E, N, K]
+            return da, db.transpose(-2, -1), None
+
+    return Fp8GroupedMM.apply
+
+
+def torch_moe(grouped_mm):
+    """torchtitan's MoE experts with `grouped_mm(a, b, offs)`: stable sort by expert, two grouped GEMMs, weighted
+    index_add scatter."""
     import torch
     import torch.nn.functional as F
 
-    t, k = ids.shape
-    e = gu.shape[0]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
-    token = order // k
-    z = torch._grouped_mm(x[token], gu, offs=offs)
-    g, u = z.chunk(2, dim=-1)
-    out = torch._grouped_mm(F.silu(g) * u, d, offs=offs)
-    out = out * w.reshape(-1)[order].to(out.dtype)[:, None]
-    return torch.zeros_like(x).index_add_(0, token, out)
+    def moe(x, w, ids, gu, d):
+        t, k = ids.shape
+        e = gu.shape[0]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+        token = order // k
+        z = grouped_mm(x[token], gu, offs)
+        g, u = z.chunk(2, dim=-1)
+        out = grouped_mm(F.silu(g) * u, d, offs)
+        out = out * w.reshape(-1)[order].to(out.dtype)[:, None]
+        return torch.zeros_like(x).index_add_(0, token, out)
+
+    return moe
 
 
-def run_torch(cname, routing, variant, samples, inner):
+def torch_bf16_grouped_mm():
+    import torch
+
+    return lambda a, b, offs: torch._grouped_mm(a, b, offs=offs)
+
+
+TORCH_IMPLS = {  # name: a maker of the experts' grouped GEMM
+    "torch_grouped_mm": torch_bf16_grouped_mm,
+    "torch_fp8_rowwise": torch_fp8_grouped_mm,
+}
+
+
+def run_torch(impl, cname, routing, variant, samples, inner):
     import torch
     import torch.utils.checkpoint  # noqa: F401 - torch_variant's remat
 
@@ -356,9 +422,9 @@ def run_torch(cname, routing, variant, samples, inner):
     def sync(_):
         torch.cuda.synchronize()
 
-    row = dict(impl="torch_grouped_mm", config=cname, routing=routing, variant=variant)
+    row = dict(impl=impl, config=cname, routing=routing, variant=variant)
     t, h, i, e, k = CONFIGS[cname]
-    moe = torch_variant(torch_grouped_mm_moe, variant, k)
+    moe = torch_variant(torch_moe(TORCH_IMPLS[impl]()), variant, k)
     try:
         gen = torch.Generator(device=dev).manual_seed(3)
         x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -386,6 +452,14 @@ def run_torch(cname, routing, variant, samples, inner):
         torch.cuda.reset_peak_memory_stats()  # the inputs stay counted: they are allocated
         sync(fwd_bwd(*params))
         row.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30, peak_by_call=True)
+        if impl != "torch_grouped_mm":  # what it computes: normwise distance to the bf16 formulation's results
+            bf16 = torch_variant(torch_moe(torch_bf16_grouped_mm()), variant, k)
+            y = bf16(*params[:2], r2, *params[2:])
+            ours, ref = fwd_bwd(*params), (y, torch.autograd.grad(y, params, dy))
+            pairs = zip(("y", "dx", "d_weights", "d_w_gate_up", "d_w_down"), (ours[0], *ours[1]), (ref[0], *ref[1]))
+            row["rel_err_vs_bf16"] = {
+                name: float((a.float() - b.float()).norm() / b.float().norm()) for name, a, b in pairs
+            }
         row["fwd_ms"], row["fwd_min_ms"] = time_calls(fwd, params, sync, samples, inner)
         row["fwd_bwd_ms"], row["fwd_bwd_min_ms"] = time_calls(fwd_bwd, params, sync, samples, inner)
         row["status"] = "ok"
@@ -402,8 +476,8 @@ def child(args):
     """One row (one config and routing given), or the matmul rate, printed as JSON for the driver."""
     if args.child == "bf16_matmul_8192":
         row = run_matmul()
-    elif args.child == "torch_grouped_mm":
-        row = run_torch(args.configs, args.routings, args.variants, args.samples, args.inner)
+    elif args.child in TORCH_IMPLS:
+        row = run_torch(args.child, args.configs, args.routings, args.variants, args.samples, args.inner)
     else:
         row = run_jax(args.child, args.configs, args.routings, args.variants, args.samples, args.inner)
     print("JMM_BENCH_ROW " + json.dumps(row))
