@@ -456,9 +456,12 @@ def run_torch(impl, cname, routing, variant, samples, inner):
             bf16 = torch_variant(torch_moe(torch_bf16_grouped_mm()), variant, k)
             y = bf16(*params[:2], r2, *params[2:])
             ours, ref = fwd_bwd(*params), (y, torch.autograd.grad(y, params, dy))
-            pairs = zip(("y", "dx", "d_weights", "d_w_gate_up", "d_w_down"), (ours[0], *ours[1]), (ref[0], *ref[1]))
+            pairs = zip(
+                ("y", "dx", "d_weights", "d_w_gate_up", "d_w_down"), (ours[0], *ours[1]), (ref[0], *ref[1]), strict=True
+            )
             row["rel_err_vs_bf16"] = {
-                name: float((a.float() - b.float()).norm() / b.float().norm()) for name, a, b in pairs
+                name: float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+                for name, a, b in pairs
             }
         row["fwd_ms"], row["fwd_min_ms"] = time_calls(fwd, params, sync, samples, inner)
         row["fwd_bwd_ms"], row["fwd_bwd_min_ms"] = time_calls(fwd_bwd, params, sync, samples, inner)
