@@ -379,9 +379,10 @@ def torch_fp8_grouped_mm():
     return Fp8GroupedMM.apply
 
 
-def torch_moe(grouped_mm):
+def torch_moe(grouped_mm, align=1):
     """torchtitan's MoE experts with `grouped_mm(a, b, offs)`: stable sort by expert, two grouped GEMMs, weighted
-    index_add scatter."""
+    index_add scatter. With `align` > 1 each expert's rows start at a multiple of `align`, zero rows between
+    (torchtitan's padding for the FP8 grouped GEMMs, whose weight gradient needs groups of whole 16-row tiles)."""
     import torch
     import torch.nn.functional as F
 
@@ -390,11 +391,23 @@ def torch_moe(grouped_mm):
         e = gu.shape[0]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+        counts = torch.bincount(flat, minlength=e)
         token = order // k
-        z = grouped_mm(x[token], gu, offs)
+        rows = x[token]
+        if align > 1:
+            padded = (counts + align - 1) // align * align
+            offs = torch.cumsum(padded, 0).to(torch.int32)
+            expert = flat[order]
+            rank = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[expert]
+            dest = (offs - padded)[expert] + rank
+            rows = rows.new_zeros(flat.numel() + (align - 1) * e, x.shape[1]).index_copy(0, dest, rows)
+        else:
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+        z = grouped_mm(rows, gu, offs)
         g, u = z.chunk(2, dim=-1)
         out = grouped_mm(F.silu(g) * u, d, offs)
+        if align > 1:
+            out = out[dest]
         out = out * w.reshape(-1)[order].to(out.dtype)[:, None]
         return torch.zeros_like(x).index_add_(0, token, out)
 
@@ -407,9 +420,9 @@ def torch_bf16_grouped_mm():
     return lambda a, b, offs: torch._grouped_mm(a, b, offs=offs)
 
 
-TORCH_IMPLS = {  # name: a maker of the experts' grouped GEMM
-    "torch_grouped_mm": torch_bf16_grouped_mm,
-    "torch_fp8_rowwise": torch_fp8_grouped_mm,
+TORCH_IMPLS = {  # name: a maker of the experts' grouped GEMM, and the row alignment of its groups
+    "torch_grouped_mm": (torch_bf16_grouped_mm, 1),
+    "torch_fp8_rowwise": (torch_fp8_grouped_mm, 16),
 }
 
 
@@ -424,7 +437,8 @@ def run_torch(impl, cname, routing, variant, samples, inner):
 
     row = dict(impl=impl, config=cname, routing=routing, variant=variant)
     t, h, i, e, k = CONFIGS[cname]
-    moe = torch_variant(torch_moe(TORCH_IMPLS[impl]()), variant, k)
+    make, align = TORCH_IMPLS[impl]
+    moe = torch_variant(torch_moe(make(), align), variant, k)
     try:
         gen = torch.Generator(device=dev).manual_seed(3)
         x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
