@@ -346,8 +346,11 @@ def torch_fp8_grouped_mm():
     def per_group_columns(a, offs):  # a [M, C] -> values [C, M] (token-contiguous), scales [groups * C]
         group = torch.searchsorted(offs, torch.arange(a.shape[0], device=a.device, dtype=offs.dtype), right=True)
         group = group.clamp(max=offs.shape[0] - 1)
-        amax = torch.zeros(offs.shape[0], a.shape[1], device=a.device, dtype=torch.float32)
-        amax = amax.scatter_reduce(0, group[:, None].expand(a.shape), a.abs().float(), "amax")
+        # the groups are whole 16-row tiles: the tiles' column maxima, then a segmented max over each group's tiles
+        tiles = a.abs().float().reshape(-1, 16, a.shape[1]).amax(dim=1)
+        ends = torch.cat([offs, offs.new_full((1,), a.shape[0])]) // 16  # the rows past the last group: a last one
+        sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+        amax = torch.segment_reduce(tiles, "max", lengths=sizes, axis=0, unsafe=True, initial=0.0)[:-1]
         scale = torch.where(amax > 0, amax / 448.0, 1.0)
         values = (a.float() / scale[group]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
         return values.t().contiguous(), scale.reshape(-1)
@@ -393,16 +396,18 @@ def torch_moe(grouped_mm, align=1):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=e)
         token = order // k
-        rows = x[token]
         if align > 1:
             padded = (counts + align - 1) // align * align
             offs = torch.cumsum(padded, 0).to(torch.int32)
             expert = flat[order]
             rank = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[expert]
             dest = (offs - padded)[expert] + rank
-            rows = rows.new_zeros(flat.numel() + (align - 1) * e, x.shape[1]).index_copy(0, dest, rows)
+            capacity = -(-(flat.numel() + (align - 1) * e) // align) * align
+            source = torch.full((capacity,), t, device=x.device).index_put((dest,), token)
+            rows = torch.cat([x, x.new_zeros(1, x.shape[1])])[source]  # the padding rows: row t, zeros
         else:
             offs = torch.cumsum(counts, 0).to(torch.int32)
+            rows = x[token]
         z = grouped_mm(rows, gu, offs)
         g, u = z.chunk(2, dim=-1)
         out = grouped_mm(F.silu(g) * u, d, offs)
