@@ -437,3 +437,56 @@ def test_bench_moe_remat_runs_the_forward_twice():
         return jax.jit(fwd_bwd).lower(x, w, ids, gu, d, dy).compile().as_text().count(" dot(")
 
     assert products("remat") == products("plain") + 2
+
+
+def _scaled_grouped_mm_on_cpu(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
+    """`torch._scaled_grouped_mm`'s rowwise contract in float32 on the CPU: `a [M, K] @ b [E, K, N]` per group of
+    rows, or `a [N, P] @ b [P, K]` per group of the P columns (the weight gradient, `[E, N, K]`), the scales
+    multiplying a's rows and b's columns."""
+    import torch
+
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    if b.dim() == 3:
+        out = torch.zeros(a.shape[0], b.shape[2])
+        for g, (s, e) in enumerate(zip(starts, ends, strict=True)):
+            out[s:e] = (a[s:e].float() * scale_a[s:e, None]) @ (b[g].float() * scale_b[g][None, :])
+        return out.to(torch.bfloat16)
+    n, k = a.shape[0], b.shape[1]
+    out = torch.zeros(len(ends), n, k)
+    for g, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        lhs = a[:, s:e].float() * scale_a[g * n : (g + 1) * n, None]
+        out[g] = lhs @ (b[s:e].float() * scale_b[g * k : (g + 1) * k][None, :])
+    return out.to(torch.bfloat16)
+
+
+def test_bench_moe_torch_fp8_peer_computes_the_moe(monkeypatch):
+    """The FP8 rowwise peer's padding, layouts and scales, with its GEMM emulated: its results lie near the bf16
+    formulation's (FP8's rounding) and not on them (the operands were quantised)."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _scaled_grouped_mm_on_cpu, raising=False)
+    monkeypatch.setattr(torch, "compile", lambda fn: fn)
+    monkeypatch.setattr(
+        torch,
+        "_grouped_mm",
+        lambda a, b, offs: _scaled_grouped_mm_on_cpu(
+            a, b, torch.ones(a.shape[0]), torch.ones(b.shape[0], b.shape[2]), offs
+        ),
+        raising=False,
+    )
+    t, h, i, e, k = 96, 128, 64, 8, 2
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(t, h, generator=gen).bfloat16()
+    gu = (torch.randn(e, h, 2 * i, generator=gen) / h**0.5).bfloat16()
+    d = (torch.randn(e, i, h, generator=gen) / i**0.5).bfloat16()
+    dy = torch.randn(t, h, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(e - 1, generator=gen)[:k] for _ in range(t)])  # expert e-1 stays empty
+    w = torch.softmax(torch.randn(t, k, generator=gen), -1)
+    params = [p.requires_grad_() for p in (x, w, gu, d)]
+    results = {}
+    for name, (make, align) in bench_moe.TORCH_IMPLS.items():
+        y = bench_moe.torch_moe(make(), align)(params[0], params[1], ids, params[2], params[3])
+        results[name] = [y.detach().float(), *(g.float() for g in torch.autograd.grad(y, params, dy))]
+    for fp8, bf16 in zip(results["torch_fp8_rowwise"], results["torch_grouped_mm"], strict=True):
+        err = float((fp8 - bf16).norm() / bf16.norm())
+        assert 1e-3 < err < 0.1, err
