@@ -335,7 +335,8 @@ def torch_fp8_grouped_mm():
     """torchao's FP8 rowwise MoE GEMM (`_Float8GroupedMM`'s recipe) on torch 2.11's `torch._scaled_grouped_mm`:
     `a [M, K] @ b[e] [K, N]` for the rows of each group in `offs`, forward and backward, e4m3 operands with one
     float32 scale (amax / 448) per row of a and per output column of each expert's b; the weight gradient's operands
-    with one scale per column per group, along the tokens. The quantisers are `torch.compile`d (fused)."""
+    with one scale per column per group, along the tokens. Every group's rows start at a multiple of 16 (`torch_moe`'s
+    `align`), as the weight gradient's kernel requires. The quantisers are `torch.compile`d (fused)."""
     import torch
 
     def rowwise(a):  # one scale per slice along the last dimension
