@@ -38,10 +38,14 @@ LM head + loss = forward+backward of the head and its cross-entropy alone, on [N
 (attention, norms, router, embedding). Beside them, `moe_ffn_alone_ms`: one moe_ffn per sparse layer at the
 step's size, forward+backward with the weight casts, in one jitted call, and `experts_over_alone`, the experts
 term over it (what the MoE layers cost inside the step against alone).
+With `--profile DIR`, each JAX stack then runs `PROFILE_STEPS` more steps under the JAX profiler (the trace in
+DIR/<stack>/, for Perfetto) and its row gets `profile`: the device's events per step by time (the top
+`PROFILE_TOP`), and the last step's streams: each stream's busy time and the busiest one's idle gaps (where the
+step waits, and for what).
 
 Usage: python benchmarks/bench_train.py [--preset qwen3-30b-a3b-4layer|tiny] [--layers L] [--batch B]
            [--seq S] [--steps N] [--warmup W] [--param-dtype float32|bfloat16] [--stacks ours,ours_lce,...]
-           [--breakdown ours,ours_lce] [--peer-site DIR] [--json F] [--png F]
+           [--breakdown ours,ours_lce] [--profile DIR] [--peer-site DIR] [--json F] [--png F]
 """
 
 from __future__ import annotations
@@ -257,6 +261,60 @@ class Skip(Exception):
     """A stack that cannot run here; its message is the row's status."""
 
 
+PROFILE_STEPS = 3
+PROFILE_TOP = 30  # events kept per step in a row's profile
+
+
+def stream_summary(events: list[dict]) -> dict:
+    """One step's events (`profile_ep.last_step_timeline`'s, of one device): each stream's busy milliseconds, and
+    the busiest stream's idle time inside the step with its longest gaps (the event before and after each)."""
+    busy: dict[str, float] = {}
+    for event in events:
+        busy[event["stream"]] = busy.get(event["stream"], 0.0) + event["dur_us"] / 1e3
+    if not events:
+        return dict(streams={})
+    main = max(busy, key=busy.get)
+    gaps, end, previous = [], None, None
+    for event in (e for e in events if e["stream"] == main):
+        if end is not None and event["start_us"] > end:
+            gaps.append(dict(us=round(event["start_us"] - end, 1), after=previous, before=event["name"]))
+        end = max(end or 0.0, event["start_us"] + event["dur_us"])
+        previous = event["name"]
+    span = max(e["start_us"] + e["dur_us"] for e in events) - min(e["start_us"] for e in events)
+    return dict(
+        streams={name: round(ms, 3) for name, ms in sorted(busy.items(), key=lambda item: -item[1])},
+        step_span_ms=round(span / 1e3, 3),
+        busiest=main,
+        idle_ms=round(sum(g["us"] for g in gaps) / 1e3, 3),
+        longest_gaps=sorted(gaps, key=lambda g: -g["us"])[:10],
+    )
+
+
+def profile_steps(run_step, sync, out_dir: str, on_gpu: bool) -> dict:
+    """`PROFILE_STEPS` steps under the JAX profiler (trace in `out_dir`): the device's events per step, and the last
+    step's streams (`stream_summary`). On a CPU the host's XLA threads stand in for the device."""
+    from pathlib import Path
+
+    import jax
+    import profile_ep  # benchmarks/, beside this script
+
+    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+        for _ in range(PROFILE_STEPS):
+            sync(run_step())
+    trace = profile_ep.latest_trace(Path(out_dir))
+    process = profile_ep.DEVICE_PROCESS if on_gpu else r"^/host:CPU"
+    per_step = profile_ep.per_step(profile_ep.kernel_times(trace, process), PROFILE_STEPS)
+    timeline = profile_ep.last_step_timeline(trace, process, PROFILE_STEPS)
+    return {
+        name: dict(
+            events_ms=summary["total_ms"],
+            top=[dict(e, ms=round(e["ms"], 4)) for e in summary["events"][:PROFILE_TOP]],
+            last_step=stream_summary(timeline.get(name, [])),
+        )
+        for name, summary in per_step.items()
+    }
+
+
 def compiled_temp_bytes(compiled):
     try:
         return int(compiled.memory_analysis().temp_size_in_bytes)
@@ -369,6 +427,8 @@ def run_jax(name: str, args) -> dict:
         row["peak_memory_bytes"] = stats.get("peak_bytes_in_use") if stats else None  # before the variants
         if not all(math.isfinite(v) for v in (row["first_loss"], row["first_lm_loss"])):
             raise FloatingPointError(f"non-finite first loss {row['first_loss']}")
+        if args.profile:
+            row["profile"] = profile_steps(run_step, sync, os.path.join(args.profile, name), on_gpu)
         if name in args.breakdown:
             row["breakdown"] = jax_breakdown(
                 args, row, config, graphdef, create, loss_fn, train_step, state, inputs, labels, head, sync
@@ -646,6 +706,8 @@ def child_command(args, name: str) -> list[str]:
     ]
     if args.peer_site:
         cmd += ["--peer-site", args.peer_site]
+    if args.profile:
+        cmd += ["--profile", os.path.abspath(args.profile)]
     if args.matmul_size:
         cmd += ["--matmul-size", str(args.matmul_size)]
     return cmd
@@ -826,6 +888,9 @@ def main(argv=None) -> dict | None:
         "--breakdown",
         default=",".join(DEFAULT_BREAKDOWN),
         help="our stacks that also time the breakdown's variants ('none': no breakdown)",
+    )
+    parser.add_argument(
+        "--profile", help="folder for a JAX profiler trace of each JAX stack's steps, summarised in its row"
     )
     parser.add_argument(
         "--peer-site",

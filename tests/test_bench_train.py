@@ -56,6 +56,8 @@ def tiny_run(tmp_path_factory):
         "ours_lce",
         "--matmul-size",
         "128",
+        "--profile",
+        str(out / "profile"),
         "--json",
         str(out / "train.json"),
         "--png",
@@ -109,6 +111,19 @@ def test_tiny_run_first_losses_are_near_uniform(tiny_run):
     # FP8 experts: the same model and tokens through quantised GEMMs, near the bf16 loss
     assert (rows["ours"]["recipe"], rows["ours_fp8"]["recipe"]) == (None, "fp8_blockwise")
     assert rows["ours_fp8"]["first_lm_loss"] == pytest.approx(rows["ours"]["first_lm_loss"], rel=1e-2)
+
+
+def test_tiny_run_profiles_the_jax_stacks(tiny_run):
+    result, _, out = tiny_run
+    rows = {row["stack"]: row for row in result["stacks"]}
+    for name in ("ours", "ours_lce", "ours_unrolled", "ours_fp8"):
+        [(process, profile)] = rows[name]["profile"].items()  # on a CPU the host's XLA threads: one process
+        assert process.startswith("/host:CPU")
+        assert profile["events_ms"] > 0 and profile["top"] and all(e["calls"] > 0 for e in profile["top"])
+        last = profile["last_step"]
+        assert last["busiest"] in last["streams"] and 0 <= last["idle_ms"] <= last["step_span_ms"]
+        assert list((out / "profile" / name).glob("plugins/profile/*/perfetto_trace.json.gz"))
+    assert "profile" not in rows["torch"]
 
 
 def test_tiny_run_breakdown(tiny_run):
