@@ -389,7 +389,7 @@ def _moe_ffn_fp8_bwd(implementation, residuals, dy):
     kernels, s = KERNELS[implementation], _sizes(dy.shape[1], weights, w_gate_up)
     wgu, wd = _padded_weights(w_gate_up, w_down, s)
     token_of_row = layout.pair_of_row // s.top_k
-    dyv, dys = kernels.row_operand(_pad_hidden(dy.astype(x_dtype), s), token_of_row)
+    dyv, dys = kernels.row_operand(_pad_hidden(dy, s), token_of_row)
     g = kernels.rows(dyv, dys, *kernels.blocks(wd, transpose=False), layout.offsets, jnp.float32)
     h = dequantize(hv, hs, (1, BLOCK))
     row_weights = jnp.take(weights.reshape(-1).astype(jnp.float32), layout.pair_of_row, mode="fill", fill_value=0)
