@@ -470,19 +470,19 @@ def run_torch(impl, cname, routing, variant, samples, inner):
             return y, torch.autograd.grad(y, (x, r1, gu, d), dy)
 
         torch.cuda.reset_peak_memory_stats()  # the inputs stay counted: they are allocated
-        sync(fwd_bwd(*params))
+        first = fwd_bwd(*params)
+        sync(first)
         row.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30, peak_by_call=True)
         if impl != "torch_grouped_mm":  # what it computes: normwise distance to the bf16 formulation's results
             bf16 = torch_variant(torch_moe(torch_bf16_grouped_mm()), variant, k)
             y = bf16(*params[:2], r2, *params[2:])
-            ours, ref = fwd_bwd(*params), (y, torch.autograd.grad(y, params, dy))
-            pairs = zip(
-                ("y", "dx", "d_weights", "d_w_gate_up", "d_w_down"), (ours[0], *ours[1]), (ref[0], *ref[1]), strict=True
-            )
-            row["rel_err_vs_bf16"] = {
-                name: float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
-                for name, a, b in pairs
-            }
+            ref = (y, *torch.autograd.grad(y, params, dy))
+            names = ("y", "dx", "d_weights", "d_w_gate_up", "d_w_down")
+            row["rel_err_vs_bf16"] = {}
+            for name, a, b in zip(names, (first[0], *first[1]), ref, strict=True):
+                a, b = a.detach().float(), b.detach().float()
+                row["rel_err_vs_bf16"][name] = float((a - b).norm() / b.norm())
+        del first
         row["fwd_ms"], row["fwd_min_ms"] = time_calls(fwd, params, sync, samples, inner)
         row["fwd_bwd_ms"], row["fwd_bwd_min_ms"] = time_calls(fwd_bwd, params, sync, samples, inner)
         row["status"] = "ok"
