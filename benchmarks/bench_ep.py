@@ -15,13 +15,16 @@ Times are medians over `--samples` samples of `--calls` back-to-back calls after
 sample synchronised once (so they are device time whenever the device is the bottleneck). Forward, and
 forward+backward (all four gradients). Prints a table and writes JSON.
 
+`--recipe fp8_blockwise` runs `moe_ffn` and `moe_ffn_ep` with the FP8 recipe (docs/fp8.md): the rows cross
+quantised, over nvlink by its plain exchange instead of the fused calls.
+
 `--emulate R` runs R emulated shards on one device instead (`jax.vmap` over the expert axis, nvlink with
 `NvlinkWorkspace.emulated`), against `moe_ffn` on all R·T tokens: the cost of the protocol itself
 (`--config q30s --emulate 8` has q30's total work).
 
 Usage: python benchmarks/bench_ep.py OUT.json [--config q30] [--ep 1 | --emulate R]
                                       [--transport xla[,ragged,nvlink]] [--routing uniform,zipf]
-                                      [--samples 15] [--calls 10]
+                                      [--recipe fp8_blockwise] [--samples 15] [--calls 10]
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ CONFIGS = {  # name: (T per device, H, I, E, K)
 TARGET_OVERHEAD = 0.05
 TRANSPORTS = ("xla", "ragged", "nvlink")
 TIMING = {"calls": 10, "samples": 15, "warmup": 3}  # set from --calls and --samples by main()
+RECIPES = ("fp8_blockwise",)
 
 
 def make_inputs(tokens, hidden, inter, experts, top_k, routing, seed=0):
@@ -113,13 +117,13 @@ def ep_options(transport, open_workspace):
         workspace.close()
 
 
-def measure_ep(name, transport, over_axis, open_workspace, args, dy):
+def measure_ep(name, transport, over_axis, open_workspace, args, dy, recipe=None):
     """One `moe_ffn_ep` row for `transport`, its per-shard function mapped over the expert axis by
     `over_axis` (shard_map over a mesh, or vmap for emulated shards); a failing transport gives a row with
     its error instead."""
     try:
         with ep_options(transport, open_workspace) as options:
-            fn = over_axis(functools.partial(jmm.moe_ffn_ep, axis_name="expert", **options))
+            fn = over_axis(functools.partial(jmm.moe_ffn_ep, axis_name="expert", recipe=recipe, **options))
             return dict(measure(name, fn, args, dy), transport=transport)
     except Exception as err:  # recorded, so one failing transport does not lose the others' numbers
         return {"impl": name, "transport": transport, "error": f"{type(err).__name__}: {err}"}
@@ -166,17 +170,25 @@ def ep_problem(config, ranks, emulated, routing):
     )
 
 
-def run_config(config, ep, transports, routing):
+def run_config(config, ep, transports, routing, recipe=None):
     """Every transport at `ep` devices against `moe_ffn` on one device with T tokens and E/ep experts (the
     same per-device work, nothing exchanged)."""
     tokens, hidden, inter, experts, top_k = CONFIGS[config]
     local_experts = experts // ep
     args, dy = make_inputs(tokens, hidden, inter, local_experts, min(top_k, local_experts), routing)
-    baseline = measure("moe_ffn", jmm.moe_ffn, args, dy)
+    baseline = measure("moe_ffn", functools.partial(jmm.moe_ffn, recipe=recipe), args, dy)
     args, dy, over_mesh, open_workspace = ep_problem(config, ep, False, routing)
     rows = [baseline] + [
         with_ratios(
-            measure_ep(f"moe_ffn_ep(ep={ep}, transport={transport})", transport, over_mesh, open_workspace, args, dy),
+            measure_ep(
+                f"moe_ffn_ep(ep={ep}, transport={transport})",
+                transport,
+                over_mesh,
+                open_workspace,
+                args,
+                dy,
+                recipe,
+            ),
             baseline,
         )
         for transport in transports
@@ -184,7 +196,7 @@ def run_config(config, ep, transports, routing):
     return [dict(row, config=config, routing=routing) for row in rows]
 
 
-def run_emulated(config, ranks, transports, routing):
+def run_emulated(config, ranks, transports, routing, recipe=None):
     """R emulated shards on one device (`jax.vmap` over the expert axis), T tokens each, against `moe_ffn`
     on all R·T tokens and E experts in one call: the same expert work, so the ratio is the cost of the
     plan, the transport's protocol and kernels and the combine, without any link."""
@@ -193,11 +205,19 @@ def run_emulated(config, ranks, transports, routing):
     def merged(a):  # [R, n, ...] -> [R·n, ...]: the whole problem, for moe_ffn
         return a.reshape(-1, *a.shape[2:])
 
-    baseline = measure("moe_ffn", jmm.moe_ffn, tuple(merged(a) for a in args), merged(dy))
+    baseline = measure(
+        "moe_ffn", functools.partial(jmm.moe_ffn, recipe=recipe), tuple(merged(a) for a in args), merged(dy)
+    )
     rows = [baseline] + [
         with_ratios(
             measure_ep(
-                f"moe_ffn_ep(emulated R={ranks}, transport={transport})", transport, over_vmap, open_workspace, args, dy
+                f"moe_ffn_ep(emulated R={ranks}, transport={transport})",
+                transport,
+                over_vmap,
+                open_workspace,
+                args,
+                dy,
+                recipe,
             ),
             baseline,
         )
@@ -263,6 +283,7 @@ def main():
         help="R emulated shards on one device (jax.vmap) instead of a mesh of --ep devices; "
         "the baseline is then moe_ffn on all R*T tokens and E experts",
     )
+    parser.add_argument("--recipe", choices=RECIPES, help="moe_ffn's recipe for both sides (default: none, bf16)")
     parser.add_argument("--samples", type=int, default=TIMING["samples"], help="timed samples per measurement")
     parser.add_argument("--calls", type=int, default=TIMING["calls"], help="back-to-back calls per sample")
     opts = parser.parse_args()
@@ -275,9 +296,9 @@ def main():
     rows = []
     for routing in opts.routing.split(","):
         rows += (
-            run_config(opts.config, opts.ep, opts.transport, routing)
+            run_config(opts.config, opts.ep, opts.transport, routing, opts.recipe)
             if opts.emulate is None
-            else run_emulated(opts.config, opts.emulate, opts.transport, routing)
+            else run_emulated(opts.config, opts.emulate, opts.transport, routing, opts.recipe)
         )
     print_table(rows)
     ep_rows = [r for r in rows if r["impl"] != "moe_ffn"]
@@ -299,6 +320,7 @@ def main():
             zip(("tokens_per_device", "hidden", "inter", "experts", "top_k"), CONFIGS[opts.config], strict=True),
             name=opts.config,
             dtype="bfloat16",
+            recipe=opts.recipe,
             ep=opts.ep,
             emulated_shards=opts.emulate,
             transport=",".join(opts.transport),

@@ -189,6 +189,28 @@ def test_bench_ep_emulated_shards_on_one_cpu_device(tmp_path):
     assert "transport='ragged'" in ragged["error"]
 
 
+def test_bench_ep_runs_the_fp8_recipe_on_both_sides(tmp_path):
+    out = tmp_path / "ep.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "bench_ep.py"),
+            str(out),
+            *("--config", "tiny", "--emulate", "2", "--routing", "zipf", "--recipe", "fp8_blockwise"),
+            *("--samples", "1", "--calls", "1"),
+        ],
+        env=cpu_env(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["config"]["recipe"] == "fp8_blockwise" and result["failed_transports"] == []
+    baseline, xla = result["rows"]
+    assert baseline["forward_backward_ms"] > 0 and xla["forward_backward_ms"] > 0
+
+
 def test_bench_ep_emulate_refuses_a_mesh():
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_ep.py"), "/dev/null", "--emulate", "2", "--ep", "2"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -198,10 +199,51 @@ class TestCpuKernels(Fp8KernelsBase):
 EP_CASE = Case(256, 256, 128, 8, 2, "zipf")  # experts past 128 rows: token tiles that cross source shards
 
 
+def all_to_all_operands(text: str) -> list[str]:
+    """The operand type of every all_to_all in lowered StableHLO `text`."""
+    return re.findall(r"stablehlo\.all_to_all.*?\(tensor<([^>]*)>\)", text)
+
+
+def test_ep_rows_cross_quantised():
+    """On the kernels the rows cross as H bytes of e4m3 values with one float32 scale per 128 of them, and the
+    results come back in bf16; the backward moves bf16 cotangents. On the reference the rows cross in bf16. The
+    zeros that carry the rows' gradient (parallel/fp8_rows.py) never cross: dropped from the gradient's program by
+    JAX, from a forward alone by XLA."""
+    ep, case = 4, Case(32, 136, 72, 16, 3)  # H not a multiple of 128: the padding columns stay home
+    mesh = Mesh(np.array(jax.devices()[:ep]), ("expert",))
+    args, dy = recipe_problem(case, seed="fp8-ep-bytes")
+    tokens, experts = P("expert"), P("expert")
+    rows = f"{ep}x{case.tokens // ep}"  # a block per destination, dropless: C = T
+    routing = [f"{rows}x3xi32", f"{rows}x3xf32", f"{rows}x3xf32"]  # ids and weights out, the weights' cotangent back
+    bf16_rows = [f"{rows}x136xbf16"] * 3  # the results back, their cotangent out, the rows' gradient back
+    expected = {
+        "cpu": [f"{rows}x136xui8", f"{rows}x2xf32"],  # q(x)'s values as bytes, a scale per 128 (H padded to 256)
+        "reference": [f"{rows}x136xbf16"],  # x's rows
+    }
+    for implementation, rows_out in expected.items():
+        ep_fn = jax.shard_map(
+            functools.partial(
+                moe_ffn_ep, axis_name="expert", transport="xla", implementation=implementation, recipe=RECIPE
+            ),
+            mesh=mesh,
+            in_specs=(tokens, tokens, tokens, experts, experts),
+            out_specs=tokens,
+        )
+        text = jax.jit(functools.partial(value_and_grads, ep_fn)).lower(args, dy).as_text()
+        moved = sorted(t for t in all_to_all_operands(text) if t.startswith(rows + "x"))
+        assert moved == sorted(routing + bf16_rows + rows_out), (implementation, moved)
+        # A forward alone, as compiled: the rows out (bytes on the kernels) and the results back, nothing else wide.
+        forward = jax.jit(lambda a: ep_fn(*a)).lower(args).compile().as_text()  # noqa: B023 - used right here
+        wide = [line for line in forward.splitlines() if "all-to-all(" in line and ",136]" in line]
+        assert len(wide) == 2 and sum("u8[" in line for line in wide) == (implementation == "cpu"), wide
+
+
 @pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
 def test_ep_xla_equals_moe_ffn(mesh_shape):
-    """With data parallelism each data group's rows form their own token tiles (as its own moe_ffn would), so the
-    expected weight gradients are the sum of each data group's moe_ffn."""
+    """Against the reference on the gathered problem within the recipe's bound; against moe_ffn on the CPU kernels,
+    the gradients bit for bit and y to the bf16 rounding of each shard's partial sum (the rows arrive quantised
+    exactly as moe_ffn quantises them). With data parallelism each data group's rows form their own token tiles
+    (as its own moe_ffn would), so the expected weight gradients are the sum of each data group's moe_ffn."""
     mesh = Mesh(np.array(jax.devices()[: math.prod(mesh_shape)]).reshape(mesh_shape), ("data", "expert"))
     args, dy = recipe_problem(EP_CASE, seed="fp8-ep")
     tokens, experts = P(("data", "expert")), P("expert")
@@ -214,10 +256,21 @@ def test_ep_xla_equals_moe_ffn(mesh_shape):
     got = [np.asarray(o.astype(jnp.float32)) for o in jax.jit(functools.partial(value_and_grads, ep))(args, dy)]
     groups = mesh_shape[0]
     split = [np.split(np.asarray(a), groups) if i < 3 else [a] * groups for i, a in enumerate(args)]
-    parts = [
-        recipe_outputs(tuple(jnp.asarray(s[g]) for s in split), jnp.asarray(np.split(np.asarray(dy), groups)[g]))
-        for g in range(groups)
-    ]
-    want = [np.concatenate([p[j] for p in parts]) for j in range(3)] + [sum(p[j] for p in parts) for j in (3, 4)]
-    for name, a, b in zip(OUTPUT_NAMES, got, want, strict=True):
+
+    def gathered(implementation):
+        parts = [
+            recipe_outputs(
+                tuple(jnp.asarray(s[g]) for s in split),
+                jnp.asarray(np.split(np.asarray(dy), groups)[g]),
+                implementation,
+            )
+            for g in range(groups)
+        ]
+        return [np.concatenate([p[j] for p in parts]) for j in range(3)] + [sum(p[j] for p in parts) for j in (3, 4)]
+
+    for name, a, b in zip(OUTPUT_NAMES, got, gathered("reference"), strict=True):
         assert rel_error(a, b) < 1e-2, (name, rel_error(a, b))
+    kernels = gathered("cpu")
+    assert rel_error(got[0], kernels[0]) < 1e-2
+    for name, a, b in zip(OUTPUT_NAMES[1:], got[1:], kernels[1:], strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)

@@ -25,6 +25,7 @@ from moe_cases import Case, make_problem, seeded_rng, split_shards, value_and_gr
 
 import jax_megamoe as jmm
 from jax_megamoe import _ffi, _targets
+from jax_megamoe.ops import fp8
 from jax_megamoe.ops import moe as moe_ops
 from jax_megamoe.ops.moe import moe_layout
 from jax_megamoe.parallel import ep as ep_module
@@ -240,12 +241,22 @@ def test_the_fused_path_applies_only_to_the_cuda_tensor_core_path(implementation
     assert (why is None) if reason is None else (reason in why), why
 
 
+@pytest.mark.parametrize("implementation, hidden, inter, reason", [("cuda", 136, 72, None), ("cpu", 128, 64, "CUDA")])
+def test_the_fp8_recipe_runs_on_the_cuda_kernels_at_any_size(implementation, hidden, inter, reason):
+    """The recipe pads H and I inside its op, so only the implementation limits the transport."""
+    transport = jmm.NvlinkTransport(stand_in_workspace(2))
+    why = transport.unsupported(implementation, jnp.bfloat16, hidden, inter, recipe="fp8_blockwise")
+    assert (why is None) if reason is None else (reason in why), why
+
+
 def test_block_layout_follows_the_row_capacity():
     """x itself is every destination's block when every token has a slot there (dropless, or a capacity of
-    at least T rows): the plan is then uncompacted; otherwise the rows travel in compacted send blocks."""
+    at least T rows): the plan is then uncompacted; otherwise the rows travel in compacted send blocks, as they
+    always do with the FP8 recipe (its rows go by the plain exchange, which moves the live ones)."""
     transport = jmm.NvlinkTransport(stand_in_workspace(2))
     assert transport.compact_rows(tokens=64, row_capacity=64) is False
     assert transport.compact_rows(tokens=64, row_capacity=32) is True
+    assert transport.compact_rows(tokens=64, row_capacity=64, recipe="fp8_blockwise") is True
 
 
 def emulated_ep(ranks, **options):
@@ -499,6 +510,38 @@ def test_under_checkpoint_saving_the_named_residuals_nothing_is_recomputed(cuda_
         "nvlink_exchange": 5,
         "moe_layout": 2,
     }
+
+
+@pytest.mark.parametrize("hidden", [HIDDEN, 136])
+def test_the_fp8_recipe_lowers_to_plain_exchanges_of_quantised_rows(cuda_lowering, monkeypatch, hidden):
+    """With recipe="fp8_blockwise" no fused call: the plain exchange moves the ids and weights, the rows as H bytes of
+    e4m3 values and their scales (one per 128 values, H padded), and the bf16 results back; the backward moves the
+    results' cotangent out, the rows' gradient and the weights' cotangent back (8 exchanges); the recipe's GEMMs
+    run on the received rows."""
+    monkeypatch.setattr(fp8, "check_fp8_tensor_cores", lambda: None)  # no GPU here to ask
+    shapes = list(EP_SHAPES)
+    shapes[0] = ((RANKS, TOKENS, hidden), jnp.bfloat16)
+    shapes[3] = ((RANKS, EXPERTS // RANKS, hidden, 2 * INTER), jnp.bfloat16)
+    shapes[4] = ((RANKS, EXPERTS // RANKS, INTER, hidden), jnp.bfloat16)
+    text = lower_for_cuda(ep_step(recipe="fp8_blockwise"), *shapes)
+    for target in NVLINK_CALLS:
+        assert not custom_call_types(text, target), target
+    exchanged = [operands[0] for operands, _ in custom_call_types(text, "jmm_cuda_nvlink_exchange")]
+    r, rows = f"{RANKS}x{RANKS}x", TOKENS
+    assert sorted(exchanged) == sorted(
+        [
+            f"{r}{rows}x{TOP_K}xi32",  # ids
+            f"{r}{rows}x{TOP_K}xf32",  # weights
+            f"{r}{rows}x{hidden}xui8",  # q(x)'s values
+            f"{r}{rows}x{-(-hidden // 128)}xf32",  # their scales
+            f"{r}{rows}x{hidden}xbf16",  # the results back
+            f"{r}{rows}x{hidden}xbf16",  # their cotangent out
+            f"{r}{rows}x{hidden}xbf16",  # the rows' gradient back
+            f"{r}{rows}x{TOP_K}xf32",  # the weights' cotangent back
+        ]
+    )
+    assert len(custom_call_types(text, "jmm_cuda_fp8_rows_gemm")) == 4
+    assert len(custom_call_types(text, "jmm_cuda_fp8_weight_gemm")) == 2
 
 
 def test_every_kernel_file_registers_its_module():

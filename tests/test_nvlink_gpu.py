@@ -10,6 +10,8 @@ real protocol (epochs, staging reuse, bounded waits) with R shards' memory on on
   (x as every destination's block: dropless; compacted send blocks: a capacity below T rows); K = 1, empty
   experts, K > E_local; successive different problems on one workspace;
 - where the fused path cannot apply (float32, H not a multiple of 8) moe_ffn_ep runs "xla" and warns once why;
+- with recipe="fp8_blockwise" (rows cross quantised by the plain exchange, no fused call): bit for bit the xla
+  transport, run to run, and within the recipe's bound of moe_ffn with the recipe on the gathered problem;
 - under jax.checkpoint with the named residuals saved, the compiled program runs each fused call once;
 - on two GPUs: the same equalities across real NVLink, and that a shard whose peer never arrives fails with
   the bounded-wait message (timeout_ms) instead of hanging; making a workspace loads every kernel of the library.
@@ -227,6 +229,50 @@ def test_where_the_fused_path_cannot_apply_xla_runs_with_one_warning(monkeypatch
     assert_bitwise_equal(second, first)
 
 
+def check_fp8_nvlink(seed, ranks, routing, tokens, hidden, inter, experts, top_k, capacity_factor=None):
+    """With the recipe: no fused call, the rows as e4m3 bytes through the plain exchange; twice bit for bit alike,
+    bit for bit the xla transport (the same quantised rows arrive, whichever rows each transport moves), and the
+    gathered problem's moe_ffn with the recipe within its bound when nothing is dropped."""
+    args, dy = make_shards(seed, ranks, tokens, hidden, inter, experts, top_k, jnp.bfloat16, routing)
+    options = dict(capacity_factor=capacity_factor, recipe="fp8_blockwise")
+    with jmm.NvlinkWorkspace.emulated(ranks, max_tokens=tokens, hidden=hidden, top_k=top_k) as ws:
+        fn = jax.jit(functools.partial(value_and_grads, emulated_ep(jmm.NvlinkTransport(ws), **options)))
+        text = fn.lower(args, dy).as_text()
+        first, second = (jax.block_until_ready(fn(args, dy)) for _ in range(2))
+        layer = emulated_ep(jmm.NvlinkTransport(ws), **options)
+        forward = jax.jit(lambda a: layer(*a)).lower(args).compile().as_text()
+    assert [t for t in FUSED_CALLS if t in text] == []
+    # A forward alone: ids, weights, q(x)'s values and scales out, the results back (the zeros that carry the rows'
+    # gradient in a backward are dead code here, and XLA drops their exchange).
+    assert forward.count('custom_call_target="jmm_cuda_nvlink_exchange"') == 5, forward
+    assert "jmm_cuda_nvlink_exchange" in text and "jmm_cuda_fp8_rows_gemm" in text
+    assert_bitwise_equal(first, second)
+    assert_bitwise_equal(first, xla_results(args, dy, **options))
+    if capacity_factor is None:  # the gathered problem; shards' weights merge along the experts as tokens do
+        single = functools.partial(value_and_grads, functools.partial(jmm.moe_ffn, recipe="fp8_blockwise"))
+        want = jax.jit(single)(tuple(merge_shards(a) for a in args), merge_shards(dy))
+        for name, got, expected in zip(OUTPUT_NAMES, first, want, strict=True):
+            err = rel_error(merge_shards(got), expected)
+            assert err <= 1e-2, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    "ranks, routing, hidden, inter, experts, top_k, capacity_factor",
+    [
+        (2, "uniform", 256, 128, 16, 4, None),
+        (4, "zipf", 256, 128, 16, 2, None),  # experts past 128 rows: token tiles across sources
+        (4, "all_to_one", 128, 128, 8, 2, None),
+        (8, "empty_experts", 136, 72, 32, 4, None),  # H, I not multiples of 128
+        (4, "uniform", 128, 128, 16, 4, 0.75),  # pairs dropped
+        (8, "zipf", 128, 128, 16, 4, None),  # K > E_local
+    ],
+)
+def test_emulated_nvlink_fp8_equals_xla(ranks, routing, hidden, inter, experts, top_k, capacity_factor):
+    check_fp8_nvlink(
+        3 * ranks + top_k, ranks, routing, 96, hidden, inter, experts, top_k, capacity_factor=capacity_factor
+    )
+
+
 def fused_counts(fn, *args) -> tuple[dict[str, int], dict[str, int]]:
     """How many calls of each fused target the lowered and the compiled program of jitted `fn` make."""
     lowered = fn.lower(*args)
@@ -306,6 +352,25 @@ def test_two_gpus_nvlink_equals_xla_transport(routing, dtype, layout):
             fused = fused_calls(ours, args, dy)
             runs = [jax.block_until_ready(ours(args, dy)) for _ in range(3)]
     assert fused == (list(FUSED_CALLS) if dtype == jnp.bfloat16 else [])
+    for run in runs:
+        assert_bitwise_equal(run, xla)
+
+
+@pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("routing", ["uniform", "zipf"])
+def test_two_gpus_nvlink_fp8_equals_xla_transport(routing):
+    """recipe="fp8_blockwise" across real NVLink: the rows cross as e4m3 bytes by the plain exchange, twice bit for
+    bit the xla transport."""
+    tokens, hidden, inter, experts, top_k = 1024, 512, 256, 32, 4
+    args, dy = make_shards(6, 2, tokens, hidden, inter, experts, top_k, jnp.bfloat16, routing)
+    args, dy = tuple(merge_shards(a) for a in args), merge_shards(dy)
+    mesh, xla_fn = two_gpu_ep(transport="xla", recipe="fp8_blockwise")
+    xla = jax.block_until_ready(jax.jit(functools.partial(value_and_grads, xla_fn))(args, dy))
+    with jmm.NvlinkWorkspace(mesh, "expert", max_tokens=tokens, hidden=hidden, top_k=top_k) as ws:
+        _, fn = two_gpu_ep(transport=jmm.NvlinkTransport(ws), recipe="fp8_blockwise")
+        ours = jax.jit(functools.partial(value_and_grads, fn))
+        assert fused_calls(ours, args, dy) == []
+        runs = [jax.block_until_ready(ours(args, dy)) for _ in range(2)]
     for run in runs:
         assert_bitwise_equal(run, xla)
 

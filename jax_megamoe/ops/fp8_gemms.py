@@ -175,7 +175,11 @@ def fp8_row_operand(a: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Arra
 
 def xla_row_operand(a: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`a [T, C]` quantised in 1x128 tiles per token, then its rows `index` (past T: zero values, scale 1)."""
-    values, scales = quantize(a, (1, BLOCK))
+    return take_rows(*quantize(a, (1, BLOCK)), index)
+
+
+def take_rows(values: jax.Array, scales: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows `index` of quantised rows (past their end: zero values, scale 1), as `quantised_rows` gives them."""
     take = functools.partial(jnp.take, indices=index, axis=0, mode="fill")
     return take(values, fill_value=0), take(scales, fill_value=1)
 
@@ -360,30 +364,45 @@ def _pad_hidden(a, s: _Sizes):
     return jnp.pad(a, ((0, 0), (0, s.hidden_p - s.hidden)))
 
 
+def quantised_rows(x: jax.Array, index: jax.Array, implementation: str) -> tuple[jax.Array, jax.Array]:
+    """q(x)'s rows `index` (past T: zero values, scale 1): bf16 `x [T, H]` zero-padded to a multiple of 128 and
+    quantised in 1x128 tiles, values `[len(index), Hp]` e4m3fn and scales `[len(index), Hp/128]`, in one pass."""
+    padded = jnp.pad(x, ((0, 0), (0, fp8._round_up(x.shape[1]) - x.shape[1])))
+    return KERNELS[implementation].row_operand(padded, index)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _moe_ffn_fp8(x, weights, experts, w_gate_up, w_down, implementation):
     return _moe_ffn_fp8_fwd(x, weights, experts, w_gate_up, w_down, implementation)[0]
 
 
 def _moe_ffn_fp8_fwd(x, weights, experts, w_gate_up, w_down, implementation):
-    kernels, s = KERNELS[implementation], _sizes(x.shape[1], weights, w_gate_up)
+    x_rows = functools.partial(quantised_rows, x, implementation=implementation)
+    return forward(x_rows, x.shape[1], x.dtype, weights, experts, w_gate_up, w_down, implementation)
+
+
+def forward(x_rows: Callable, hidden: int, x_dtype, weights, experts, w_gate_up, w_down, implementation: str):
+    """The op's forward from q(x): `(y [T, H] in x_dtype, residuals for backward)`, where `x_rows(index)` returns
+    q(x)'s rows `index` (`quantised_rows` of x, or `take_rows` of rows that arrived quantised), T = weights' rows."""
+    kernels, s = KERNELS[implementation], _sizes(hidden, weights, w_gate_up)
     layout = RowLayout(*(checkpoint_name(a, fp8.LAYOUT_NAME) for a in row_layout(experts, s.experts, implementation)))
     wgu, wd = _padded_weights(w_gate_up, w_down, s)
-    xv, xs = kernels.row_operand(_pad_hidden(x, s), layout.pair_of_row // s.top_k)
+    xv, xs = x_rows(layout.pair_of_row // s.top_k)
     gate_up = kernels.rows(xv, xs, *kernels.blocks(wgu, transpose=True), layout.offsets)
-    hidden = kernels.hidden(gate_up, layout.offsets)
-    out = kernels.rows(*hidden, *kernels.blocks(wd, transpose=True), layout.offsets)
-    y = _pair_sum(out, layout.row_of_pair, s.top_k, weights)[:, : s.hidden].astype(x.dtype)
+    hidden_q = kernels.hidden(gate_up, layout.offsets)
+    out = kernels.rows(*hidden_q, *kernels.blocks(wd, transpose=True), layout.offsets)
+    y = _pair_sum(out, layout.row_of_pair, s.top_k, weights)[:, : s.hidden].astype(x_dtype)
     # q(h) and the token tiles of q(x) are saved rather than recomputed: the backward then skips a quantising pass
     # over x's rows and one over the projections (under a remat policy that saves only the named residuals below,
     # the backward recomputes them from x and the projections, the same values).
     x_tiles = kernels.token_tiles(xv, xs)
-    weights, layout, gate_up, hidden, x_tiles = _ffi.residuals((weights, layout, gate_up, hidden, x_tiles))
+    weights, layout, gate_up, hidden_q, x_tiles = _ffi.residuals((weights, layout, gate_up, hidden_q, x_tiles))
     gate_up = checkpoint_name(gate_up, fp8.GATE_UP_NAME)
-    return y, (weights, experts, w_gate_up, w_down, gate_up, layout, hidden, x_tiles)
+    return y, (weights, experts, w_gate_up, w_down, gate_up, layout, hidden_q, x_tiles)
 
 
-def _moe_ffn_fp8_bwd(implementation, residuals, dy):
+def backward(implementation: str, residuals, dy):
+    """`forward`'s VJP: `(dx, d weights, float0 for the experts, d w_gate_up, d w_down)` from y's cotangent."""
     weights, experts, w_gate_up, w_down, gate_up, layout, (hv, hs), x_tiles = residuals
     x_dtype = dy.dtype  # y's, which is x's
     kernels, s = KERNELS[implementation], _sizes(dy.shape[1], weights, w_gate_up)
@@ -421,7 +440,7 @@ def _moe_ffn_fp8_bwd(implementation, residuals, dy):
     )
 
 
-_moe_ffn_fp8.defvjp(_moe_ffn_fp8_fwd, _moe_ffn_fp8_bwd)
+_moe_ffn_fp8.defvjp(_moe_ffn_fp8_fwd, backward)
 
 
 @functools.partial(jax.jit, static_argnums=5, inline=True)

@@ -127,17 +127,19 @@ def moe_ffn_ep(
       transport: `"xla"` (`jax.lax.all_to_all`, fixed per-peer capacity, any platform), `"ragged"`
         (`jax.lax.ragged_all_to_all`: moves only the live rows; GPUs of one process), or
         `jax_megamoe.NvlinkTransport(workspace)` (the rows by the copy engines into the peers' memory, fused with
-        the expert kernels; GPUs of one host). Where the nvlink transport cannot run the call (float32, H or I
-        not a multiple of 8, `implementation` not "cuda"), "xla" runs instead, with a warning naming why.
+        the expert kernels; GPUs of one host). Where the nvlink transport cannot run the call (`implementation`
+        not "cuda"; without a recipe also float32, H or I not a multiple of 8), "xla" runs instead, with a
+        warning naming why.
       implementation: `moe_ffn`'s implementation for the local expert compute (`"auto"`, `"cuda"`, `"cpu"`,
         `"reference"`).
       capacity_factor: None for dropless. Otherwise each shard accepts at most
         `ceil(capacity_factor * T * K / ep)` pairs from each source shard, in (token, k) order; the
         pairs beyond contribute zero (and get zero gradient) and are counted in the stats.
       return_stats: also return an `EPStats` for this shard.
-      recipe: `moe_ffn`'s recipe (None or "fp8_blockwise"). With "fp8_blockwise" rows travel in x's dtype and are
-        quantised after the exchange (a row's tiles depend on that row alone); the nvlink transport does not
-        take it yet (it falls back to "xla" with a warning).
+      recipe: `moe_ffn`'s recipe (None or "fp8_blockwise"). With "fp8_blockwise" on the kernels ("cuda", "cpu")
+        the rows travel quantised (e4m3 values with their 1x128 tiles' scales: a row's tiles depend on that row
+        alone, so the values are those of quantising after the exchange) over any transport, the nvlink transport
+        by its plain exchange, and the results come back in x's dtype; on "reference" they travel in x's dtype.
       num_experts: the global expert count E, if known: checks it divides by ep and that the local
         weights hold E / ep experts (catches unsharded weights).
 
@@ -150,12 +152,16 @@ def moe_ffn_ep(
     check_rank("w_gate_up_local", w_gate_up_local, 3, "[E_local, H, 2I]")
     local_experts = w_gate_up_local.shape[0]
     _check_num_experts(num_experts, ep, local_experts)
-    check = check_moe_args if recipe is None else fp8.check_fp8_args  # the recipe takes float32 master weights
     fp8.check_recipe(recipe)
-    tokens, hidden, inter, local_experts, top_k = check(
-        x, weights, experts, w_gate_up_local, w_down_local, num_experts=local_experts * ep
-    )
-    implementation = resolve_implementation(implementation, (x, weights, experts, w_gate_up_local, w_down_local))
+    args = (x, weights, experts, w_gate_up_local, w_down_local)
+    if recipe is None:
+        tokens, hidden, inter, local_experts, top_k = check_moe_args(*args, num_experts=local_experts * ep)
+        implementation = resolve_implementation(implementation, args)
+    else:  # the recipe takes float32 master weights, and its CUDA kernels need FP8 tensor cores
+        implementation = resolve_implementation(implementation, args)
+        tokens, hidden, inter, local_experts, top_k = fp8.check_fp8_args(
+            *args, implementation, num_experts=local_experts * ep
+        )
     experts = drop_invalid_ids(experts, local_experts * ep)
 
     pair_capacity, row_capacity = capacities(tokens, top_k, ep, capacity_factor)
@@ -167,7 +173,7 @@ def moe_ffn_ep(
         local_experts,
         pair_capacity,
         row_capacity,
-        compact=ep == 1 or transport.compact_rows(tokens, row_capacity),
+        compact=ep == 1 or transport.compact_rows(tokens, row_capacity, recipe),
     )
     if ep == 1:  # nothing moves: moe_ffn itself, bit for bit, minus the pairs over capacity
         kept_ids = experts if capacity_factor is None else jnp.where(plan.pair_mask[..., 0], experts, INVALID_EXPERT)

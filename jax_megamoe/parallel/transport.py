@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jax_megamoe.ops.moe import moe_ffn
+from jax_megamoe.parallel import fp8_rows
 from jax_megamoe.parallel.plan import INVALID_EXPERT, Plan, row_routing
 from jax_megamoe.parallel.rows import combine_rows, dispatch_rows
 
@@ -81,9 +82,9 @@ class Transport(abc.ABC):
         del implementation, dtype, hidden, intermediate, recipe
         return None
 
-    def compact_rows(self, tokens: int, row_capacity: int) -> bool:
+    def compact_rows(self, tokens: int, row_capacity: int, recipe: str | None = None) -> bool:
         """Whether the plan packs each destination's rows into the first slots of its block (`plan.make_plan`)."""
-        del tokens, row_capacity
+        del tokens, row_capacity, recipe
         return True
 
     @abc.abstractmethod
@@ -107,7 +108,8 @@ class Transport(abc.ABC):
         recipe: str | None = None,
     ) -> jax.Array:
         """One shard's expert step: its tokens' rows to their expert shards, the local experts on the rows that
-        arrive, the results back and summed per token in destination order. Returns `[T, H]`."""
+        arrive, the results back and summed per token in destination order. Returns `[T, H]`. With the FP8 recipe
+        on the kernels the rows travel quantised (`fp8_rows.py`); the reference quantises them after the exchange."""
         ep, row_capacity = plan.token.shape
         ids, row_weights = routing_blocks(plan, weights, w_gate_up.shape[0])
         send_counts, recv_counts = plan.row_counts, all_to_all_blocks(plan.row_counts, axis_name)
@@ -115,9 +117,25 @@ class Transport(abc.ABC):
         def there(buffer, fill_value=0):
             return self.exchange(buffer, send_counts, recv_counts, axis_name, fill_value)
 
-        recv_x = there(dispatch_rows(x, plan.token, plan.slot))
         recv_ids = there(ids, INVALID_EXPERT)
         recv_weights = there(row_weights)
+        if recipe is not None and implementation != "reference":
+            returned = fp8_rows.expert_rows(
+                self,
+                x,
+                recv_weights,
+                recv_ids,
+                w_gate_up,
+                w_down,
+                plan.token,
+                plan.slot,
+                send_counts,
+                recv_counts,
+                axis_name=axis_name,
+                implementation=implementation,
+            )
+            return combine_rows(returned, plan.slot, plan.token)
+        recv_x = there(dispatch_rows(x, plan.token, plan.slot))
         rows = ep * row_capacity
         recv_y = moe_ffn(
             recv_x.reshape(rows, -1),

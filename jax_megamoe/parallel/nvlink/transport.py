@@ -5,7 +5,8 @@ that the receiving GEMM knows its groups before the rows arrive; then the fused 
 rows by the copy engines beside the gate_up GEMM of the shard's own rows, run the experts, and push the
 results back beside the own rows' down GEMM. Two block layouts: when every token has a slot at every
 destination (dropless, or a capacity of at least T rows), x itself is every destination's block and the call
-sums the results per token; otherwise the rows travel in compacted send blocks.
+sums the results per token; otherwise the rows travel in compacted send blocks. With the FP8 recipe the rows
+cross quantised by the plain exchange, in compacted blocks, around the recipe's kernels (`parallel/fp8_rows.py`).
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ class NvlinkTransport(Transport):
             raise ValueError(f"the nvlink workspace spans {self.workspace.ranks} shards, the expert axis has {ep}")
 
     def unsupported(self, implementation, dtype, hidden, intermediate, recipe=None):
-        if recipe is not None:
-            return f"its fused kernels have no {recipe} path yet"
         if implementation != "cuda":
             return f"its kernels are CUDA kernels, the call's implementation is {implementation!r}"
+        if recipe is not None:  # the recipe's own checks hold for its rows (fp8.check_fp8_args)
+            return None
         if jnp.dtype(dtype) != jnp.bfloat16:
             return f"its GEMMs take bfloat16, x is {jnp.dtype(dtype)}"
         if hidden % TENSOR_CORE_MULTIPLE or intermediate % TENSOR_CORE_MULTIPLE:
@@ -56,9 +57,10 @@ class NvlinkTransport(Transport):
             )
         return None
 
-    def compact_rows(self, tokens: int, row_capacity: int) -> bool:
-        # The fused calls push whole blocks, so compacting buys nothing once every token has a slot.
-        return row_capacity != tokens
+    def compact_rows(self, tokens: int, row_capacity: int, recipe: str | None = None) -> bool:
+        # The fused calls push whole blocks, so compacting buys nothing once every token has a slot; the recipe's
+        # rows go by the plain exchange, which moves the live rows of compacted blocks.
+        return recipe is not None or row_capacity != tokens
 
     def exchange(self, buffer, send_counts, recv_counts, axis_name, fill_value=0):
         del axis_name  # the workspace knows its axis
@@ -76,7 +78,18 @@ class NvlinkTransport(Transport):
         implementation: str,
         recipe: str | None = None,
     ) -> jax.Array:
-        del implementation, recipe  # the fused kernels are CUDA's, without a recipe (`unsupported` says so)
+        if recipe is not None:  # the rows cross quantised by the plain exchange (parallel/fp8_rows.py)
+            return super().experts(
+                x,
+                weights,
+                plan,
+                w_gate_up,
+                w_down,
+                axis_name=axis_name,
+                implementation=implementation,
+                recipe=recipe,
+            )
+        del implementation  # the fused kernels are CUDA's (`unsupported` says so)
         ep, row_capacity = plan.token.shape
         local_experts, _, two_inter = w_gate_up.shape
         ids, row_weights = routing_blocks(plan, weights, local_experts)
