@@ -24,27 +24,28 @@ def cpu_env(devices: int) -> dict[str, str]:
     return env
 
 
+def run_script(name: str, *args: str, devices: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    """benchmarks/`name` with `args` in a fresh process on `devices` host devices; its output captured."""
+    command = [sys.executable, str(BENCHMARKS / name), *args]
+    return subprocess.run(command, env=cpu_env(devices), capture_output=True, text=True, timeout=timeout)
+
+
 def test_nccl_concurrency_runs_moe_and_collectives_on_two_cpu_devices(tmp_path):
     out = tmp_path / "concurrency.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "nccl_concurrency.py"),
-            str(out),
-            "--transport",
-            "xla",
-            "--iters",
-            "3",
-            "--collective-mib",
-            "1",
-            "--config",
-            "tiny",
-            "--nccl-max-ctas",
-            "32",
-        ],
-        env=cpu_env(2),
-        capture_output=True,
-        text=True,
+    proc = run_script(
+        "nccl_concurrency.py",
+        str(out),
+        "--transport",
+        "xla",
+        "--iters",
+        "3",
+        "--collective-mib",
+        "1",
+        "--config",
+        "tiny",
+        "--nccl-max-ctas",
+        "32",
+        devices=2,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -155,28 +156,21 @@ def test_bench_ep_emulated_shards_on_one_cpu_device(tmp_path):
     # 4 emulated shards under vmap on one device: xla measured, ragged recorded as failed (exit 1), the JSON
     # names the emulation and every row has its times or its error. One sample of one call: the plumbing only.
     out = tmp_path / "ep.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "bench_ep.py"),
-            str(out),
-            "--config",
-            "tiny",
-            "--emulate",
-            "4",
-            "--transport",
-            "xla,ragged",
-            "--routing",
-            "uniform",
-            "--samples",
-            "1",
-            "--calls",
-            "1",
-        ],
-        env=cpu_env(1),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_script(
+        "bench_ep.py",
+        str(out),
+        "--config",
+        "tiny",
+        "--emulate",
+        "4",
+        "--transport",
+        "xla,ragged",
+        "--routing",
+        "uniform",
+        "--samples",
+        "1",
+        "--calls",
+        "1",
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
@@ -191,18 +185,11 @@ def test_bench_ep_emulated_shards_on_one_cpu_device(tmp_path):
 
 def test_bench_ep_runs_the_fp8_recipe_on_both_sides(tmp_path):
     out = tmp_path / "ep.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "bench_ep.py"),
-            str(out),
-            *("--config", "tiny", "--emulate", "2", "--routing", "zipf", "--recipe", "fp8_blockwise"),
-            *("--samples", "1", "--calls", "1"),
-        ],
-        env=cpu_env(1),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_script(
+        "bench_ep.py",
+        str(out),
+        *("--config", "tiny", "--emulate", "2", "--routing", "zipf", "--recipe", "fp8_blockwise"),
+        *("--samples", "1", "--calls", "1"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
@@ -212,13 +199,7 @@ def test_bench_ep_runs_the_fp8_recipe_on_both_sides(tmp_path):
 
 
 def test_bench_ep_emulate_refuses_a_mesh():
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_ep.py"), "/dev/null", "--emulate", "2", "--ep", "2"],
-        env=cpu_env(1),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_script("bench_ep.py", "/dev/null", "--emulate", "2", "--ep", "2", timeout=120)
     assert proc.returncode == 2 and "--emulate R needs" in proc.stderr
 
 
@@ -281,24 +262,18 @@ def test_profile_ep_lays_out_the_last_step_in_time():
 
 def test_profile_ep_runs_on_two_cpu_devices(tmp_path):
     # The whole script on the host platform (no GPU processes in the trace there: the CPU's events instead).
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "profile_ep.py"),
-            str(tmp_path),
-            "--config",
-            "tiny",
-            "--ep",
-            "2",
-            "--iters",
-            "2",
-            "--process",
-            "/host:CPU",
-        ],
-        env=cpu_env(2),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_script(
+        "profile_ep.py",
+        str(tmp_path),
+        "--config",
+        "tiny",
+        "--ep",
+        "2",
+        "--iters",
+        "2",
+        "--process",
+        "/host:CPU",
+        devices=2,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "profile_ep.json").read_text())
@@ -331,30 +306,24 @@ def test_train_record_agreement_compares_eval_losses_and_window_means():
 
 def test_bench_moe_runs_every_variant_of_the_jax_peers_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "bench_moe.py"),
-            "--configs",
-            "tiny",
-            "--routings",
-            "zipf",
-            "--impls",
-            "ragged_dot,gshard",
-            "--variants",
-            "plain,router,remat",
-            "--samples",
-            "1",
-            "--inner",
-            "1",
-            "--json",
-            str(out),
-            "--png",
-            str(tmp_path / "bench.png"),
-        ],
-        env=cpu_env(1),
-        capture_output=True,
-        text=True,
+    proc = run_script(
+        "bench_moe.py",
+        "--configs",
+        "tiny",
+        "--routings",
+        "zipf",
+        "--impls",
+        "ragged_dot,gshard",
+        "--variants",
+        "plain,router,remat",
+        "--samples",
+        "1",
+        "--inner",
+        "1",
+        "--json",
+        str(out),
+        "--png",
+        str(tmp_path / "bench.png"),
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

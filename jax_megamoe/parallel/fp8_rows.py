@@ -6,8 +6,8 @@ forward from the rows as they arrive: the same values as quantising after the ex
 (e4m3 values and one float32 scale per 128 values, against x's bfloat16). The results come back in x's dtype.
 
 Quantised rows carry no gradient (theirs would be e4m3), so the rows' gradient returns through a channel of its
-own: `_send_channel(x)` is zeros shaped as the sent rows, whose VJP is `dispatch_rows`' (the per-token sum of
-`combine_rows`), and the channel crosses by the same exchange. The local step (`_local_step`, a custom VJP over the
+own: `rows.gradient_channel(x)` is zeros shaped as the sent rows, whose VJP is `dispatch_rows`' (the per-token sum
+of `combine_rows`), and the channel crosses by the same exchange. The local step (`_local_step`, a custom VJP over the
 recipe's forward and backward in `jax_megamoe.ops.fp8_gemms`) ignores the channel's value and returns the rows'
 gradient as its cotangent, so autodiff brings it home by the reverse exchange in x's dtype. Nothing reads the
 zeros: JAX drops their exchange from a gradient's program and XLA from a forward-only one (dead code), so the
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jax_megamoe import _ffi
 from jax_megamoe.ops import fp8, fp8_gemms
-from jax_megamoe.parallel.rows import combine_rows
+from jax_megamoe.parallel.rows import gradient_channel
 
 
 def expert_rows(
@@ -57,32 +57,11 @@ def expert_rows(
     # them, and the nvlink workspace is sized for rows of x).
     recv_values = there(jax.lax.bitcast_convert_type(values[:, :hidden], jnp.uint8))
     recv_scales = there(scales)
-    channel = transport.exchange(_send_channel(x, token, slot), send_counts, recv_counts, axis_name)
+    channel = transport.exchange(gradient_channel(x, token, slot), send_counts, recv_counts, axis_name)
     # Alike outside the custom VJP, so that autodiff sums the cotangents of operands replicated over other mesh axes.
     operands = _ffi.vary_alike(recv_values, recv_scales, channel, recv_weights, recv_ids, w_gate_up, w_down)
     y_rows = _local_step(*operands, implementation)
     return transport.exchange(y_rows, recv_counts, send_counts, axis_name)
-
-
-@jax.custom_vjp
-def _send_channel(x, token, slot):
-    """Zeros `[ep, C, H]` in x's dtype that take, in the backward, the gradient of x's rows as `dispatch_rows` sends
-    them: its VJP is `dispatch_rows`'."""
-    # An empty sum of x's: zero, but mapped as x is under jax.vmap (an exchange of an unmapped constant is not).
-    zeros = jnp.broadcast_to(jnp.sum(x[:0], dtype=x.dtype), token.shape + x.shape[1:])
-    return _ffi.vary_alike(x, zeros)[1]
-
-
-def _send_channel_fwd(x, token, slot):
-    return _send_channel(x, token, slot), (token, slot)
-
-
-def _send_channel_bwd(saved, d_rows):
-    token, slot = saved
-    return combine_rows(d_rows, slot, token), None, None
-
-
-_send_channel.defvjp(_send_channel_fwd, _send_channel_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_megamoe import _ffi
+
 
 def _accumulation_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
@@ -53,6 +55,15 @@ def _sum_in_order(parts: list[jax.Array]) -> jax.Array:
     return acc.astype(parts[0].dtype)
 
 
+@jax.custom_vjp
+def gradient_channel(x: jax.Array, token: jax.Array, slot: jax.Array) -> jax.Array:
+    """Zeros shaped as `dispatch_rows(x, token, slot)` (x's dtype) with `dispatch_rows`' VJP: a path for the rows'
+    gradient where the rows themselves travel in another form (quantised: `fp8_rows.py`)."""
+    # An empty sum of x's: zero, but mapped as x is under jax.vmap (an exchange of an unmapped constant is not).
+    zeros = jnp.broadcast_to(jnp.sum(x[:0], dtype=x.dtype), token.shape + x.shape[1:])
+    return _ffi.vary_alike(x, zeros)[1]
+
+
 def _dispatch_fwd(x, token, slot):
     return dispatch_rows(x, token, slot), (token, slot)
 
@@ -71,5 +82,10 @@ def _combine_bwd(residuals, d_out):
     return dispatch_rows(d_out, token, slot), None, None
 
 
+def _channel_fwd(x, token, slot):
+    return gradient_channel(x, token, slot), (token, slot)
+
+
 dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
+gradient_channel.defvjp(_channel_fwd, _dispatch_bwd)
 combine_rows.defvjp(_combine_fwd, _combine_bwd)
