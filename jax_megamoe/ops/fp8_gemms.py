@@ -105,26 +105,62 @@ def fp8_weight_gemm(
     return d
 
 
+def _tile_experts(offsets: jax.Array, tiles: int) -> jax.Array:
+    """The group of each 128-row (or 128-column) tile given group offsets that are multiples of 128: E past the
+    last group's."""
+    starts = jnp.arange(tiles, dtype=jnp.int32) * BLOCK
+    return (jnp.searchsorted(offsets.astype(jnp.int32), starts, side="right") - 1).astype(jnp.int32)
+
+
 def emulated_rows_gemm(a, sfa, b, sfb, expert_offsets, out_dtype=jnp.bfloat16):
-    """`fp8_rows_gemm` in float32 on the dequantised operands (rows past `expert_offsets[E]` are zero)."""
-    rows = dequantize(a, sfa, (1, BLOCK))
-    weights = jnp.swapaxes(dequantize(b, sfb, (1, BLOCK, BLOCK)), 1, 2)  # [E, K, N]
-    sizes = jnp.diff(expert_offsets)
-    out = jax.lax.ragged_dot(rows, weights, sizes, precision=_HIGHEST, preferred_element_type=jnp.float32)
-    return out.astype(_out_dtype(out_dtype))
+    """`fp8_rows_gemm` in float32 on the dequantised operands (rows past `expert_offsets[E]` are zero), for the op's
+    padded layout (offsets multiples of 128): one 128-row tile at a time, each within one expert's rows, so that no
+    temporary grows with E (XLA:CPU expands a ragged_dot over all groups)."""
+    rows, depth = a.shape
+    experts = b.shape[0]
+
+    a_tiles = a.reshape(rows // BLOCK, BLOCK, depth)
+    sfa_tiles = sfa.reshape(rows // BLOCK, BLOCK, depth // BLOCK)
+
+    def one_tile(args):
+        a_t, sfa_t, e = args
+        w = dequantize(b[jnp.minimum(e, experts - 1)], sfb[jnp.minimum(e, experts - 1)], (BLOCK, BLOCK))
+        out = jnp.matmul(
+            dequantize(a_t, sfa_t, (1, BLOCK)), w.T, precision=_HIGHEST, preferred_element_type=jnp.float32
+        )
+        return jnp.where(e < experts, out, 0).astype(_out_dtype(out_dtype))
+
+    out = jax.lax.map(one_tile, (a_tiles, sfa_tiles, _tile_experts(expert_offsets, rows // BLOCK)))
+    return out.reshape(rows, b.shape[1])
 
 
 def emulated_weight_gemm(a, sfa, b, sfb, token_offsets, num_experts, out_dtype=jnp.bfloat16):
-    """`fp8_weight_gemm` in float32 on the dequantised operands."""
-    lhs = a.astype(jnp.float32) * jnp.repeat(sfa.T, BLOCK, axis=1)
-    rhs = b.astype(jnp.float32) * jnp.repeat(sfb.T, BLOCK, axis=1)
-    sizes = jnp.diff(token_offsets)
-    sizes = jnp.concatenate([sizes, (lhs.shape[1] - token_offsets[-1])[None]])  # the unread columns: a last group
-    numbers = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[1], rhs_group_dimensions=[]
+    """`fp8_weight_gemm` in float32 on the dequantised operands: each 128-token tile's product added to its expert's
+    sum, tiles in order (so the same tiles give the same sums, however many other columns there are)."""
+    m, tokens = a.shape
+    n = b.shape[0]
+
+    def add_tile(sums, args):
+        a_t, sfa_t, b_t, sfb_t, e = args  # [M, 128], [M], [N, 128], [N], the tile's expert
+        product = jnp.matmul(
+            a_t.astype(jnp.float32) * sfa_t[:, None],
+            (b_t.astype(jnp.float32) * sfb_t[:, None]).T,
+            precision=_HIGHEST,
+            preferred_element_type=jnp.float32,
+        )
+        return sums.at[e].add(product), None  # expert E: the columns past the last expert's, dropped
+
+    tiles = tokens // BLOCK
+    by_tile = (
+        jnp.moveaxis(a.reshape(m, tiles, BLOCK), 1, 0),
+        sfa,
+        jnp.moveaxis(b.reshape(n, tiles, BLOCK), 1, 0),
+        sfb,
+        _tile_experts(token_offsets, tiles),
     )
-    out = jax.lax.ragged_dot_general(lhs, rhs, sizes, numbers, precision=_HIGHEST, preferred_element_type=jnp.float32)
-    return out[:num_experts].astype(_out_dtype(out_dtype))
+    zeros = _ffi.vary_alike(a, jnp.zeros((num_experts + 1, m, n), jnp.float32))[1]  # varying as the tiles' sums
+    sums, _ = jax.lax.scan(add_tile, zeros, by_tile)
+    return sums[:num_experts].astype(_out_dtype(out_dtype))
 
 
 def fp8_weight_blocks(w: jax.Array, transpose: bool) -> tuple[jax.Array, jax.Array]:
