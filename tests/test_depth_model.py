@@ -49,7 +49,7 @@ def stacked(state_unrolled):
     """The unrolled model's flat parameters regrouped as the scanned model's stacks (by layer_runs)."""
     flat = dict(nnx.to_flat_state(state_unrolled))
     out = {}
-    for r, (first, count, _) in enumerate(qwen3_moe.layer_runs(CONFIG)):
+    for r, (first, count, _) in enumerate(CONFIG.layer_runs()):
         for key in {k[2:] for k in flat if k[0] == "layers" and k[1] == first}:
             out[("layer_runs", r, *key)] = np.stack(
                 [np.asarray(flat[("layers", first + j, *key)].get_value()) for j in range(count)]
@@ -70,10 +70,10 @@ def assert_trees_close(got: dict, want: dict, rtol=1e-5):
 
 
 def test_layer_runs_and_stacked_shapes():
-    assert qwen3_moe.layer_runs(CONFIG) == ((0, 2, True), (2, 1, False), (3, 3, True))
-    assert qwen3_moe.layer_runs(qwen3_moe.qwen3_235b_a22b()) == ((0, 94, True),)
+    assert CONFIG.layer_runs() == ((0, 2, True), (2, 1, False), (3, 3, True))
+    assert qwen3_moe.qwen3_235b_a22b().layer_runs() == ((0, 94, True),)
     step2 = dataclasses.replace(CONFIG, mlp_only_layers=(), decoder_sparse_step=2)
-    assert qwen3_moe.layer_runs(step2) == tuple((i, 1, i % 2 == 1) for i in range(6))
+    assert step2.layer_runs() == tuple((i, 1, i % 2 == 1) for i in range(6))
     model = nnx.eval_shape(lambda: qwen3_moe.Qwen3MoeForCausalLM(CONFIG, expert_axis="expert", rngs=nnx.Rngs(0)))
     assert model.layer_runs[2].mlp.w_gate_up.shape == (3, 8, 32, 32)
     assert model.layer_runs[1].mlp.down_proj.kernel.shape == (1, 48, 32)

@@ -4,7 +4,7 @@ Our parameter paths mirror transformers' module names, so one rule maps them: pa
 `model.a.b.weight` transposed (torch Linear stores `[out, in]`), `.scale`/`.embedding` are `.weight` as is,
 `lm_head` has no `model.` prefix, the router `mlp.router` is HF's `mlp.gate`. The experts are the
 exception: ours are fused `w_gate_up [E, H, 2I]` / `w_down [E, I, H]`. The scanned model's stacks
-`layer_runs.{r}.*` hold the HF layers of run r (`qwen3_moe.layer_runs`) on a leading layer axis.
+`layer_runs.{r}.*` hold the HF layers of run r (`Qwen3MoeConfig.layer_runs`) on a leading layer axis.
 
 Every tensor can be read in part (`read_param` with an index of slices), so a sharded load reads from the
 files only the slices the local devices hold.
@@ -85,9 +85,7 @@ def unstacked_keys(key: tuple, config) -> list[tuple] | None:
     for a parameter that is not stacked."""
     if key[0] != "layer_runs":
         return None
-    from jax_megamoe.models.qwen3_moe import layer_runs  # the model imports this module
-
-    first, count, _ = layer_runs(config)[int(key[1])]
+    first, count, _ = config.layer_runs()[int(key[1])]
     return [("layers", first + j, *key[2:]) for j in range(count)]
 
 

@@ -23,7 +23,6 @@ __all__ = [
     "Qwen3MoeForCausalLM",
     "chunked_attention",
     "from_pretrained",
-    "layer_runs",
     "qwen3_30b_a3b",
     "qwen3_235b_a22b",
     "save_pretrained",
@@ -218,19 +217,6 @@ def combine_aux(layer_aux: list[MoEAux], num_experts: int) -> MoEAux:
     )
 
 
-def layer_runs(config: Qwen3MoeConfig) -> tuple[tuple[int, int, bool], ...]:
-    """`(first layer, layers, is_moe)` of each run of consecutive decoder layers of one kind (sparse or dense),
-    in order: the scanned model's stacks. All-sparse models (the published Qwen3-MoE ones) are one run."""
-    runs: list[list] = []
-    for i in range(config.num_hidden_layers):
-        kind = config.is_moe_layer(i)
-        if runs and runs[-1][2] == kind:
-            runs[-1][1] += 1
-        else:
-            runs.append([i, 1, kind])
-    return tuple(tuple(run) for run in runs)
-
-
 def stack_layers(layers) -> DecoderLayer:
     """One `DecoderLayer` whose parameters are the given same-kind layers' stacked on a leading layer axis
     (what `layer_scan.scan` iterates over); sharding names gain a leading None for that axis."""
@@ -296,7 +282,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
         recomputes nothing (`jax_megamoe.moe_ffn`).
       attention_impl: `jax.nn.dot_product_attention`'s `implementation` (None: XLA; "cudnn" on GPUs), or
         "chunked" (`chunked_attention`: pure JAX, memory linear in the sequence).
-      scan_layers: run each run of consecutive same-kind layers (`layer_runs`) as one `layer_scan.scan` over
+      scan_layers: run each run of consecutive same-kind layers (`config.layer_runs()`) as one `layer_scan.scan` over
         its stacked parameters (`layer_runs.{r}.*` with a leading layer axis), so the step's program and compile
         time grow with the number of runs, not the depth. False: a Python loop over `layers.{i}` (unrolled),
         for comparison. Both initialise the same parameters from the same `rngs`.
@@ -361,7 +347,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
         ]
         if scan_layers:
             self.layer_runs = nnx.List(
-                [stack_layers(layers[first : first + count]) for first, count, _ in layer_runs(config)]
+                [stack_layers(layers[first : first + count]) for first, count, _ in config.layer_runs()]
             )
         else:
             self.layers = nnx.List(layers)

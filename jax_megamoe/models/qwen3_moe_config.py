@@ -67,6 +67,18 @@ class Qwen3MoeConfig:
             and layer_idx not in self.mlp_only_layers
         )
 
+    def layer_runs(self) -> tuple[tuple[int, int, bool], ...]:
+        """`(first layer, layers, is_moe)` of each run of consecutive decoder layers of one kind (sparse or dense),
+        in order: the scanned model's stacks. All-sparse models (the published Qwen3-MoE ones) are one run."""
+        runs: list[list] = []
+        for i in range(self.num_hidden_layers):
+            kind = self.is_moe_layer(i)
+            if runs and runs[-1][2] == kind:
+                runs[-1][1] += 1
+            else:
+                runs.append([i, 1, kind])
+        return tuple(tuple(run) for run in runs)
+
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Qwen3MoeConfig:
         """Builds a config from a `config.json` dict; unknown keys are ignored.
