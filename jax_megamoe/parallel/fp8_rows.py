@@ -76,10 +76,14 @@ def _local_step_fwd(recv_values, recv_scales, channel, recv_weights, recv_ids, w
     ep, capacity, hidden = channel.shape
     rows = ep * capacity
     padded_hidden = recv_scales.shape[-1] * fp8.BLOCK
-    values = jax.lax.bitcast_convert_type(recv_values.reshape(rows, hidden), fp8.FP8_DTYPE)
-    values = jnp.pad(values, ((0, 0), (0, padded_hidden - hidden)))
+    values = jnp.pad(recv_values.reshape(rows, hidden), ((0, 0), (0, padded_hidden - hidden)))
+
+    def x_rows(index):  # the bytes gathered as bytes, then read as e4m3
+        picked, scales = fp8_gemms.take_rows(values, recv_scales.reshape(rows, -1), index)
+        return jax.lax.bitcast_convert_type(picked, fp8.FP8_DTYPE), scales
+
     y_rows, residuals = fp8_gemms.forward(
-        functools.partial(fp8_gemms.take_rows, values, recv_scales.reshape(rows, -1)),
+        x_rows,
         hidden,
         channel.dtype,
         recv_weights.reshape(rows, -1),
