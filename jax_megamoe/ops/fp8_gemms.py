@@ -115,23 +115,28 @@ def _tile_experts(offsets: jax.Array, tiles: int) -> jax.Array:
 def emulated_rows_gemm(a, sfa, b, sfb, expert_offsets, out_dtype=jnp.bfloat16):
     """`fp8_rows_gemm` in float32 on the dequantised operands (rows past `expert_offsets[E]` are zero), for the op's
     padded layout (offsets multiples of 128): one 128-row tile at a time, each within one expert's rows, so that no
-    temporary grows with E (XLA:CPU expands a ragged_dot over all groups)."""
+    temporary grows with the rows times E (XLA:CPU expands a ragged_dot over all groups)."""
     rows, depth = a.shape
-    experts = b.shape[0]
-
-    a_tiles = a.reshape(rows // BLOCK, BLOCK, depth)
-    sfa_tiles = sfa.reshape(rows // BLOCK, BLOCK, depth // BLOCK)
+    experts, n, _ = b.shape
+    weights = dequantize(b, sfb, (1, BLOCK, BLOCK))  # [E, N, K]
 
     def one_tile(args):
         a_t, sfa_t, e = args
-        w = dequantize(b[jnp.minimum(e, experts - 1)], sfb[jnp.minimum(e, experts - 1)], (BLOCK, BLOCK))
         out = jnp.matmul(
-            dequantize(a_t, sfa_t, (1, BLOCK)), w.T, precision=_HIGHEST, preferred_element_type=jnp.float32
+            dequantize(a_t, sfa_t, (1, BLOCK)),
+            weights[jnp.minimum(e, experts - 1)].T,
+            precision=_HIGHEST,
+            preferred_element_type=jnp.float32,
         )
         return jnp.where(e < experts, out, 0).astype(_out_dtype(out_dtype))
 
-    out = jax.lax.map(one_tile, (a_tiles, sfa_tiles, _tile_experts(expert_offsets, rows // BLOCK)))
-    return out.reshape(rows, b.shape[1])
+    tiles = rows // BLOCK
+    by_tile = (
+        a.reshape(tiles, BLOCK, depth),
+        sfa.reshape(tiles, BLOCK, depth // BLOCK),
+        _tile_experts(expert_offsets, tiles),
+    )
+    return jax.lax.map(one_tile, by_tile).reshape(rows, n)
 
 
 def emulated_weight_gemm(a, sfa, b, sfb, token_offsets, num_experts, out_dtype=jnp.bfloat16):

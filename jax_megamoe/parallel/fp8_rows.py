@@ -24,28 +24,28 @@ import jax.numpy as jnp
 
 from jax_megamoe import _ffi
 from jax_megamoe.ops import fp8, fp8_gemms
+from jax_megamoe.parallel.plan import Plan
 from jax_megamoe.parallel.rows import gradient_channel
 
 
 def expert_rows(
     transport,
     x: jax.Array,
+    plan: Plan,
+    recv_counts: jax.Array,
     recv_weights: jax.Array,
     recv_ids: jax.Array,
     w_gate_up: jax.Array,
     w_down: jax.Array,
-    token: jax.Array,
-    slot: jax.Array,
-    send_counts: jax.Array,
-    recv_counts: jax.Array,
     *,
     axis_name: str,
     implementation: str,
 ) -> jax.Array:
     """One shard's expert step with the recipe, from its tokens `x [T, H]` to the returned rows `[ep, C, H]` (x's
-    dtype; `combine_rows` sums them per token): the rows of `token [ep, C]` go out quantised through
-    `transport.exchange`, the local experts run on what arrives (`recv_weights`, `recv_ids [ep, C, R]`, already
-    exchanged), the results come back. `slot` is `token`'s inverse map (`Plan.slot`)."""
+    dtype; `combine_rows` sums them per token): the rows of `plan.token [ep, C]` go out quantised through
+    `transport.exchange`, the local experts run on what arrives (`recv_counts` rows a block; `recv_weights`,
+    `recv_ids [ep, C, R]`, already exchanged), the results come back."""
+    token, slot, send_counts = plan.token, plan.slot, plan.row_counts
     ep, capacity = token.shape
     hidden = x.shape[1]
 

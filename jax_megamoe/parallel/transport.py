@@ -123,30 +123,28 @@ class Transport(abc.ABC):
             returned = fp8_rows.expert_rows(
                 self,
                 x,
+                plan,
+                recv_counts,
                 recv_weights,
                 recv_ids,
                 w_gate_up,
                 w_down,
-                plan.token,
-                plan.slot,
-                send_counts,
-                recv_counts,
                 axis_name=axis_name,
                 implementation=implementation,
             )
-            return combine_rows(returned, plan.slot, plan.token)
-        recv_x = there(dispatch_rows(x, plan.token, plan.slot))
-        rows = ep * row_capacity
-        recv_y = moe_ffn(
-            recv_x.reshape(rows, -1),
-            recv_weights.reshape(rows, -1),
-            recv_ids.reshape(rows, -1),
-            w_gate_up,
-            w_down,
-            implementation=implementation,
-            recipe=recipe,
-        ).reshape(ep, row_capacity, -1)
-        returned = self.exchange(recv_y, recv_counts, send_counts, axis_name)
+        else:
+            recv_x = there(dispatch_rows(x, plan.token, plan.slot))
+            rows = ep * row_capacity
+            recv_y = moe_ffn(
+                recv_x.reshape(rows, -1),
+                recv_weights.reshape(rows, -1),
+                recv_ids.reshape(rows, -1),
+                w_gate_up,
+                w_down,
+                implementation=implementation,
+                recipe=recipe,
+            ).reshape(ep, row_capacity, -1)
+            returned = self.exchange(recv_y, recv_counts, send_counts, axis_name)
         return combine_rows(returned, plan.slot, plan.token)
 
 
