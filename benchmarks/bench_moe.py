@@ -17,7 +17,12 @@ fwd_down, bwd_down, bwd_gate_up), the GEMMs not named keeping the heuristic's ti
 and `ours_graphs`: `ours` with XLA recording the custom calls into CUDA graphs (command buffers; XLA_FLAGS of
 GRAPH_XLA_FLAGS set for its subprocess), which XLA does not do for custom calls by default.
 Configs (bf16): q30 (T=16384, H=2048, I=768, E=128, K=8), q235 (H=4096, I=1536), q30s (T=2048), and `tiny`
-(a CPU smoke size); uniform and Zipf-skewed routing. Variants: `plain` (router excluded, as published
+(a CPU smoke size); the decode sizes `q30-t<T>` and `q235-t<T>` (T = 8, 64, 256, 512: one decode step of a batch of
+T sequences); uniform and Zipf-skewed routing. Decode sizes are bound by reading the experts' weights, not by
+FLOPs: each of their rows has a floor, the bytes the call must move (the weights of every expert the routing
+touches, counted in the row's own routing, plus x and y) over the GPU's read bandwidth measured in the same run
+(a float32 sum over a 4 GiB bf16 buffer), and its forward's distance to that floor (`x floor`).
+Variants: `plain` (router excluded, as published
 fused-MoE numbers are taken), `router` (the router inside the timed call: logits GEMM, float32 softmax, top-k and
 renormalisation, differentiated into its weight; the same routing code for every implementation) and `remat`
 (the MoE under jax.checkpoint, torch.utils.checkpoint for torch: the backward recomputes the forward, as
@@ -33,7 +38,7 @@ completes, so a peak read after them counts two sets of weight gradients for JAX
 row (implementation, config, routing) runs in its own subprocess, so its peak is its own; `peak_by_call`
 says whether the call set it (False: input creation or compilation went higher, and `peak_gib` is that;
 None: no memory statistics, e.g. on a CPU).
-Usage: python benchmarks/bench_moe.py [--configs q30s,q30,q235] [--impls ...] [--variants plain,router,remat]
+Usage: python benchmarks/bench_moe.py [--configs q30s,q30,q235 | q30-t8,q30-t64,...] [--impls ...] [--variants plain,router,remat]
                                      [--json F] [--png F]
 """
 
@@ -48,12 +53,16 @@ import subprocess
 import sys
 import time
 
+DECODE_TOKENS = (8, 64, 256, 512)  # one decode step's batch
 CONFIGS = {  # name: (T, H, I, E, K), in ascending memory order
     "tiny": (64, 128, 64, 8, 2),  # the CPU smoke test's size
+    **{f"q30-t{t}": (t, 2048, 768, 128, 8) for t in DECODE_TOKENS},
     "q30s": (2048, 2048, 768, 128, 8),
     "q30": (16384, 2048, 768, 128, 8),
+    **{f"q235-t{t}": (t, 4096, 1536, 128, 8) for t in DECODE_TOKENS},
     "q235": (16384, 4096, 1536, 128, 8),
 }
+BANDWIDTH_ROW = "read_bandwidth"  # the driver's child that measures the GPU's read bandwidth
 IMPLS = ("ours", "torch_grouped_mm", "ragged_dot", "gshard", "tokamax")
 TILES_PREFIX = "ours_tiles_"  # + a GemmTiles member, or gemm=member pairs joined by '+' (commas separate --impls)
 GEMMS = ("fwd_gate_up", "fwd_down", "bwd_down", "bwd_gate_up")  # GemmConfig's fields
@@ -71,6 +80,17 @@ SKIP = {
 
 def flops_forward(t, h, i, e, k):
     return 6 * t * k * h * i
+
+
+def is_decode_config(cname):
+    return "-t" in cname
+
+
+def floor_bytes(shape, experts_touched):
+    """The bytes a forward must move at least: the weights of the experts the routing touches (gate/up and
+    down, bf16), x read and y written."""
+    t, h, i, _, _ = shape
+    return experts_touched * 3 * h * i * 2 + 2 * t * h * 2
 
 
 def is_tiles_impl(impl):
@@ -281,6 +301,9 @@ def run_jax(name, cname, routing, variant, samples, inner):
             r2 = log_prior(e, routing, jnp)
         else:
             r1, r2 = jax_routing(t, e, k, routing, seed=11)
+        # The experts this row's routing touches (for `router`, the top-k of its logits: its routed ids).
+        ids = r2 if variant != "router" else jax.lax.top_k(x.astype(jnp.float32) @ r1.astype(jnp.float32) + r2, k)[1]
+        row["experts_touched"] = int(jnp.unique(ids).size)
         sync = jax.block_until_ready
         fwd = jax.jit(moe)
         fwd_bwd = jax.jit(forward_and_gradients(moe)).lower(x, r1, r2, gu, d, dy).compile()
@@ -310,6 +333,17 @@ def run_matmul():
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_ms, _ = time_calls(torch.matmul, (a, b), lambda _: torch.cuda.synchronize(), 10, 10)
     return dict(impl="bf16_matmul_8192", status="ok", tflops=2 * 8192**3 / mm_ms / 1e9, ms=mm_ms)
+
+
+def run_read_bandwidth():
+    """The GPU's read bandwidth: a float32 sum over a 4 GiB bf16 buffer (JAX), the base of every decode row's floor."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((1 << 31,), jnp.bfloat16)
+    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    ms, _ = time_calls(total, (a,), jax.block_until_ready, 10, 10)
+    return dict(impl=BANDWIDTH_ROW, status="ok", gb_per_s=a.nbytes / ms / 1e6, ms=ms)
 
 
 def torch_variant(moe, variant, top_k):
@@ -459,6 +493,8 @@ def run_torch(impl, cname, routing, variant, samples, inner):
             gumbel = -torch.log(-torch.log(torch.rand(t, e, device=dev, generator=gen)))
             r2 = torch.topk(log_p + gumbel, k, dim=-1).indices
             r1 = torch.softmax(torch.randn(t, k, device=dev, generator=gen), dim=-1)
+        ids = r2 if variant != "router" else torch.topk(x.float() @ r1.float() + r2, k, dim=-1).indices
+        row["experts_touched"] = int(torch.unique(ids).numel())
         params = [p.requires_grad_() for p in (x, r1, gu, d)]
 
         def fwd(x, r1, gu, d):
@@ -499,6 +535,8 @@ def child(args):
     """One row (one config and routing given), or the matmul rate, printed as JSON for the driver."""
     if args.child == "bf16_matmul_8192":
         row = run_matmul()
+    elif args.child == BANDWIDTH_ROW:
+        row = run_read_bandwidth()
     elif args.child in TORCH_IMPLS:
         row = run_torch(args.child, args.configs, args.routings, args.variants, args.samples, args.inner)
     else:
@@ -547,23 +585,34 @@ def run_child(impl, cname="all", routing="all", variant="all", samples=0, inner=
     )
 
 
-def table(rows, matmul_tfs):
+def table(rows, matmul_tfs, bandwidth_gbs=float("nan")):
     w = max([18] + [len(r["impl"]) + 2 for r in rows if "config" in r])
-    lines = [
-        f"bf16 matmul (8192^3, torch) in this run: {matmul_tfs:.0f} TF/s",
-        f"{'impl':<{w}}{'config':<7}{'routing':<9}{'variant':<8}{'fwd ms':>9}{'TF/s':>7}{'%mm':>6}"
-        f"{'f+b ms':>9}{'TF/s':>7}{'%mm':>6}{'peak GiB':>10}  status",
-    ]
+    decode = any(is_decode_config(r["config"]) for r in rows if "config" in r)
+    lines = [f"bf16 matmul (8192^3, torch) in this run: {matmul_tfs:.0f} TF/s"]
+    if decode:
+        lines.append(f"read bandwidth (float32 sum of 4 GiB bf16, JAX) in this run: {bandwidth_gbs:.0f} GB/s")
+    floor_head = f"{'experts':>8}{'floor ms':>10}{'x floor':>8}" if decode else ""
+    lines.append(
+        f"{'impl':<{w}}{'config':<10}{'routing':<9}{'variant':<8}{'fwd ms':>9}{'TF/s':>7}{'%mm':>6}{floor_head}"
+        f"{'f+b ms':>9}{'TF/s':>7}{'%mm':>6}{'peak GiB':>10}  status"
+    )
     for r in rows:
         if "config" not in r:
             continue
-        head = f"{r['impl']:<{w}}{r['config']:<7}{r['routing']:<9}{r['variant']:<8}"
+        head = f"{r['impl']:<{w}}{r['config']:<10}{r['routing']:<9}{r['variant']:<8}"
         if r.get("status") != "ok":
-            lines.append(f"{head}{'':>54}  {r.get('status')}")
+            lines.append(f"{head}{'':>{54 + len(floor_head)}}  {r.get('status')}")
             continue
+        floor = ""
+        if decode:
+            floor = (
+                f"{r['experts_touched']:>8}{r['floor_ms']:>10.3f}{r['fwd_over_floor']:>8.2f}"
+                if "floor_ms" in r
+                else f"{'':>26}"
+            )
         lines.append(
-            f"{head}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>7.0f}"
-            f"{r['fwd_pct_matmul']:>6.0f}{r['fwd_bwd_ms']:>9.3f}{r['fwd_bwd_tflops']:>7.0f}"
+            f"{head}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>7.0f}{r['fwd_pct_matmul']:>6.0f}{floor}"
+            f"{r['fwd_bwd_ms']:>9.3f}{r['fwd_bwd_tflops']:>7.0f}"
             f"{r['fwd_bwd_pct_matmul']:>6.0f}{r['peak_gib']:>10.2f}{'*' if r['peak_by_call'] is False else '':1} ok"
         )
     if any(r.get("status") == "ok" and r.get("peak_by_call") is False for r in rows):
@@ -633,6 +682,11 @@ def main():
     matmul = run_child("bf16_matmul_8192")
     matmul_tfs = matmul["tflops"] if matmul.get("status") == "ok" else float("nan")
     rows = [matmul]
+    bandwidth_gbs = float("nan")
+    if any(is_decode_config(c) for c in configs):
+        bandwidth = run_child(BANDWIDTH_ROW)
+        bandwidth_gbs = bandwidth["gb_per_s"] if bandwidth.get("status") == "ok" else float("nan")
+        rows.append(bandwidth)
     for impl in args.impls.split(","):
         start = time.perf_counter()
         for cname in configs:
@@ -643,24 +697,32 @@ def main():
                             dict(impl=impl, config=cname, routing=routing, variant=variant, status=SKIP[(impl, cname)])
                         )
                     else:
-                        rows.append(
-                            with_rates(run_child(impl, cname, routing, variant, args.samples, args.inner), matmul_tfs)
-                        )
+                        row = run_child(impl, cname, routing, variant, args.samples, args.inner)
+                        rows.append(with_rates(row, matmul_tfs, bandwidth_gbs))
         print(f"[{impl}: {time.perf_counter() - start:.0f} s]", flush=True)
         with open(args.json, "w") as f:  # after every implementation, so a run cut short keeps its rows
-            json.dump(dict(rows=rows, matmul_tflops=matmul_tfs, configs=CONFIGS, argv=sys.argv), f, indent=1)
+            json.dump(
+                dict(rows=rows, matmul_tflops=matmul_tfs, read_gb_per_s=bandwidth_gbs, configs=CONFIGS, argv=sys.argv),
+                f,
+                indent=1,
+            )
     plot(rows, args.png)
-    print(table(rows, matmul_tfs))
+    print(table(rows, matmul_tfs, bandwidth_gbs))
 
 
-def with_rates(row, matmul_tfs):
-    """`row` with its effective TF/s and their fraction of the matmul rate, when it has times."""
+def with_rates(row, matmul_tfs, bandwidth_gbs):
+    """`row` with its effective TF/s and their fraction of the matmul rate, when it has times; at the decode sizes
+    also its forward's floor (`floor_bytes` over the read bandwidth) and the forward's multiple of it."""
     if row.get("status") == "ok":
-        fl = flops_forward(*CONFIGS[row["config"]])
+        shape = CONFIGS[row["config"]]
+        fl = flops_forward(*shape)
         row["fwd_tflops"] = fl / row["fwd_ms"] / 1e9
         row["fwd_bwd_tflops"] = 3 * fl / row["fwd_bwd_ms"] / 1e9
         row["fwd_pct_matmul"] = 100 * row["fwd_tflops"] / matmul_tfs
         row["fwd_bwd_pct_matmul"] = 100 * row["fwd_bwd_tflops"] / matmul_tfs
+        if is_decode_config(row["config"]):
+            row["floor_ms"] = floor_bytes(shape, row["experts_touched"]) / bandwidth_gbs / 1e6
+            row["fwd_over_floor"] = row["fwd_ms"] / row["floor_ms"]
     return row
 
 

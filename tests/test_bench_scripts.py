@@ -481,3 +481,26 @@ def test_bench_moe_torch_fp8_peer_computes_the_moe(monkeypatch):
     for fp8, bf16 in zip(results["torch_fp8_rowwise"], results["torch_grouped_mm"], strict=True):
         err = float((fp8 - bf16).norm() / bf16.norm())
         assert 1e-3 < err < 0.1, err
+
+
+def test_bench_moe_decode_rows_get_their_floor():
+    # A decode-size row: the touched experts' weights plus x and y over the run's read bandwidth.
+    t, h, i, e, k = bench_moe.CONFIGS["q30-t64"]
+    assert (t, h, i, e, k) == (64, 2048, 768, 128, 8)
+    touched = 120
+    expected_bytes = touched * 3 * h * i * 2 + 2 * t * h * 2
+    assert bench_moe.floor_bytes((t, h, i, e, k), touched) == expected_bytes
+    row = dict(impl="ours", config="q30-t64", routing="uniform", variant="plain", status="ok", fwd_ms=0.5)
+    row.update(fwd_bwd_ms=1.5, peak_gib=2.0, peak_by_call=True, experts_touched=touched)
+    row = bench_moe.with_rates(row, matmul_tfs=800.0, bandwidth_gbs=4000.0)
+    assert row["floor_ms"] == pytest.approx(expected_bytes / 4000e9 * 1e3)  # 4000 GB/s, in ms
+    assert row["fwd_over_floor"] == pytest.approx(0.5 / row["floor_ms"])
+    big = dict(impl="ours", config="q30", routing="uniform", variant="plain", status="ok", fwd_ms=2.6)
+    big.update(fwd_bwd_ms=6.8, peak_gib=9.0, peak_by_call=True, experts_touched=128)
+    assert "floor_ms" not in bench_moe.with_rates(big, 800.0, 4000.0)  # compute-bound sizes have no such floor
+    failed = dict(impl="tokamax", config="q235-t8", routing="zipf", variant="plain", status="OOM: x")
+    text = bench_moe.table([row, big, failed], 800.0, 4000.0)
+    assert "read bandwidth" in text and "x floor" in text
+    line = next(line for line in text.splitlines() if "q30-t64" in line)
+    assert f"{row['floor_ms']:.3f}" in line and f"{row['fwd_over_floor']:.2f}" in line
+    assert bench_moe.table([big], 800.0).count("floor") == 0  # no decode rows, no floor columns
