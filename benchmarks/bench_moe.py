@@ -38,8 +38,8 @@ completes, so a peak read after them counts two sets of weight gradients for JAX
 row (implementation, config, routing) runs in its own subprocess, so its peak is its own; `peak_by_call`
 says whether the call set it (False: input creation or compilation went higher, and `peak_gib` is that;
 None: no memory statistics, e.g. on a CPU).
-Usage: python benchmarks/bench_moe.py [--configs q30s,q30,q235 | q30-t8,q30-t64,...] [--impls ...] [--variants plain,router,remat]
-                                     [--json F] [--png F]
+Usage: python benchmarks/bench_moe.py [--configs q30s,q30,q235 | q30-t8,q30-t64,...] [--impls ...]
+                                     [--variants plain,router,remat] [--json F] [--png F]
 """
 
 from __future__ import annotations
