@@ -308,7 +308,7 @@ Status FusedBackward(const ShardSet& shards, const FusedDims& d, cuda::GemmTiles
   // stream adds up straight from the push slots once the last GEMM is done and the peers' blocks are in; then the
   // side stream releases the slots. The side stream waits for the peers' blocks only after the last GEMM: that GEMM
   // takes every SM, and a wait kernel spinning beside it (while a late peer's block is on its way) would hold one
-  // of them and delay the GEMM's last tiles by as long (180 us on one GPU in a timeline of one step).
+  // of them and delay the GEMM's last tiles by as long.
   if (Status status = last_gemms(); !status.empty()) return status;
   if (Status status = back.Resume(stream); !status.empty()) return status;
   if (Status status = back.Receive(nullptr, /*release=*/false); !status.empty()) return status;

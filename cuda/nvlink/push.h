@@ -32,8 +32,8 @@
 namespace jmm::nvlink {
 
 // SMs that a kernel launched on XLA's stream beside a push call's waits leaves free: the waits are one-block kernels
-// on the side stream, and a gather on all SMs launched first kept the dy push's wait off the GPU until the gather
-// ended (the push 150 us late on one GPU, its peer waiting 119 us for it).
+// on the side stream, and a gather on all SMs launched first keeps the dy push's wait off the GPU until the gather
+// ends, so the push starts late and its peer waits for it.
 inline constexpr int kPushSMs = 1;
 
 class PushCall {

@@ -12,9 +12,8 @@ using cuda::LaunchStatus;
 using cuda::ScratchFootprint;
 
 // One block of 1024 threads fills an SM's registers (at most 64 per thread), so a launch of N blocks takes exactly N
-// SMs: the side gather's blocks cannot spread over more SMs than the gated GEMM leaves it. (Two blocks of 512
-// spread over up to twice the SMs and kept GEMM CTAs off them for the whole gather: in a timeline of one step the
-// gated GEMM took 2.0 ms on one GPU and 1.4 ms on the other; with 1024 threads, 1.4 ms on both.)
+// SMs: the side gather's blocks cannot spread over more SMs than the gated GEMM leaves it. (Blocks of 512 threads
+// spread over up to twice the SMs and keep GEMM CTAs off them for the whole gather, which slows the gated GEMM.)
 constexpr int kGatherThreads = 1024;
 constexpr int kLoadsInFlight = 8;  // per thread: a copy on few SMs is bound by the bytes in flight per SM
 
@@ -23,8 +22,7 @@ constexpr int kLoadsInFlight = 8;  // per thread: a copy on few SMs is bound by 
 // x_perm row r. Each thread walks (row, chunk) by a fixed step, so no 64-bit division runs per chunk, and keeps
 // kLoadsInFlight loads in flight before it stores. With `group_counters`, each warp adds 1 to group g's counter
 // once its share of g's rows is stored, so g is complete when its counter reaches the grid's warp count (per warp,
-// so that no warp waits at a block barrier for the others; measured alone, this did not change the gather's time on
-// 16 SMs: 0.74-0.87 ms for the peer's rows at EP = 2, q30).
+// so that no warp waits at a block barrier for the others).
 __global__ void __launch_bounds__(kGatherThreads, 1)
     GatherSourceRowsKernel(SourceBlocks blocks, uint32_t sources, int ep, int me, int64_t capacity, int chunks_per_row,
                            int top_k, const int32_t* pair_of_row, const int32_t* source_offsets, int local_experts,

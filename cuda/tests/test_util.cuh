@@ -32,8 +32,8 @@ using Bf16 = cutlass::bfloat16_t;
   } while (0)
 
 // Call first in main. With CUDA's default lazy module loading, the first launch of a kernel loads it, and that load
-// waited for the kernels already running (on an H200, the gated GEMM's launch waited out the 20 ms
-// sender, so it never had to wait itself). Kernels meant to run side by side must be loaded before either starts.
+// waits for the kernels already running (the gated GEMM's launch would wait out the sender, so the GEMM would never
+// have to wait itself). Kernels meant to run side by side must be loaded before either starts.
 inline void LoadModulesEagerly() { setenv("CUDA_MODULE_LOADING", "EAGER", 1); }
 
 template <class T>
