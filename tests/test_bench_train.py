@@ -1,4 +1,5 @@
-"""CPU smoke test of benchmarks/bench_train.py (the training-step benchmark; its GPU numbers come from a GPU run):
+"""CPU smoke test of benchmarks/bench_train.py (the training-step benchmark, its parts in benchmarks/train_bench/;
+its GPU numbers come from a GPU run):
 the tiny preset through ours (both heads), transformers and an unavailable peer, the JSON's fields, and the
 pieces that run on their own (the peers' expert path, the xprof stub, the FLOP count, the flag checks)."""
 
@@ -19,6 +20,7 @@ SCRIPT = ROOT / "benchmarks" / "bench_train.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
 import bench_train  # noqa: E402  (benchmarks/ is not a package)
+from train_bench import breakdown, common, expert_paths, rates  # noqa: E402
 
 TINY_VOCAB = 256
 
@@ -153,18 +155,18 @@ def test_sorted_ragged_ffn_matches_the_reference():
     d = jax.random.normal(keys[2], (e, i, h)) / 3
     experts = jax.random.randint(keys[3], (t, k), 0, e).at[0, 1].set(-1).at[3, 0].set(e)  # two dropped pairs
     weights = jax.nn.softmax(jax.random.normal(keys[0], (t, k)), axis=-1)
-    ffn = bench_train.sorted_ragged_ffn(jax.lax.ragged_dot)
+    ffn = expert_paths.sorted_ragged_ffn(jax.lax.ragged_dot)
     np.testing.assert_allclose(
         ffn(x, weights, experts, gu, d), reference.moe_ffn(x, weights, experts, gu, d), rtol=1e-5, atol=1e-5
     )
-    zeros = bench_train.zero_experts(x, weights, experts, gu, d)
+    zeros = breakdown.zero_experts(x, weights, experts, gu, d)
     assert zeros.shape == x.shape and not jnp.any(zeros)
 
 
 def test_xprof_stub_satisfies_tokamax_import():
     code = (
-        "import sys, bench_train\n"
-        "assert bench_train.stub_xprof()\n"
+        "from train_bench import expert_paths\n"
+        "assert expert_paths.stub_xprof()\n"
         "from xprof.cli.tools import get_kernel_stats_tool\n"
         "try:\n    get_kernel_stats_tool()\nexcept RuntimeError as e:\n    print('stub:', e)\n"
     )
@@ -177,7 +179,7 @@ def test_xprof_stub_satisfies_tokamax_import():
 
 def test_flops_count_the_lm_head_as_the_issue_does():
     # 4 layers at Qwen3-30B-A3B width, 16384 tokens: the LM head alone is 6 * 151936 * 2048 * 16384 ~ 30.6 TFLOP.
-    config = bench_train.model_config("qwen3-30b-a3b-4layer", 4)
+    config = common.model_config("qwen3-30b-a3b-4layer", 4)
     assert (config.vocab_size, config.hidden_size, config.num_experts, config.num_experts_per_tok) == (
         151936,
         2048,
@@ -188,7 +190,7 @@ def test_flops_count_the_lm_head_as_the_issue_does():
     attention_proj = 2048 * 128 * (2 * 32 + 2 * 4)
     moe = 2048 * 128 + 8 * 3 * 2048 * 768
     expected = 6 * 16384 * (151936 * 2048 + 4 * (attention_proj + moe)) + 6 * 4 * 4096 * 32 * 128 * 16384
-    assert bench_train.train_flops_per_step(config, 4, 4096) == expected
+    assert rates.train_flops_per_step(config, 4, 4096) == expected
     assert head / 1e12 == pytest.approx(30.6, abs=0.1)
 
 
