@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "ffi/targets.h"
 #ifdef JMM_WITH_CUDA
@@ -21,8 +22,13 @@ namespace nb = nanobind;
 
 namespace {
 
+// jax.ffi.register_ffi_target takes a capsule of an XLA FFI handler: a function of any other type (a kernel, a
+// handler's implementation) would be called as one, so it does not compile.
 template <typename Fn>
 nb::capsule Capsule(Fn* fn) {
+  static_assert(std::is_same_v<Fn, XLA_FFI_Handler>,
+                "an FFI target must be an XLA FFI handler symbol, XLA_FFI_Error* (XLA_FFI_CallFrame*), as "
+                "XLA_FFI_DEFINE_HANDLER_SYMBOL defines it");
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 

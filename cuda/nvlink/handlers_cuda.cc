@@ -66,17 +66,6 @@ ffi::Error NotBatched(const std::string& what, const ShardSet& shards, const std
                               : "the operands must be " + shapes));
 }
 
-// What every fused call checks of its dimensions: bf16 tensor-core GEMMs, and reads the device's SM count.
-ffi::Error CheckFused(const std::string& what, int device, FusedDims* d) {
-  if (!cuda::UseTensorCores(cuda::Dtype::kBFloat16, d->hidden, d->intermediate)) {
-    return InvalidArgument(what + ": H and I must be multiples of 8");
-  }
-  if (cudaDeviceGetAttribute(&d->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || d->sms <= 0) {
-    return InvalidArgument(what + ": cannot read GPU " + std::to_string(device) + "'s multiprocessor count");
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error AllBf16(const std::string& what, std::initializer_list<const ffi::AnyBuffer*> buffers) {
   for (const ffi::AnyBuffer* b : buffers) {
     if (b->element_type() != ffi::BF16)
@@ -96,26 +85,32 @@ ffi::Error Counted(const std::string& what, std::initializer_list<std::pair<size
   return ffi::Error::Success();
 }
 
-ffi::Error CheckWorkspaceBytes(const std::string& what, WorkspaceResult& workspace, const ShardSet& shards,
-                               size_t per_shard) {
-  if (workspace->element_count() >= shards.count * per_shard) return ffi::Error::Success();
+// What every fused call checks once its shapes agree: bf16 tensor-core GEMMs, the device's SM count (read into `d`),
+// and a workspace result of `per_shard(d)` bytes for each of the call's shards.
+ffi::Error CheckFused(const std::string& what, int device, const ShardSet& shards, WorkspaceResult& workspace,
+                      size_t (*per_shard)(const FusedDims&), FusedDims* d) {
+  if (!cuda::UseTensorCores(cuda::Dtype::kBFloat16, d->hidden, d->intermediate)) {
+    return InvalidArgument(what + ": H and I must be multiples of 8");
+  }
+  if (cudaDeviceGetAttribute(&d->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || d->sms <= 0) {
+    return InvalidArgument(what + ": cannot read GPU " + std::to_string(device) + "'s multiprocessor count");
+  }
+  const size_t needed = shards.count * per_shard(*d);
+  if (workspace->element_count() >= needed) return ffi::Error::Success();
   return InvalidArgument(what + ": the workspace result holds " + std::to_string(workspace->element_count()) +
-                         " bytes, the call needs " + std::to_string(shards.count * per_shard));
+                         " bytes, the call needs " + std::to_string(needed));
 }
 
 ffi::Error Done(const std::string& what, const Status& status) {
   return status.empty() ? ffi::Error::Success() : Internal(what, status);
 }
 
-// --- jmm_cuda_nvlink_exchange ---------------------------------------------------------------------------------------
+// --- the dimensions of each call, read from its buffers and checked -------------------------------------------------
 
-ffi::Error NvlinkExchange(cudaStream_t stream, int32_t device, ffi::AnyBuffer send, ffi::Buffer<ffi::S32> send_counts,
-                          ffi::Buffer<ffi::S32> recv_counts, ffi::Result<ffi::AnyBuffer> out, int64_t workspace_id,
-                          int64_t fill_byte) {
-  const std::string what = "nvlink exchange";
-  DeviceGuard guard;
-  ShardSet shards;
-  if (auto err = Open(workspace_id, device, what, &shards); err.failure()) return err;
+// An exchange's block capacity C and row bytes (0 when the buffer is empty).
+ffi::Error ReadExchangeDims(const std::string& what, const ShardSet& shards, const ffi::AnyBuffer& send,
+                            size_t send_counts, size_t recv_counts, const ffi::AnyBuffer& out, int64_t fill_byte,
+                            int64_t* capacity, int64_t* row_bytes) {
   const int ranks = shards.ranks();
   // [shards, ranks (blocks), C, ...] emulated, else [ranks (blocks), C, ...].
   const auto dims = send.dimensions();
@@ -123,23 +118,155 @@ ffi::Error NvlinkExchange(cudaStream_t stream, int32_t device, ffi::AnyBuffer se
   if (dims.size() < lead + 2 || dims[lead] != ranks || (lead && dims[0] != shards.count)) {
     return NotBatched(what, shards, "[" + std::to_string(ranks) + ", C, ...] (one block per shard)");
   }
-  if (out->element_type() != send.element_type() || out->size_bytes() != send.size_bytes()) {
+  if (out.element_type() != send.element_type() || out.size_bytes() != send.size_bytes()) {
     return InvalidArgument(what + ": the output must match the buffer");
   }
-  if (send_counts.element_count() != static_cast<size_t>(ranks * shards.count) ||
-      recv_counts.element_count() != static_cast<size_t>(ranks * shards.count)) {
+  if (send_counts != static_cast<size_t>(ranks * shards.count) ||
+      recv_counts != static_cast<size_t>(ranks * shards.count)) {
     return InvalidArgument(what + ": send_counts and recv_counts must hold one count per shard");
   }
   if (fill_byte < 0 || fill_byte > 255) return InvalidArgument(what + ": fill_byte must be in [0, 255]");
-  if (send.size_bytes() == 0) return ffi::Error::Success();  // same static shapes on every shard: all skip
-  const int64_t capacity = dims[lead + 1];
-  const int64_t row_bytes = static_cast<int64_t>(send.size_bytes()) / (int64_t{ranks} * shards.count * capacity);
-  if (capacity * row_bytes > shards.workspace->block_bytes) {
-    return InvalidArgument(what + ": a block of " + std::to_string(capacity) + " rows of " + std::to_string(row_bytes) +
-                           " bytes needs " + std::to_string(capacity * row_bytes) + " bytes, the workspace holds " +
-                           std::to_string(shards.workspace->block_bytes) +
+  *capacity = dims[lead + 1];
+  *row_bytes = send.size_bytes() == 0
+                   ? 0
+                   : static_cast<int64_t>(send.size_bytes()) / (int64_t{ranks} * shards.count * *capacity);
+  if (*capacity * *row_bytes > shards.workspace->block_bytes) {
+    return InvalidArgument(what + ": a block of " + std::to_string(*capacity) + " rows of " +
+                           std::to_string(*row_bytes) + " bytes needs " + std::to_string(*capacity * *row_bytes) +
+                           " bytes, the workspace holds " + std::to_string(shards.workspace->block_bytes) +
                            " per block: create it with a larger max_tokens");
   }
+  return ffi::Error::Success();
+}
+
+ffi::Error ReadGateUpDims(const std::string& what, const ShardSet& shards, int device, const ffi::AnyBuffer& blocks,
+                          const ffi::AnyBuffer& w_gate_up, size_t pair_of_row, size_t source_offsets,
+                          const ffi::AnyBuffer& recv_x, const ffi::AnyBuffer& gate_up, WorkspaceResult& workspace,
+                          FusedDims* d) {
+  const std::string shapes =
+      "blocks [ep or 1, C, H], w_gate_up [E, H, 2I], pair_of_row [ep*C*K], source_offsets "
+      "[ep*E + 1], recv_x [ep, C, H] and gate_up [ep*C*K, 2I]";
+  std::vector<int64_t> bd, gd, rd, zd;
+  if (!PerShard(blocks, shards, 3, &bd) || !PerShard(w_gate_up, shards, 3, &gd) || !PerShard(recv_x, shards, 3, &rd) ||
+      !PerShard(gate_up, shards, 2, &zd)) {
+    return NotBatched(what, shards, shapes);
+  }
+  if (auto err = AllBf16(what, {&blocks, &w_gate_up, &recv_x, &gate_up}); err.failure()) return err;
+  d->ep = shards.ranks();
+  d->capacity = bd[1];
+  d->hidden = bd[2];
+  d->experts = gd[0];
+  d->intermediate = gd[2] / 2;
+  d->one_block = bd[0] == 1 && d->ep > 1;
+  const int64_t pairs = static_cast<int64_t>(pair_of_row) / shards.count;
+  d->top_k = d->tokens() > 0 ? pairs / d->tokens() : 0;
+  if (!(bd[0] == d->ep || d->one_block) || gd[1] != d->hidden || gd[2] % 2 != 0 ||
+      rd != std::vector<int64_t>{d->ep, d->capacity, d->hidden} ||
+      zd != std::vector<int64_t>{d->rows(), 2 * d->intermediate} || d->rows() != pairs) {
+    return InvalidArgument(what + ": shapes disagree with " + shapes);
+  }
+  if (auto err = Counted(what, {{source_offsets, d->groups() + 1}}, shards, shapes); err.failure()) return err;
+  return CheckFused(what, device, shards, workspace, GateUpWorkspaceBytes, d);
+}
+
+ffi::Error ReadDownDims(const std::string& what, const ShardSet& shards, int device, const ffi::AnyBuffer& gate_up,
+                        const ffi::AnyBuffer& weights, const ffi::AnyBuffer& w_down, size_t row_of_pair,
+                        size_t source_offsets, size_t expert_offsets, const ffi::AnyBuffer& returned,
+                        WorkspaceResult& workspace, FusedDims* d) {
+  const std::string shapes =
+      "gate_up [ep*C*K, 2I], weights [ep*C, K] float32, w_down [E, I, H], row_of_pair "
+      "[ep*C*K], source_offsets [ep*E + 1], expert_offsets [E + 1] and returned [ep or 1, C, H]";
+  std::vector<int64_t> zd, wd, dd, yd;
+  if (!PerShard(gate_up, shards, 2, &zd) || !PerShard(weights, shards, 2, &wd) || !PerShard(w_down, shards, 3, &dd) ||
+      !PerShard(returned, shards, 3, &yd)) {
+    return NotBatched(what, shards, shapes);
+  }
+  if (auto err = AllBf16(what, {&gate_up, &w_down, &returned}); err.failure()) return err;
+  if (weights.element_type() != ffi::F32) return InvalidArgument(what + ": weights must be float32");
+  d->ep = shards.ranks();
+  d->capacity = wd[0] / d->ep;
+  d->top_k = wd[1];
+  d->experts = dd[0];
+  d->intermediate = dd[1];
+  d->hidden = dd[2];
+  d->one_block = yd[0] == 1 && d->ep > 1;
+  if (wd[0] % d->ep != 0 || zd != std::vector<int64_t>{d->rows(), 2 * d->intermediate} ||
+      !(yd[0] == d->ep || d->one_block) || yd[1] != d->capacity || yd[2] != d->hidden) {
+    return InvalidArgument(what + ": shapes disagree with " + shapes);
+  }
+  if (auto err =
+          Counted(what, {{row_of_pair, d->rows()}, {source_offsets, d->groups() + 1}, {expert_offsets, d->experts + 1}},
+                  shards, shapes);
+      err.failure()) {
+    return err;
+  }
+  return CheckFused(what, device, shards, workspace, DownWorkspaceBytes, d);
+}
+
+ffi::Error ReadBackwardDims(const std::string& what, const ShardSet& shards, int device,
+                            const ffi::AnyBuffer& d_returned, const ffi::AnyBuffer& recv_x,
+                            const ffi::AnyBuffer& weights, const ffi::AnyBuffer& w_gate_up,
+                            const ffi::AnyBuffer& w_down, const ffi::AnyBuffer& gate_up, size_t row_of_pair,
+                            size_t pair_of_row, size_t source_offsets, size_t expert_offsets,
+                            const ffi::AnyBuffer& d_send, const ffi::AnyBuffer& d_weights,
+                            const ffi::AnyBuffer& d_w_gate_up, const ffi::AnyBuffer& d_w_down, const ffi::AnyBuffer& dz,
+                            WorkspaceResult& workspace, FusedDims* d) {
+  const std::string shapes =
+      "d_returned [ep or 1, C, H] (d_send: the same), recv_x [ep, C, H], weights [ep*C, K] "
+      "float32, w_gate_up [E, H, 2I], w_down [E, I, H], gate_up [ep*C*K, 2I] (dz: the same), "
+      "the layout and the gradients of the same shapes";
+  std::vector<int64_t> yd, xd, wd, gd, dd;
+  if (!PerShard(d_returned, shards, 3, &yd) || !PerShard(recv_x, shards, 3, &xd) ||
+      !PerShard(weights, shards, 2, &wd) || !PerShard(w_gate_up, shards, 3, &gd) || !PerShard(w_down, shards, 3, &dd)) {
+    return NotBatched(what, shards, shapes);
+  }
+  if (auto err = AllBf16(what, {&d_returned, &recv_x, &w_gate_up, &w_down, &gate_up}); err.failure()) return err;
+  if (weights.element_type() != ffi::F32) return InvalidArgument(what + ": weights must be float32");
+  d->ep = shards.ranks();
+  d->capacity = xd[1];
+  d->hidden = xd[2];
+  d->top_k = wd[1];
+  d->experts = gd[0];
+  d->intermediate = gd[2] / 2;
+  d->one_block = yd[0] == 1 && d->ep > 1;  // the cotangent of the results' sum: one block for every source
+  if (xd[0] != d->ep || !(yd[0] == d->ep || d->one_block) || yd[1] != d->capacity || yd[2] != d->hidden ||
+      wd[0] != d->tokens() || gd[1] != d->hidden || gd[2] % 2 != 0 ||
+      dd != std::vector<int64_t>{d->experts, d->intermediate, d->hidden} ||
+      d_send.size_bytes() != d_returned.size_bytes() || d_weights.size_bytes() != weights.size_bytes() ||
+      d_w_gate_up.size_bytes() != w_gate_up.size_bytes() || d_w_down.size_bytes() != w_down.size_bytes() ||
+      dz.size_bytes() != gate_up.size_bytes()) {
+    return InvalidArgument(what + ": shapes disagree with " + shapes);
+  }
+  if (auto err = Counted(what,
+                         {{gate_up.element_count(), d->rows() * 2 * d->intermediate},
+                          {row_of_pair, d->rows()},
+                          {pair_of_row, d->rows()},
+                          {source_offsets, d->groups() + 1},
+                          {expert_offsets, d->experts + 1}},
+                         shards, shapes);
+      err.failure()) {
+    return err;
+  }
+  return CheckFused(what, device, shards, workspace, BackwardWorkspaceBytes, d);
+}
+
+// --- the handlers: open the call's shards, read its dimensions, run the transport on every shard's slices ---------
+
+ffi::Error NvlinkExchange(cudaStream_t stream, int32_t device, ffi::AnyBuffer send, ffi::Buffer<ffi::S32> send_counts,
+                          ffi::Buffer<ffi::S32> recv_counts, ffi::Result<ffi::AnyBuffer> out, int64_t workspace_id,
+                          int64_t fill_byte) {
+  const std::string what = "nvlink exchange";
+  DeviceGuard guard;
+  ShardSet shards;
+  int64_t capacity = 0, row_bytes = 0;
+  if (auto err = Open(workspace_id, device, what, &shards); err.failure()) return err;
+  if (auto err = ReadExchangeDims(what, shards, send, send_counts.element_count(), recv_counts.element_count(), *out,
+                                  fill_byte, &capacity, &row_bytes);
+      err.failure()) {
+    return err;
+  }
+  if (send.size_bytes() == 0) return ffi::Error::Success();  // same static shapes on every shard: all skip
+  const int ranks = shards.ranks();
   std::vector<Exchange> calls(shards.count);
   shards.ForEach([&](int i) -> Status {
     calls[i] = Exchange{Slice(send, shards, i),
@@ -154,43 +281,20 @@ ffi::Error NvlinkExchange(cudaStream_t stream, int32_t device, ffi::AnyBuffer se
   return Done(what, EnqueueExchange(shards, calls, stream));
 }
 
-// --- jmm_cuda_nvlink_moe_gate_up ------------------------------------------------------------------------------------
-
 ffi::Error NvlinkMoeGateUp(cudaStream_t stream, int32_t device, ffi::AnyBuffer blocks, ffi::AnyBuffer w_gate_up,
                            ffi::Buffer<ffi::S32> pair_of_row, ffi::Buffer<ffi::S32> source_offsets,
                            ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> gate_up,
                            WorkspaceResult workspace, int64_t workspace_id) {
   const std::string what = "nvlink moe_gate_up";
-  const std::string shapes =
-      "blocks [ep or 1, C, H], w_gate_up [E, H, 2I], pair_of_row [ep*C*K], source_offsets "
-      "[ep*E + 1], recv_x [ep, C, H] and gate_up [ep*C*K, 2I]";
   DeviceGuard guard;
   ShardSet shards;
-  if (auto err = Open(workspace_id, device, what, &shards); err.failure()) return err;
-  std::vector<int64_t> bd, gd, rd, zd;
-  if (!PerShard(blocks, shards, 3, &bd) || !PerShard(w_gate_up, shards, 3, &gd) || !PerShard(*recv_x, shards, 3, &rd) ||
-      !PerShard(*gate_up, shards, 2, &zd)) {
-    return NotBatched(what, shards, shapes);
-  }
-  if (auto err = AllBf16(what, {&blocks, &w_gate_up, &*recv_x, &*gate_up}); err.failure()) return err;
   FusedDims d;
-  d.ep = shards.ranks();
-  d.capacity = bd[1];
-  d.hidden = bd[2];
-  d.experts = gd[0];
-  d.intermediate = gd[2] / 2;
-  d.one_block = bd[0] == 1 && d.ep > 1;
-  const int64_t pairs = static_cast<int64_t>(pair_of_row.element_count()) / shards.count;
-  d.top_k = d.tokens() > 0 ? pairs / d.tokens() : 0;
-  if (!(bd[0] == d.ep || d.one_block) || gd[1] != d.hidden || gd[2] % 2 != 0 ||
-      rd != std::vector<int64_t>{d.ep, d.capacity, d.hidden} ||
-      zd != std::vector<int64_t>{d.rows(), 2 * d.intermediate} || d.rows() != pairs) {
-    return InvalidArgument(what + ": shapes disagree with " + shapes);
-  }
-  if (auto err = Counted(what, {{source_offsets.element_count(), d.groups() + 1}}, shards, shapes); err.failure())
+  if (auto err = Open(workspace_id, device, what, &shards); err.failure()) return err;
+  if (auto err = ReadGateUpDims(what, shards, device, blocks, w_gate_up, pair_of_row.element_count(),
+                                source_offsets.element_count(), *recv_x, *gate_up, workspace, &d);
+      err.failure()) {
     return err;
-  if (auto err = CheckFused(what, device, &d); err.failure()) return err;
-  if (auto err = CheckWorkspaceBytes(what, workspace, shards, GateUpWorkspaceBytes(d)); err.failure()) return err;
+  }
   if (blocks.size_bytes() == 0) return ffi::Error::Success();  // same static shapes on every shard: all skip
   std::vector<GateUpShard> calls(shards.count);
   shards.ForEach([&](int i) -> Status {
@@ -206,48 +310,20 @@ ffi::Error NvlinkMoeGateUp(cudaStream_t stream, int32_t device, ffi::AnyBuffer b
   return Done(what, FusedGateUp(shards, d, calls, stream));
 }
 
-// --- jmm_cuda_nvlink_moe_down ---------------------------------------------------------------------------------------
-
 ffi::Error NvlinkMoeDown(cudaStream_t stream, int32_t device, ffi::AnyBuffer gate_up, ffi::AnyBuffer weights,
                          ffi::AnyBuffer w_down, ffi::Buffer<ffi::S32> row_of_pair, ffi::Buffer<ffi::S32> source_offsets,
                          ffi::Buffer<ffi::S32> expert_offsets, ffi::Result<ffi::AnyBuffer> returned,
                          WorkspaceResult workspace, int64_t workspace_id) {
   const std::string what = "nvlink moe_down";
-  const std::string shapes =
-      "gate_up [ep*C*K, 2I], weights [ep*C, K] float32, w_down [E, I, H], row_of_pair "
-      "[ep*C*K], source_offsets [ep*E + 1], expert_offsets [E + 1] and returned [ep or 1, C, H]";
   DeviceGuard guard;
   ShardSet shards;
-  if (auto err = Open(workspace_id, device, what, &shards); err.failure()) return err;
-  std::vector<int64_t> zd, wd, dd, yd;
-  if (!PerShard(gate_up, shards, 2, &zd) || !PerShard(weights, shards, 2, &wd) || !PerShard(w_down, shards, 3, &dd) ||
-      !PerShard(*returned, shards, 3, &yd)) {
-    return NotBatched(what, shards, shapes);
-  }
-  if (auto err = AllBf16(what, {&gate_up, &w_down, &*returned}); err.failure()) return err;
-  if (weights.element_type() != ffi::F32) return InvalidArgument(what + ": weights must be float32");
   FusedDims d;
-  d.ep = shards.ranks();
-  d.capacity = wd[0] / d.ep;
-  d.top_k = wd[1];
-  d.experts = dd[0];
-  d.intermediate = dd[1];
-  d.hidden = dd[2];
-  d.one_block = yd[0] == 1 && d.ep > 1;
-  if (wd[0] % d.ep != 0 || zd != std::vector<int64_t>{d.rows(), 2 * d.intermediate} ||
-      !(yd[0] == d.ep || d.one_block) || yd[1] != d.capacity || yd[2] != d.hidden) {
-    return InvalidArgument(what + ": shapes disagree with " + shapes);
-  }
-  if (auto err = Counted(what,
-                         {{row_of_pair.element_count(), d.rows()},
-                          {source_offsets.element_count(), d.groups() + 1},
-                          {expert_offsets.element_count(), d.experts + 1}},
-                         shards, shapes);
+  if (auto err = Open(workspace_id, device, what, &shards); err.failure()) return err;
+  if (auto err = ReadDownDims(what, shards, device, gate_up, weights, w_down, row_of_pair.element_count(),
+                              source_offsets.element_count(), expert_offsets.element_count(), *returned, workspace, &d);
       err.failure()) {
     return err;
   }
-  if (auto err = CheckFused(what, device, &d); err.failure()) return err;
-  if (auto err = CheckWorkspaceBytes(what, workspace, shards, DownWorkspaceBytes(d)); err.failure()) return err;
   if (returned->size_bytes() == 0) return ffi::Error::Success();
   std::vector<DownShard> calls(shards.count);
   shards.ForEach([&](int i) -> Status {
@@ -264,8 +340,6 @@ ffi::Error NvlinkMoeDown(cudaStream_t stream, int32_t device, ffi::AnyBuffer gat
   return Done(what, FusedDown(shards, d, calls, stream));
 }
 
-// --- jmm_cuda_nvlink_moe_backward -----------------------------------------------------------------------------------
-
 ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer d_returned, ffi::AnyBuffer recv_x,
                              ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
                              ffi::AnyBuffer gate_up, ffi::Buffer<ffi::S32> row_of_pair,
@@ -276,51 +350,20 @@ ffi::Error NvlinkMoeBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                              WorkspaceResult workspace, int64_t workspace_id, int64_t bwd_down_tiles,
                              int64_t bwd_gate_up_tiles) {
   const std::string what = "nvlink moe_backward";
-  const std::string shapes =
-      "d_returned [ep or 1, C, H] (d_send: the same), recv_x [ep, C, H], weights [ep*C, K] "
-      "float32, w_gate_up [E, H, 2I], w_down [E, I, H], gate_up [ep*C*K, 2I] (dz: the same), "
-      "the layout and the gradients of the same shapes";
   cuda::GemmTiles down_tiles, gate_up_tiles;
   if (auto err = ReadGemmTiles("bwd_down_tiles", bwd_down_tiles, &down_tiles); err.failure()) return err;
   if (auto err = ReadGemmTiles("bwd_gate_up_tiles", bwd_gate_up_tiles, &gate_up_tiles); err.failure()) return err;
   DeviceGuard guard;
   ShardSet shards;
-  if (auto err = Open(workspace_id, device, what, &shards); err.failure()) return err;
-  std::vector<int64_t> yd, xd, wd, gd, dd;
-  if (!PerShard(d_returned, shards, 3, &yd) || !PerShard(recv_x, shards, 3, &xd) ||
-      !PerShard(weights, shards, 2, &wd) || !PerShard(w_gate_up, shards, 3, &gd) || !PerShard(w_down, shards, 3, &dd)) {
-    return NotBatched(what, shards, shapes);
-  }
-  if (auto err = AllBf16(what, {&d_returned, &recv_x, &w_gate_up, &w_down, &gate_up}); err.failure()) return err;
-  if (weights.element_type() != ffi::F32) return InvalidArgument(what + ": weights must be float32");
   FusedDims d;
-  d.ep = shards.ranks();
-  d.capacity = xd[1];
-  d.hidden = xd[2];
-  d.top_k = wd[1];
-  d.experts = gd[0];
-  d.intermediate = gd[2] / 2;
-  d.one_block = yd[0] == 1 && d.ep > 1;  // the cotangent of the results' sum: one block for every source
-  if (xd[0] != d.ep || !(yd[0] == d.ep || d.one_block) || yd[1] != d.capacity || yd[2] != d.hidden ||
-      wd[0] != d.tokens() || gd[1] != d.hidden || gd[2] % 2 != 0 ||
-      dd != std::vector<int64_t>{d.experts, d.intermediate, d.hidden} ||
-      d_send->size_bytes() != d_returned.size_bytes() || d_weights->size_bytes() != weights.size_bytes() ||
-      d_w_gate_up->size_bytes() != w_gate_up.size_bytes() || d_w_down->size_bytes() != w_down.size_bytes() ||
-      dz->size_bytes() != gate_up.size_bytes()) {
-    return InvalidArgument(what + ": shapes disagree with " + shapes);
-  }
-  if (auto err = Counted(what,
-                         {{gate_up.element_count(), d.rows() * 2 * d.intermediate},
-                          {row_of_pair.element_count(), d.rows()},
-                          {pair_of_row.element_count(), d.rows()},
-                          {source_offsets.element_count(), d.groups() + 1},
-                          {expert_offsets.element_count(), d.experts + 1}},
-                         shards, shapes);
+  if (auto err = Open(workspace_id, device, what, &shards); err.failure()) return err;
+  if (auto err = ReadBackwardDims(what, shards, device, d_returned, recv_x, weights, w_gate_up, w_down, gate_up,
+                                  row_of_pair.element_count(), pair_of_row.element_count(),
+                                  source_offsets.element_count(), expert_offsets.element_count(), *d_send, *d_weights,
+                                  *d_w_gate_up, *d_w_down, *dz, workspace, &d);
       err.failure()) {
     return err;
   }
-  if (auto err = CheckFused(what, device, &d); err.failure()) return err;
-  if (auto err = CheckWorkspaceBytes(what, workspace, shards, BackwardWorkspaceBytes(d)); err.failure()) return err;
   if (recv_x.size_bytes() == 0) return ffi::Error::Success();
   std::vector<BackwardShard> calls(shards.count);
   shards.ForEach([&](int i) -> Status {
