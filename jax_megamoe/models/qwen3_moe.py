@@ -15,18 +15,31 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_megamoe.models import hf_checkpoint, layer_scan, sharding
+from jax_megamoe.models.attention import causal_attention, chunked_attention
+from jax_megamoe.models.generation import Generation, GenerationPlan, compiled_programs, generate, generation_plan
+from jax_megamoe.models.kv_cache import KVCache
 from jax_megamoe.models.qwen3_moe_config import Qwen3MoeConfig, qwen3_30b_a3b, qwen3_235b_a22b, tiny
+from jax_megamoe.models.sampling import process_logits, sample_logits, token_logprobs
 from jax_megamoe.nn import MoE, MoEAux, active_mesh
 
 __all__ = [
+    "Generation",
+    "GenerationPlan",
+    "KVCache",
     "Qwen3MoeConfig",
     "Qwen3MoeForCausalLM",
     "chunked_attention",
+    "compiled_programs",
     "from_pretrained",
+    "generate",
+    "generation_plan",
+    "process_logits",
     "qwen3_30b_a3b",
     "qwen3_235b_a22b",
+    "sample_logits",
     "save_pretrained",
     "tiny",
+    "token_logprobs",
 ]
 
 
@@ -62,36 +75,6 @@ _recomputed_norm = nnx.remat(_norm, prevent_cse=False)
 _recomputed_norm_rope = nnx.remat(_norm_rope, prevent_cse=False)
 
 
-def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 512) -> jax.Array:
-    """Causal GQA attention `q [B, S, N, D]`, `k, v [B, S, Nkv, D]` -> `[B, S, N, D]`, over query blocks.
-
-    Each block's float32 scores `[B, N, block, S]` live only inside one step of a scan whose steps are
-    checkpointed (the backward recomputes them block by block), so memory grows as `S * block`, not `S^2`:
-    pure JAX, any platform. Numerically `jax.nn.dot_product_attention(..., is_causal=True)`'s XLA form
-    (float32 scores and softmax, the product with `v` in `v`'s dtype).
-    """
-    batch, seq, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    block = max(b for b in range(1, min(block, seq) + 1) if seq % b == 0)
-    blocks = seq // block
-    grouped = q.reshape(batch, blocks, block, kv_heads, heads // kv_heads, dim).swapaxes(0, 1)
-    precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None
-
-    @jax.checkpoint
-    def one_block(carry, inputs):
-        q_block, start = inputs
-        scores = (
-            jnp.einsum("bqhgd,bkhd->bhgqk", q_block, k, precision=precision, preferred_element_type=jnp.float32)
-            * dim**-0.5
-        )
-        causal = (start + jnp.arange(block))[:, None] >= jnp.arange(seq)[None, :]
-        probs = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(jnp.float32).min), axis=-1)
-        return carry, jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v)
-
-    _, out = jax.lax.scan(one_block, None, (grouped, jnp.arange(blocks) * block))
-    return out.swapaxes(0, 1).reshape(batch, seq, heads, dim)
-
-
 class Attention(nnx.Module):
     """GQA self-attention; q and k are RMS-normalised over head_dim before RoPE; causal."""
 
@@ -118,19 +101,34 @@ class Attention(nnx.Module):
         self.head_dim = head_dim
         self.attention_impl = attention_impl
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        batch, seq, _ = x.shape
-        heads = functools.partial(jnp.reshape, shape=(batch, seq, -1, self.head_dim))
+    def _project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        heads = functools.partial(jnp.reshape, shape=(*x.shape[:2], -1, self.head_dim))
         q = _recomputed_norm_rope(self.q_norm, heads(self.q_proj(x)), cos, sin)
         k = _recomputed_norm_rope(self.k_norm, heads(self.k_proj(x)), cos, sin)
-        v = heads(self.v_proj(x))
-        if self.attention_impl == "chunked":
-            out = chunked_attention(q, k, v)
+        return q, k, heads(self.v_proj(x))
+
+    def _output(self, out: jax.Array) -> jax.Array:
+        return self.o_proj(out.reshape(*out.shape[:2], -1))
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, key_mask: jax.Array | None = None) -> jax.Array:
+        """`x [B, S, H]` attending causally over itself; `key_mask [B, S]` hides the keys where it is False."""
+        q, k, v = self._project(x, cos, sin)
+        return self._output(causal_attention(q, k, v, implementation=self.attention_impl, key_mask=key_mask))
+
+    def cached(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: KVCache, index, *, prefill: bool
+    ) -> tuple[jax.Array, KVCache]:
+        """`x [B, T, H]` at positions `cache.lengths[b] + t`, its keys and values written into layer `index` of the
+        cache. `prefill`: the cache holds nothing yet (lengths 0), so the tokens attend causally over themselves,
+        as `__call__` does; else over the cache's slots up to each query's position."""
+        q, k, v = self._project(x, cos, sin)
+        cache = cache.write(index, k, v)
+        if prefill:
+            out = causal_attention(q, k, v, implementation=self.attention_impl)
         else:
-            out = jax.nn.dot_product_attention(
-                q, k, v, is_causal=True, implementation=typing.cast(typing.Any, self.attention_impl)
-            )
-        return self.o_proj(out.reshape(batch, seq, -1))
+            positions = cache.lengths[:, None] + jnp.arange(x.shape[1])
+            out = chunked_attention(q, *cache.layer(index), query_positions=positions)
+        return self._output(out), cache
 
 
 class DenseMLP(nnx.Module):
@@ -192,8 +190,23 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = DenseMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, MoEAux | None]:
-        x = x + self.self_attn(_recomputed_norm(self.input_layernorm, x), cos, sin)
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, key_mask: jax.Array | None = None
+    ) -> tuple[jax.Array, MoEAux | None]:
+        x = x + self.self_attn(_recomputed_norm(self.input_layernorm, x), cos, sin, key_mask)
+        return self._mlp_block(x)
+
+    def cached(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: KVCache, index, *, prefill: bool
+    ) -> tuple[jax.Array, KVCache]:
+        """The layer over tokens that extend a KV cache (`Attention.cached`); the cache with their keys and values."""
+        attended, cache = self.self_attn.cached(
+            _recomputed_norm(self.input_layernorm, x), cos, sin, cache, index, prefill=prefill
+        )
+        x, _ = self._mlp_block(x + attended)
+        return x, cache
+
+    def _mlp_block(self, x: jax.Array) -> tuple[jax.Array, MoEAux | None]:
         h = _recomputed_norm(self.post_attention_layernorm, x)
         if isinstance(self.mlp, MoE):
             y, aux = self.mlp(h)
@@ -368,16 +381,26 @@ class Qwen3MoeForCausalLM(nnx.Module):
             )
         )
 
-    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, MoEAux]:
+    def __call__(
+        self, input_ids: jax.Array, positions: jax.Array | None = None, *, attention_mask: jax.Array | None = None
+    ) -> tuple[jax.Array, MoEAux]:
         """`input_ids [B, S]` -> `(logits [B, S, vocab] in the compute dtype, MoEAux)`.
 
-        `positions` (`[S]` or `[B, S]`) defaults to `0..S-1`.
+        `positions` (`[S]` or `[B, S]`) defaults to `0..S-1`. `attention_mask [B, S]` (bool or 0/1, default all
+        true) is a padding mask: no token attends to a key where it is false. Right-padded rows need none (the
+        causal mask already hides the padding from the tokens before it); left-padded rows need it and their
+        positions (`positions[b]` counting from 0 at the row's first token). The MoE layers route every token,
+        padding included (their `aux` counts it).
         """
-        x, aux = self.hidden_states(input_ids, positions)
+        x, aux = self.hidden_states(input_ids, positions, attention_mask=attention_mask)
+        return self.logits(x), aux
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """The LM head: final normed hidden states `[..., H]` -> logits `[..., vocab]` in the compute dtype."""
         if self.lm_head is None:
             embed = typing.cast(nnx.Embed, gathered(self.embed_tokens, self.dtype, None))
-            return embed.attend(x), aux
-        return gathered(self.lm_head, self.dtype, None)(x), aux
+            return embed.attend(hidden)
+        return gathered(self.lm_head, self.dtype, None)(hidden)
 
     def lm_head_kernel(self) -> jax.Array:
         """The LM head as an `[H, vocab]` matrix in the compute dtype (the embedding table's transpose when
@@ -390,16 +413,20 @@ class Qwen3MoeForCausalLM(nnx.Module):
     def _layer_fn(self):
         dtype, expert_axis = self.dtype, self.expert_axis
 
-        def apply(layer, x, cos, sin):
-            return gathered(layer, dtype, expert_axis)(x, cos, sin)
+        def apply(layer, x, cos, sin, key_mask):
+            return gathered(layer, dtype, expert_axis)(x, cos, sin, key_mask)
 
         return nnx.remat(apply, policy=self.remat_policy) if self.remat else apply
 
-    def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, MoEAux]:
-        """`(final normed hidden states [B, S, H], MoEAux)`: the model without its LM head."""
+    def hidden_states(
+        self, input_ids: jax.Array, positions: jax.Array | None = None, *, attention_mask: jax.Array | None = None
+    ) -> tuple[jax.Array, MoEAux]:
+        """`(final normed hidden states [B, S, H], MoEAux)`: the model without its LM head (arguments as
+        `__call__`'s)."""
         if positions is None:
             positions = jnp.arange(input_ids.shape[-1])
-        cos, sin = rope_tables(positions, typing.cast(int, self.config.head_dim), self.config.rope_theta)
+        cos, sin = self._rope(positions)
+        key_mask = None if attention_mask is None else attention_mask.astype(bool)
         x = gathered(self.embed_tokens, self.dtype, None)(input_ids)
         apply = self._layer_fn()
         layer_aux = []
@@ -416,18 +443,86 @@ class Qwen3MoeForCausalLM(nnx.Module):
                 else:
                     stacked = compute_dtype(stacked, self.dtype)
 
-                def layer(params, x, tables, graphdef=graphdef):
-                    return apply(nnx.merge(graphdef, params), x, *tables)
+                def layer(params, x, consts, graphdef=graphdef):
+                    return apply(nnx.merge(graphdef, params), x, *consts)
 
-                x, aux = layer_scan.scan(layer, stacked, x, (cos, sin), prepare)
+                x, aux = layer_scan.scan(layer, stacked, x, (cos, sin, key_mask), prepare)
                 if aux is not None:
                     layer_aux.append(aux)
         else:
             for decoder_layer in self.layers:
-                x, aux = apply(decoder_layer, x, cos, sin)
+                x, aux = apply(decoder_layer, x, cos, sin, key_mask)
                 if aux is not None:
                     layer_aux.append(jax.tree.map(lambda a: a[None], aux))
         return _recomputed_norm(self.norm, x), combine_aux(layer_aux, self.config.num_experts)
+
+    def compute_form(self) -> Qwen3MoeForCausalLM:
+        """This model with every parameter in its compute form (`gathered`): matrices in the compute dtype and,
+        under an active multi-device mesh, in their compute sharding (the experts over `expert_axis`, the rest
+        whole). Decoding runs on it, so that no step gathers FSDP shards: inside the layers `gathered` is then a
+        no-op."""
+        return typing.cast(Qwen3MoeForCausalLM, gathered(self, self.dtype, self.expert_axis))
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        """An empty `KVCache` of `length` slots per row for this model, in the compute dtype."""
+        config = self.config
+        return KVCache.empty(
+            layers=config.num_hidden_layers,
+            batch=batch,
+            length=length,
+            kv_heads=config.num_key_value_heads,
+            head_dim=typing.cast(int, config.head_dim),
+            dtype=self.dtype,
+        )
+
+    def prefill(self, input_ids: jax.Array, lengths: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Runs right-padded prompts `input_ids [B, P]` (row b's first `lengths[b]` tokens real, at positions
+        0, 1, ...) into `cache` (at least P slots; what it held is dropped): `(final normed hidden states
+        [B, P, H], the cache with their keys and values in slots 0..P-1 and its lengths set to lengths)`. The
+        tokens attend causally over themselves, as in `__call__` (`attention_impl` included); the padding's slots
+        are overwritten by `decode` before any query sees them."""
+        cache = cache._replace(lengths=jnp.zeros_like(cache.lengths))
+        hidden, cache = self._cached(input_ids, cache, prefill=True)
+        return hidden, cache._replace(lengths=jnp.asarray(lengths, jnp.int32))
+
+    def decode(self, input_ids: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Runs `input_ids [B, T]` as the next tokens of each row, row b's at positions `cache.lengths[b]`,
+        `+1`, ...: `(final normed hidden states [B, T, H], the cache with their keys and values written and its
+        lengths advanced by T)`. Each token attends over the cache's slots up to its own position."""
+        hidden, cache = self._cached(input_ids, cache, prefill=False)
+        return hidden, cache.advance(input_ids.shape[1])
+
+    def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return rope_tables(positions, typing.cast(int, self.config.head_dim), self.config.rope_theta)
+
+    def _cached(self, input_ids: jax.Array, cache: KVCache, *, prefill: bool) -> tuple[jax.Array, KVCache]:
+        # Inference only: no gradient, so a plain scan over each run of layers, the cache its carry (written in
+        # place; as scanned inputs and outputs it would be copied whole at every step).
+        cos, sin = self._rope(cache.lengths[:, None] + jnp.arange(input_ids.shape[1]))
+        x = gathered(self.embed_tokens, self.dtype, None)(input_ids)
+        dtype, expert_axis = self.dtype, self.expert_axis
+
+        def apply(layer, index, carry):
+            x, cache = carry
+            layer = typing.cast(DecoderLayer, gathered(layer, dtype, expert_axis))
+            return layer.cached(x, cos, sin, cache, index, prefill=prefill)
+
+        carry = (x, cache)
+        if self.scan_layers:
+            for (first, count, _), run in zip(self.config.layer_runs(), self.layer_runs, strict=True):
+                graphdef, stacked = nnx.split(run)
+
+                def step(carry, inputs, graphdef=graphdef):
+                    params, index = inputs
+                    return apply(nnx.merge(graphdef, params), index, carry), None
+
+                indices = jnp.arange(first, first + count)
+                carry, _ = jax.lax.scan(step, carry, (compute_dtype(stacked, self.dtype), indices))
+        else:
+            for index, decoder_layer in enumerate(self.layers):
+                carry = apply(decoder_layer, index, carry)
+        x, cache = carry
+        return _recomputed_norm(self.norm, x), cache
 
 
 def from_pretrained(

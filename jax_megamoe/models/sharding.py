@@ -82,11 +82,12 @@ def param_spec(
 
 
 def compute_spec(names: tuple, ndim: int, mesh, expert_axis: str | None) -> P:
-    """The sharding a (per-layer) parameter is computed with inside the step: the expert weights over
-    `expert_axis` (the `P(expert_axis)` that `moe_ffn_ep`'s shard_map takes), everything else whole."""
+    """The sharding a parameter is computed with: the expert weights over `expert_axis` (the `P(expert_axis)`
+    that `moe_ffn_ep`'s shard_map takes), everything else whole; a scanned stack's layer axis whole too."""
+    spec: list[Any] = [None] * ndim
     if names and names[-1] in EXPERT_LEAVES and expert_axis is not None and expert_axis in mesh.axis_names:
-        return P(expert_axis, *(None,) * (ndim - 1))
-    return P(*(None,) * ndim)
+        spec[1 if STACKED in names else 0] = expert_axis
+    return P(*spec)
 
 
 def tree_specs(

@@ -1,0 +1,114 @@
+"""Generation on the Qwen3-MoE model: greedy tokens and log-probs against transformers' `generate`, incremental
+decoding against the full forward, log-probs against the training forward, the sampling filters' distributions,
+bucketing, meshes, and the argument checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from hf_models import HF_CONFIG, tiny_hf_model
+from moe_cases import seeded_rng
+
+from jax_megamoe.models import qwen3_moe
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT_LENGTHS = (5, 11, 3, 8)
+
+
+def prompts_of(lengths, seed=0):
+    rng = seeded_rng("generate prompts", seed)
+    return [rng.integers(0, HF_CONFIG["vocab_size"], n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    model = tiny_hf_model()
+    path = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(path)
+    return model, path
+
+
+def hf_greedy(model, prompts, max_new_tokens, eos_token_id):
+    """transformers' greedy generate on left-padded prompts: `(tokens [B, n], logits [n, B, V])`."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[:, width:].numpy(), torch.stack(out.logits).numpy()
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_greedy_matches_transformers(hf_checkpoint, scan_layers):
+    hf, path = hf_checkpoint
+    ours = qwen3_moe.from_pretrained(path, implementation="cpu", scan_layers=scan_layers)
+    prompts = prompts_of(PROMPT_LENGTHS)
+    want, _ = hf_greedy(hf, prompts, 32, eos_token_id=None)
+    # An eos token that row 0 emits midway, so rows stop at different steps.
+    eos = int(want[0, 12])
+    want, hf_logits = hf_greedy(hf, prompts, 32, eos_token_id=eos)
+    got = qwen3_moe.generate(ours, prompts, max_new_tokens=32, temperature=0, eos_token_id=eos)
+    tokens, logprobs, lengths = map(np.asarray, got)
+    assert tokens.shape == (4, 32) and tokens.dtype == np.int32 and logprobs.dtype == np.float32
+    steps = want.shape[1]  # transformers stops once every row has
+    np.testing.assert_array_equal(tokens[:, :steps], want)
+    assert np.all(tokens[:, steps:] == 0)
+    stops = [list(row).index(eos) + 1 if eos in row else 32 for row in want]
+    np.testing.assert_array_equal(lengths, stops)
+    assert min(stops) < 32
+    want_logprobs = jax.nn.log_softmax(hf_logits, axis=-1)
+    for row, length in enumerate(stops):
+        expected = [want_logprobs[t, row, tokens[row, t]] for t in range(length)]
+        np.testing.assert_allclose(logprobs[row, :length], expected, atol=1e-4)
+        assert np.all(logprobs[row, length:] == 0)
+
+
+@pytest.mark.parametrize(
+    "scan_layers, attention_impl", [(True, None), (False, "chunked")], ids=["scanned-xla", "unrolled-chunked"]
+)
+def test_incremental_decoding_matches_the_full_forward(scan_layers, attention_impl):
+    config = qwen3_moe.Qwen3MoeConfig.from_dict(HF_CONFIG)
+    model = qwen3_moe.Qwen3MoeForCausalLM(
+        config, implementation="cpu", scan_layers=scan_layers, attention_impl=attention_impl, rngs=nnx.Rngs(0)
+    )
+    ids = jnp.asarray(seeded_rng("decode ids").integers(0, config.vocab_size, (3, 14)))
+    full, _ = model(ids)
+    lengths = jnp.array([4, 9, 6])
+    prompt = jnp.where(jnp.arange(9) < lengths[:, None], ids[:, :9], 0)  # right-padded to the longest
+    hidden, cache = nnx.jit(lambda m, *args: m.prefill(*args))(model, prompt, lengths, model.init_cache(3, 16))
+    rows = jnp.arange(3)
+    np.testing.assert_allclose(model.logits(hidden)[rows, lengths - 1], full[rows, lengths - 1], atol=1e-5)
+    decode = nnx.jit(lambda m, *args: m.decode(*args))
+    for step in range(5):
+        hidden, cache = decode(model, ids[rows, lengths + step][:, None], cache)
+        np.testing.assert_array_equal(cache.lengths, lengths + step + 1)
+        np.testing.assert_allclose(model.logits(hidden[:, 0]), full[rows, lengths + step], atol=1e-5)
+
+
+def test_logprobs_match_the_training_forward():
+    config = qwen3_moe.Qwen3MoeConfig.from_dict(HF_CONFIG)
+    model = qwen3_moe.Qwen3MoeForCausalLM(config, implementation="cpu", rngs=nnx.Rngs(1))
+    prompts = prompts_of(PROMPT_LENGTHS, seed=1)
+    out = qwen3_moe.generate(model, prompts, max_new_tokens=12, temperature=1.3, top_k=20, key=jax.random.key(0))
+    # The sequences as a trainer sees them: prompt then completion, right-padded; positions from 0.
+    width = max(PROMPT_LENGTHS) + 12
+    sequences = np.zeros((4, width), np.int32)
+    for row, prompt in enumerate(prompts):
+        sequences[row, : len(prompt)] = prompt
+        sequences[row, len(prompt) : len(prompt) + 12] = out.tokens[row]
+    logits, _ = model(jnp.asarray(sequences))
+    trained = qwen3_moe.token_logprobs(logits[:, :-1], jnp.asarray(sequences[:, 1:]))
+    for row, prompt in enumerate(prompts):
+        np.testing.assert_allclose(out.logprobs[row], trained[row, len(prompt) - 1 : len(prompt) + 11], atol=1e-5)
