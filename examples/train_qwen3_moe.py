@@ -15,7 +15,8 @@ machine host devices stand in for the GPUs and the figures are estimates):
 
 Writes metrics.jsonl, loss_curve.png and summary.json to --out-dir; --ckpt-dir/--resume checkpoint with
 orbax. Under SLURM / Open MPI / JAX_COORDINATOR_ADDRESS it calls `jax.distributed.initialize()` first.
-`--help` lists every flag. Docs: docs/models.md.
+`--help` lists every flag. A command line that cannot run exits with status 2, a run that fails with 1
+(moe_training/cli.py). Docs: docs/models.md.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import dataclasses
 import json
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_training import cli  # noqa: E402  (the example's helpers; path set above; JAX is imported later)
 
 PRESETS = {  # name -> training defaults; the model configs are built after JAX starts (model_config)
     "tiny": dict(batch=16, seq=128, steps=300, lr=3e-3, warmup=20, eval_every=50, eval_batches=4),
@@ -56,7 +60,7 @@ def _preset_default(key: str) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
+    parser = cli.Parser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
     model = parser.add_argument_group("model")
     model.add_argument(
         "--preset",
@@ -227,7 +231,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--num-processes and --process-id go together")
     if args.process_id is not None and not 0 <= args.process_id < args.num_processes:
         parser.error(f"--process-id must be in [0, --num-processes), got {args.process_id}")
-    args.fail = parser.error
     return args
 
 
@@ -285,13 +288,15 @@ def choose_mesh(args, num_devices: int, num_experts: int) -> None:
     if args.mesh_data is None:
         args.mesh_data = num_devices // args.mesh_expert
     if args.mesh_data * args.mesh_expert != num_devices:
-        args.fail(f"--mesh-data {args.mesh_data} x --mesh-expert {args.mesh_expert} must use all {num_devices} devices")
+        raise cli.UsageError(
+            f"--mesh-data {args.mesh_data} x --mesh-expert {args.mesh_expert} must use all {num_devices} devices"
+        )
     if num_experts % args.mesh_expert:
-        args.fail(f"--mesh-expert {args.mesh_expert} must divide the {num_experts} experts")
+        raise cli.UsageError(f"--mesh-expert {args.mesh_expert} must divide the {num_experts} experts")
     if args.batch % num_devices:
-        args.fail(f"--batch {args.batch} must be divisible by the {num_devices} devices of the mesh")
+        raise cli.UsageError(f"--batch {args.batch} must be divisible by the {num_devices} devices of the mesh")
     if args.implementation == "ragged_dot" and args.mesh_expert > 1:
-        args.fail("--implementation ragged_dot computes the experts of one device: use --mesh-expert 1")
+        raise cli.UsageError("--implementation ragged_dot computes the experts of one device: use --mesh-expert 1")
 
 
 def main(argv=None) -> None:
@@ -301,11 +306,16 @@ def main(argv=None) -> None:
 
     if multi_process_launch(args):
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from moe_training import data, trainer
 
     config = model_config(args.preset, args.layers)
+    if args.seq > config.max_position_embeddings:
+        raise cli.UsageError(
+            f"--seq {args.seq} exceeds the model's max_position_embeddings {config.max_position_embeddings}: pass "
+            f"--seq {config.max_position_embeddings} or less"
+        )
     choose_mesh(args, jax.device_count(), config.num_experts)
+    trainer.check_platform(args)
     if args.aux_loss_coef is None:
         args.aux_loss_coef = config.router_aux_loss_coef
     if args.dry_run:
@@ -322,23 +332,27 @@ def main(argv=None) -> None:
         try:
             tokens = data.load_token_file(args.data, args.bin_dtype)
         except ValueError as error:
-            args.fail(f"--data: {error}")
+            raise cli.UsageError(f"--data: {error}") from None
         if int(tokens.max()) >= config.vocab_size:
-            args.fail(f"--data holds token id {int(tokens.max())} >= the model's vocab_size {config.vocab_size}")
+            raise cli.UsageError(
+                f"--data holds token id {int(tokens.max())} >= the model's vocab_size {config.vocab_size}: pass a "
+                "token file of the model's vocabulary"
+            )
     else:
         tokens = data.stdlib_corpus(args.corpus_bytes)
     try:
         train_tokens, eval_tokens = data.split(tokens, 0.05, args.seq)
     except ValueError as error:
-        args.fail(str(error))
+        raise cli.UsageError(f"--seq {args.seq}: {error}: pass a shorter --seq or more tokens") from None
     summary = trainer.train(args, config, train_tokens, eval_tokens)
     if summary:
+        speed = summary["tokens_per_s"]
         print(
             f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (mean of the last steps; eval "
-            f"{summary['final_eval_loss']:.3f}); {summary['tokens_per_s'] or 0:,.0f} tokens/s; outputs in "
+            f"{summary['final_eval_loss']:.3f}); {f'{speed:,.0f}' if speed else 'n/a'} tokens/s; outputs in "
             f"{args.out_dir}"
         )
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -114,3 +114,19 @@ def test_auto_on_cpu_uses_the_cpu_kernels():
     assert all(f"@jmm_cpu_moe_{op}(" in text for op in ("layout", "gate_up", "down", "backward"))
     for a, b in zip(value_and_grads(jmm.moe_ffn, args, dy), value_and_grads(_cpu, args, dy), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_cuda_kernels_on_a_cpu_backend_name_the_platform_as_a_word(monkeypatch):
+    """A build with the CUDA kernels on a machine without GPUs: the error names the platform found, as a word."""
+    from jax_megamoe import _ffi
+    from jax_megamoe.ops.moe import resolve_implementation
+
+    monkeypatch.setattr(_ffi, "has_cuda_kernels", lambda: True)
+    with pytest.raises(ValueError) as err:
+        resolve_implementation("cuda")
+    assert str(err.value) == (
+        "implementation='cuda' runs on gpu devices, but jax.default_backend() is 'cpu': use implementation='auto' "
+        "or the one for that platform"
+    )
+    with pytest.raises(ValueError, match="but the arrays live on cpu devices: use implementation='auto'"):
+        resolve_implementation("cuda", [jnp.zeros(2)])

@@ -1,10 +1,12 @@
 """The main job, examples/train_qwen3_moe.py, run as users run it (a subprocess on 8 host CPU devices):
 loss falls, outputs are written, resuming from a checkpoint reproduces the uninterrupted run's losses
-exactly, bad flags get clear errors."""
+exactly, a command line that cannot run exits with status 2 and a failing run with 1, each after one line
+saying what to change."""
 
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,8 @@ from moe_cases import seeded_rng
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_qwen3_moe.py"
 SMALL = ["--batch", "8", "--seq", "32", "--eval-every", "3", "--eval-batches", "1", "--corpus-bytes", "200000"]
+USAGE = "usage: train_qwen3_moe.py [options]  (--help lists them)"
+ERROR = "train_qwen3_moe.py: error: "
 
 
 def run(*args, check=True):
@@ -136,12 +140,68 @@ def test_token_file_expert_only_mesh_and_remat_saving_the_moe(tmp_path):
         (["--recipe", "fp8_blockwise", "--dtype", "float32"], "needs --dtype bfloat16"),
         (["--recipe", "fp8_blockwise", "--implementation", "ragged_dot"], "runs on moe_ffn's kernels"),
         (["--param-dtype", "float16"], "invalid choice"),
+        # Flags this CPU-only machine cannot run end alike, whichever it is.
+        (["--implementation", "cuda"], "--implementation cuda: implementation='cuda'"),
+        (["--transport", "ragged"], "--transport ragged: transport='ragged' needs jax.lax.ragged_all_to_all"),
+        (["--seq", "4096"], "--seq 4096 exceeds the model's max_position_embeddings 2048: pass --seq 2048 or less"),
     ],
 )
 def test_bad_flags_get_clear_errors(args, message):
     result = run(*args, check=False)
-    assert result.returncode == 2
-    assert message in result.stderr
+    assert_usage_error(result, message)
+
+
+def assert_usage_error(result, message):
+    """Exit status 2, and on stderr the short usage line and one error line holding `message`, nothing else."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    usage, error = result.stderr.strip().splitlines()
+    assert usage == USAGE
+    assert error.startswith(ERROR) and message in error, error
+
+
+def test_resuming_with_other_model_flags_names_the_parameter_and_the_flag(tmp_path):
+    """A checkpoint of the 2-layer tiny model refuses to resume a run whose flags build another state, naming the
+    first differing parameter, both shapes (or dtypes) and the flag that builds the checkpoint's state; the
+    one-step run that wrote it is too short to time, and says so."""
+    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "out")]
+    first = run("--steps", "1", *ckpt)
+    assert "; n/a tokens/s;" in first.stdout
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["tokens_per_s"] is None
+    for flags, message in [
+        (
+            ["--layers", "3"],
+            "layer_runs.0.input_layernorm.scale is stored (2, 64), this run asks for (3, 64): resume with --layers 2",
+        ),
+        (["--no-scan-layers"], "is stored (2, 64), this run asks for absent: resume with --scan-layers"),
+        (
+            ["--param-dtype", "bfloat16"],
+            "embed_tokens.embedding is stored as float32, this run asks for bfloat16: resume with "
+            "--param-dtype float32",
+        ),
+    ]:
+        result = run("--steps", "2", "--resume", *flags, *ckpt, check=False)
+        assert_usage_error(result, f"--resume: the checkpoint of step 1 in {tmp_path / 'ckpt'} does not fit this run")
+        assert message in result.stderr
+    assert_usage_error(run("--steps", "2", *ckpt, check=False), "already holds checkpoints up to step 1: pass --resume")
+
+
+def test_a_failing_run_exits_with_status_1_after_one_line(tmp_path):
+    """A run whose gradients become non-finite stops there, and one that cannot write its outputs stops when it
+    tries: exit status 1 and one line, no traceback."""
+    result = run("--steps", "2", "--warmup", "0", "--lr", "1e30", "--out-dir", str(tmp_path / "out"), check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert re.fullmatch(
+        re.escape(ERROR) + r"at step 2 the loss is \S+ and the gradient norm (nan|inf): lower --lr \(now 1e\+30\) "
+        r"or raise --warmup \(now 0\)",
+        result.stderr.strip().splitlines()[-1],
+    )
+
+    (tmp_path / "a_file").write_text("")
+    result = run("--steps", "1", "--out-dir", str(tmp_path / "a_file"), check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"{ERROR}[Errno 17] File exists: '{tmp_path / 'a_file'}'"
 
 
 def test_bf16_parameters_and_the_fp8_recipe(tmp_path):

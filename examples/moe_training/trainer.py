@@ -27,7 +27,8 @@ from jax_megamoe.losses import linear_cross_entropy
 from jax_megamoe.models import sharding
 from jax_megamoe.models.qwen3_moe import Qwen3MoeForCausalLM
 from jax_megamoe.ops.moe import GATE_UP_NAME, LAYOUT_NAME, resolve_implementation
-from moe_training import data, metrics
+from jax_megamoe.parallel.transport import resolve_transport
+from moe_training import checkpoints, cli, data, metrics
 from moe_training.baseline import ragged_dot_ffn
 
 BATCH_AXES = ("data", "expert")  # the batch is split over the whole mesh; experts over "expert"
@@ -46,6 +47,20 @@ def make_mesh(data_size: int, expert_size: int) -> jax.sharding.Mesh:
     return jax.make_mesh((data_size, expert_size), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
+def check_platform(args) -> None:
+    """`--implementation` and `--transport ragged` against the devices JAX found, before anything is built: a
+    flag that cannot run here is a command-line error (`--transport nvlink`: when its workspace opens)."""
+    try:
+        implementation_label(args)
+    except ValueError as error:
+        raise cli.UsageError(f"--implementation {args.implementation}: {error}") from None
+    if args.transport == "ragged":
+        try:
+            resolve_transport("ragged").check(args.mesh_expert)
+        except ValueError as error:
+            raise cli.UsageError(f"--transport ragged: {error}") from None
+
+
 def open_workspace(args, config, mesh) -> NvlinkWorkspace | None:
     """The `NvlinkWorkspace` of `--transport nvlink` (None for the other transports), sized for one train or
     eval step: its `--batch` x `--seq` input tokens split over every device of the mesh. Without GPUs or the
@@ -62,7 +77,7 @@ def open_workspace(args, config, mesh) -> NvlinkWorkspace | None:
             dtype=jnp.dtype(args.dtype),
         )
     except ValueError as error:
-        args.fail(f"--transport nvlink: {error}")
+        raise cli.UsageError(f"--transport nvlink: {error}") from None
 
 
 def remat_policy(args):
@@ -198,22 +213,6 @@ def make_steps(graphdef, tx, aux_coef: float, z_coef: float, state_shardings, ba
 def global_batch(tokens: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """The host batch as one global array split over the mesh (each process supplies its own shards)."""
     return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
-
-
-def restore_or_init(manager, state: TrainState, resume: bool) -> tuple[TrainState, int]:
-    """Restores the latest checkpoint into `state`'s shardings when resuming; returns `(state, step)`."""
-    latest = manager.latest_step() if manager else None
-    if not resume:
-        if latest is not None:
-            raise SystemExit(
-                f"error: --ckpt-dir {manager.directory} already holds checkpoints up to step "
-                f"{latest}; pass --resume to continue, or choose a fresh directory"
-            )
-        return state, 0
-    if latest is None:
-        raise SystemExit(f"error: --resume found no checkpoint in {manager.directory}")
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    return manager.restore(latest, args=ocp.args.StandardRestore(target)), latest
 
 
 def evaluate(eval_step, params, eval_tokens, args, sharding) -> float:
@@ -367,22 +366,17 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
     batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
     workspace = open_workspace(args, config, mesh)
     tx = make_optimizer(args)
-    graphdef, create, _, state_shardings = abstract_state(config, args, mesh, tx, workspace)
-    state = init_state(create, tx, state_shardings)
-    params = state.params
+    graphdef, create, abstract, state_shardings = abstract_state(config, args, mesh, tx, workspace)
+    manager = checkpoints.open_manager(args)
+    start = checkpoints.resume_step(manager, abstract, args.resume)
+    if start:
+        state = checkpoints.restore(manager, start, abstract, state_shardings)
+    else:
+        state = init_state(create, tx, state_shardings)
     with jax.set_mesh(mesh), workspace or contextlib.nullcontext():  # the workspace is closed at the end
         train_step, eval_step = make_steps(
             graphdef, tx, args.aux_loss_coef, args.z_loss_coef, state_shardings, batch_sharding
         )
-        manager = (
-            ocp.CheckpointManager(
-                os.path.abspath(args.ckpt_dir),
-                options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=args.ckpt_every),
-            )
-            if args.ckpt_dir
-            else None
-        )
-        state, start = restore_or_init(manager, state, args.resume)
 
         tokens_per_step = args.batch * args.seq
         flops_per_step = metrics.train_flops_per_token(config, args.seq) * tokens_per_step
@@ -391,7 +385,9 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
         is_main = jax.process_index() == 0
         log = metrics.MetricsLog(args.out_dir, fresh=start == 0) if is_main else None
         if is_main:
-            print(describe_run(config, args, mesh, params, flops_per_step / tokens_per_step, start), flush=True)
+            print(
+                describe_run(config, args, mesh, abstract.params, flops_per_step / tokens_per_step, start), flush=True
+            )
 
         # Compiled ahead of the loop: its time and XLA's memory plan go into summary.json, beside the measured
         # step times and peak memory.
@@ -422,10 +418,13 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
             record = {"step": step, **stats, "step_time_s": seconds, "tokens_per_s": tokens_per_step / seconds}
             if peak:
                 record["mfu"] = flops_per_step / seconds / peak
+            if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
+                raise cli.RunError(
+                    f"at step {step} the loss is {stats['loss']:.4g} and the gradient norm {stats['grad_norm']:.4g}: "
+                    f"lower --lr (now {args.lr}) or raise --warmup (now {args.warmup})"
+                )
             if step % args.eval_every == 0 or step == args.steps:
                 last_eval = record["eval_loss"] = evaluate(eval_step, state.params, eval_tokens, args, batch_sharding)
-            if not math.isfinite(stats["loss"]):
-                raise FloatingPointError(f"loss became {stats['loss']} at step {step}")
             if manager:
                 manager.save(step, args=ocp.args.StandardSave(state), force=step == args.steps)
             if is_main:

@@ -79,10 +79,13 @@ def resolve_implementation(implementation: str, arrays=()) -> str:
         raise ValueError("implementation='cpu' needs jax_megamoe's compiled extension; reinstall with `pip install .`")
     wanted = _JAX_PLATFORM[implementation]
     if platforms != {wanted}:
-        where = "the arrays live on" if _array_platforms(arrays) else "jax.default_backend() is"
+        if _array_platforms(arrays):
+            where = f"the arrays live on {' and '.join(sorted(platforms))} devices"
+        else:
+            where = f"jax.default_backend() is {jax.default_backend()!r}"
         raise ValueError(
-            f"implementation={implementation!r} runs on {wanted} devices, but {where} "
-            f"{sorted(platforms)}: use implementation='auto' or the one for that platform"
+            f"implementation={implementation!r} runs on {wanted} devices, but {where}: use implementation='auto' "
+            "or the one for that platform"
         )
     return implementation
 
