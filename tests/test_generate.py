@@ -10,6 +10,7 @@ import torch
 from flax import nnx
 from hf_models import HF_CONFIG, tiny_hf_model
 from moe_cases import seeded_rng
+from scipy import stats
 
 from jax_megamoe.models import qwen3_moe
 
@@ -112,3 +113,94 @@ def test_logprobs_match_the_training_forward():
     trained = qwen3_moe.token_logprobs(logits[:, :-1], jnp.asarray(sequences[:, 1:]))
     for row, prompt in enumerate(prompts):
         np.testing.assert_allclose(out.logprobs[row], trained[row, len(prompt) - 1 : len(prompt) + 11], atol=1e-5)
+
+
+SAMPLING = [
+    dict(temperature=0.7),
+    dict(temperature=1.0, top_k=3),
+    dict(temperature=1.0, top_p=0.8),
+    dict(temperature=1.5, top_k=6, top_p=0.9),
+]
+SAMPLING_IDS = ["temperature", "top_k", "top_p", "all"]
+
+
+def transformers_processed(logits, temperature, top_k=None, top_p=None):
+    from transformers.generation import logits_process as lp
+
+    warpers = [lp.TemperatureLogitsWarper(temperature)]
+    warpers += [lp.TopKLogitsWarper(top_k)] if top_k is not None else []
+    warpers += [lp.TopPLogitsWarper(top_p)] if top_p is not None else []
+    scores = torch.tensor(np.asarray(logits))
+    for warper in warpers:
+        scores = warper(None, scores)
+    return scores.numpy()
+
+
+@pytest.mark.parametrize("settings", SAMPLING, ids=SAMPLING_IDS)
+def test_process_logits_is_transformers_pipeline(settings):
+    logits = seeded_rng("process logits").normal(0, 2, (16, 12)).astype(np.float32)
+    logits[0, :4] = logits[0, 4]  # a tie at the top-k boundary: kept, as transformers keeps it
+    got = np.asarray(qwen3_moe.process_logits(jnp.asarray(logits), **settings))
+    want = transformers_processed(logits, **settings)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-6)
+    assert np.all(np.isfinite(got).sum(-1) >= 1)
+
+
+def test_top_k_keeps_the_ties_of_its_last_token():
+    processed = qwen3_moe.process_logits(jnp.array([3.0, 2.0, 1.0, 2.0, 2.0]), top_k=2)
+    np.testing.assert_array_equal(np.isfinite(processed), [True, True, False, True, True])
+
+
+@pytest.mark.parametrize("settings", SAMPLING, ids=SAMPLING_IDS)
+def test_samples_follow_the_processed_distribution(settings):
+    draws = 100_000
+    logits = jnp.asarray(seeded_rng("sampled logits").normal(0, 1.5, 12), jnp.float32)
+    keys = jax.random.split(jax.random.key(7), draws)
+    tokens = jax.jit(jax.vmap(lambda key: qwen3_moe.sample_logits(key, logits, **settings)))(keys)
+    counts = np.bincount(np.asarray(tokens), minlength=12)
+    probs = np.asarray(jax.nn.softmax(qwen3_moe.process_logits(logits, **settings)), np.float64)
+    support = probs > 0
+    assert counts[~support].sum() == 0
+    if "top_k" in settings or "top_p" in settings:
+        assert 1 < support.sum() < 12  # the filters have something to filter
+    expected = draws * probs[support] / probs[support].sum()
+    assert stats.chisquare(counts[support], expected).pvalue > 1e-3
+
+
+def test_greedy_is_the_first_most_likely_token():
+    logits = jnp.array([[0.5, 2.0, 2.0, -1.0], [3.0, 0.0, 3.0, 3.0]])
+    np.testing.assert_array_equal(qwen3_moe.sample_logits(None, logits, temperature=0), [1, 0])
+
+
+@pytest.mark.parametrize("scan_layers, attention_impl", [(True, None), (False, "chunked")], ids=["scanned", "unrolled"])
+def test_padding_mask_gives_left_padded_rows_their_own_values_and_gradients(scan_layers, attention_impl):
+    config = qwen3_moe.Qwen3MoeConfig.from_dict(HF_CONFIG)
+    model = qwen3_moe.Qwen3MoeForCausalLM(
+        config, implementation="cpu", scan_layers=scan_layers, attention_impl=attention_impl, rngs=nnx.Rngs(2)
+    )
+    ids = jnp.asarray(seeded_rng("mask ids").integers(0, config.vocab_size, (2, 10)))
+    pads = jnp.array([0, 3])
+    columns = jnp.arange(10)
+    mask = columns >= pads[:, None]
+    left_padded = jnp.where(mask, jnp.take_along_axis(ids, jnp.maximum(columns - pads[:, None], 0), 1), 0)
+    positions = jnp.maximum(columns - pads[:, None], 0)
+
+    def loss(model, padded):
+        if padded:
+            logits, _ = model(left_padded, positions, attention_mask=mask)
+            rows = [logits[0], logits[1, 3:]]
+        else:
+            logits, _ = model(ids)
+            rows = [logits[0], logits[1, :7]]
+        return sum(jnp.sum(jnp.sin(r)) for r in rows), rows
+
+    value_and_grad = nnx.jit(nnx.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (want, want_rows), want_grad = value_and_grad(model, False)
+    (got, got_rows), got_grad = value_and_grad(model, True)
+    for g, w in zip(got_rows, want_rows, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+    # Nothing reaches the loss from the padding (its keys are masked, its outputs unused): equal gradients, to
+    # float32 rounding of each parameter's summed contributions.
+    for got_leaf, want_leaf in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad), strict=True):
+        np.testing.assert_allclose(got_leaf, want_leaf, atol=1e-5 * float(np.abs(want_leaf).max()))

@@ -211,7 +211,7 @@ def _prompt_batch(prompts, prompt_lengths, vocab_size: int) -> tuple[np.ndarray,
 
 
 def _token_ids(value, name: str, vocab_size: int) -> tuple[int, ...]:
-    values = (value,) if isinstance(value, int) else value
+    values = (value,) if isinstance(value, int | np.integer) else value
     try:
         ids = tuple(operator.index(v) for v in values)
     except TypeError:
