@@ -109,8 +109,8 @@ NVLINK_MOE_BACKWARD = Target(
     vmap_method="broadcast_all",
 )
 
-# The "fp8_blockwise" recipe's kernels (contract: jax_megamoe/ops/fp8_gemms.py: fp8_rows_gemm, fp8_weight_gemm,
-# fp8_weight_blocks, fp8_row_operand, fp8_hidden, fp8_token_tiles, fp8_hidden_grad).
+# The "fp8_blockwise" recipe's kernels (contracts: jax_megamoe/ops/fp8_cuda.py: rows_gemm, weight_gemm,
+# weight_blocks, row_operand, hidden, token_tiles, hidden_grad).
 FP8_ROWS_GEMM = Target("jmm_cuda_fp8_rows_gemm", "CUDA", workspace_query="jmm_cuda_fp8_rows_gemm_workspace_bytes")
 FP8_WEIGHT_GEMM = Target("jmm_cuda_fp8_weight_gemm", "CUDA", workspace_query="jmm_cuda_fp8_weight_gemm_workspace_bytes")
 FP8_QUANTIZE_BLOCKS = Target("jmm_cuda_fp8_quantize_blocks", "CUDA", attrs=("transpose",))

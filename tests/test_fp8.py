@@ -1,6 +1,7 @@
 """The "fp8_blockwise" recipe (jax_megamoe/ops/fp8.py) on CPU: its quantiser against a numpy implementation of the
-rule, the op against the numpy computation of the same quantised math (`oracle`) and against the unquantised float64
-MoE, its errors, and moe_ffn_ep with the recipe on the xla transport against moe_ffn with the recipe.
+rule, its row layouts, the op against the numpy computation of the same quantised math (`oracle`) and against the
+unquantised float64 MoE, its errors, and moe_ffn_ep with the recipe on the xla transport against moe_ffn with the
+recipe.
 
 One problem shape per check group, computed once per module (a module-scoped fixture), so that the suite
 compiles few programs: CI has 2 cores.
@@ -34,7 +35,8 @@ from jax.sharding import PartitionSpec as P
 from moe_cases import OUTPUT_NAMES, Case, reference_value_and_grads, rel_error, value_and_grads
 
 import jax_megamoe as jmm
-from jax_megamoe.ops import fp8, fp8_gemms
+from jax_megamoe.ops import fp8, fp8_emulation
+from jax_megamoe.ops.layout import drop_invalid_ids, moe_layout, padded_layout, padded_rows
 from jax_megamoe.parallel import moe_ffn_ep
 
 MAIN = Case(64, 256, 128, 8, 2)  # q30-like (Qwen3-30B-A3B's ratios, scaled down), bf16 x, float32 master weights
@@ -77,7 +79,7 @@ def test_quantizer_saturates_before_the_cast():
     assert float(np.asarray(values[0, 0]).astype(np.float32)) == 448
     # an e4m3 cast without the clip gives NaN above 464, the clip gives 448
     assert np.isnan(np.float32(500).astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
-    assert float(fp8._to_fp8(jnp.float32(500), jnp.float32(1)).astype(jnp.float32)) == 448
+    assert float(fp8.to_fp8(jnp.float32(500), jnp.float32(1)).astype(jnp.float32)) == 448
 
 
 def test_weight_blocks_128x128():
@@ -94,10 +96,36 @@ def test_weight_blocks_128x128():
 def test_xla_weight_quantizer_is_the_rule_bit_for_bit(dtype, transpose):
     """The CPU path's weight quantiser (tests/test_fp8_gpu.py holds the CUDA kernel to the same rule)."""
     w = block_quantizer_problem(dtype, transpose)
-    values, scales = fp8_gemms.xla_weight_blocks(jnp.asarray(w, dtype), transpose)
+    values, scales = fp8_emulation.weight_blocks(jnp.asarray(w, dtype), transpose)
     want_values, want_scales = np_quantize_blocks(w, transpose)
     np.testing.assert_array_equal(np.asarray(scales), want_scales)
     np.testing.assert_array_equal(np.asarray(values).astype(np.float32), want_values)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The row layouts: the reference's (pure JAX) and the kernels' (padded).
+
+
+def test_reference_layout_equals_the_layout_kernel():
+    """The reference sorts in pure JAX: the CPU layout kernel's three arrays, dropped ids and empty experts too."""
+    ids = np.random.default_rng(2).integers(-2, 9, (50, 3)).astype(np.int32)  # ids -2, -1, 7, 8 dropped
+    ids[ids == 4] = 5  # expert 4 empty
+    want = moe_layout(jnp.asarray(ids), 7, "cpu")
+    got = moe_layout(jnp.asarray(ids), 7, "reference")
+    for name, a, b in zip(want._fields, got, want, strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_padded_layout_starts_each_expert_at_a_multiple():
+    """Each expert's rows in pair order from a multiple of 4 on; rows without a pair hold T*K, dropped pairs the
+    row count."""
+    ids = drop_invalid_ids(jnp.asarray([[2, 0], [1, 2], [0, 9], [2, -1]]), 4)
+    rows = padded_rows(8, 4, 4)
+    layout = padded_layout(ids, 4, "cpu", 4)
+    assert rows == 20 and layout.pair_of_row.shape == (rows,)
+    np.testing.assert_array_equal(layout.expert_offsets, [0, 4, 8, 12, 12])
+    np.testing.assert_array_equal(layout.row_of_pair, [8, 0, 4, 9, 1, rows, 10, rows])
+    np.testing.assert_array_equal(layout.pair_of_row, [1, 4, 8, 8, 2, 8, 8, 8, 0, 3, 6] + [8] * 9)
 
 
 # ---------------------------------------------------------------------------------------------------------------

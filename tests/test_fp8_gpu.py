@@ -1,4 +1,4 @@
-"""The "fp8_blockwise" recipe on CUDA (marker `gpu`): its two grouped GEMMs (`ops.fp8_gemms`) against the float64
+"""The "fp8_blockwise" recipe on CUDA (marker `gpu`): its two grouped GEMMs (`ops.fp8_cuda`) against the float64
 product of the same quantised operands (the FP8 tensor cores compute the e4m3 products exactly in float32 and scale
 the partial sums per 128-deep block, so only the summation order and the output rounding differ), and
 the CUDA weight quantiser against the rule bit for bit, and `moe_ffn(..., implementation="cuda",
@@ -22,7 +22,7 @@ from fp8_cases import (
 )
 from moe_cases import Case, seeded_rng
 
-from jax_megamoe.ops import fp8, fp8_gemms
+from jax_megamoe.ops import fp8, fp8_cuda
 
 pytestmark = [
     pytest.mark.gpu,
@@ -69,7 +69,7 @@ def test_matches_the_dequantised_product(counts, n, k, out_dtype):
     x, w, offsets = grouped_problem(str((counts, n, k)), counts, n, k)
     a, sfa = fp8.quantize(x, (1, fp8.BLOCK))
     b, sfb = fp8.quantize(w, (1, fp8.BLOCK, fp8.BLOCK))
-    got = jax.jit(fp8_gemms.fp8_rows_gemm, static_argnums=5)(a, sfa, b, sfb, offsets, out_dtype)
+    got = jax.jit(fp8_cuda.rows_gemm, static_argnums=5)(a, sfa, b, sfb, offsets, out_dtype)
     assert got.dtype == out_dtype
     got = np.asarray(got, np.float64)
     want = reference(a, sfa, b, sfb, offsets)
@@ -82,7 +82,7 @@ def test_matches_the_dequantised_product(counts, n, k, out_dtype):
 def test_bad_shapes_are_refused_before_any_kernel():
     a = jnp.zeros((8, 100), fp8.FP8_DTYPE)
     with pytest.raises(ValueError, match="multiples of 128"):
-        fp8_gemms.fp8_rows_gemm(
+        fp8_cuda.rows_gemm(
             a, jnp.ones((8, 1)), jnp.zeros((2, 128, 100), fp8.FP8_DTYPE), jnp.ones((2, 1, 1)), jnp.asarray([0, 4, 8])
         )
 
@@ -90,7 +90,7 @@ def test_bad_shapes_are_refused_before_any_kernel():
 def expert_tiles(rows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`(values [C, P], scales [P/128, C], token_offsets [E + 1])`: `rows [R, C]` (expert-sorted, `counts[e]` rows
     of expert e) transposed to token-contiguous columns, each expert's rows padded with zeros to a multiple of 128,
-    quantised in 1x128 tiles along the tokens, as `fp8_weight_gemm` takes them (host numpy, one expert at a time)."""
+    quantised in 1x128 tiles along the tokens, as `fp8_cuda.weight_gemm` takes them (numpy, one expert at a time)."""
     counts = np.asarray(counts)
     padded = -(-counts // fp8.BLOCK) * fp8.BLOCK
     token_offsets = np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)
@@ -144,7 +144,7 @@ def test_weight_gemm_matches_the_dequantised_product(counts, m, n, out_dtype):
         jnp.asarray(np.pad(v, unread, constant_values=np.nan)).astype(fp8.FP8_DTYPE) for v in (a, b)
     )  # exact: the values are e4m3 already
     sfa8, sfb8 = (jnp.asarray(np.pad(v, ((0, 1), (0, 0)), constant_values=np.nan)) for v in (sfa, sfb))
-    got = jax.jit(fp8_gemms.fp8_weight_gemm, static_argnums=(5, 6))(
+    got = jax.jit(fp8_cuda.weight_gemm, static_argnums=(5, 6))(
         a8, sfa8, b8, sfb8, jnp.asarray(offsets), len(counts), out_dtype
     )
     assert got.dtype == out_dtype
@@ -162,7 +162,7 @@ def test_weight_gemm_matches_the_dequantised_product(counts, m, n, out_dtype):
 def test_weight_quantizer_is_the_rule_bit_for_bit(dtype, transpose):
     # XLA's quantiser on GPUs is not (its division is not correctly rounded); tests/test_fp8.py holds the CPU's
     w = block_quantizer_problem(dtype, transpose)
-    values, scales = jax.jit(fp8_gemms.fp8_weight_blocks, static_argnums=1)(jnp.asarray(w, dtype), transpose)
+    values, scales = jax.jit(fp8_cuda.weight_blocks, static_argnums=1)(jnp.asarray(w, dtype), transpose)
     want_values, want_scales = np_quantize_blocks(w, transpose)
     assert values.dtype == fp8.FP8_DTYPE and values.shape == want_values.shape
     np.testing.assert_array_equal(np.asarray(scales), want_scales)
@@ -177,7 +177,7 @@ def test_row_quantizer_is_the_rule_bit_for_bit():
     a = np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
     index = rng.integers(0, tokens, 1000).astype(np.int32)
     index[::97] = tokens  # padding rows (the layout's): zero values, scale 1
-    values, scales = jax.jit(fp8_gemms.fp8_row_operand)(jnp.asarray(a, jnp.bfloat16), jnp.asarray(index))
+    values, scales = jax.jit(fp8_cuda.row_operand)(jnp.asarray(a, jnp.bfloat16), jnp.asarray(index))
     rows = np.where(((index >= 0) & (index < tokens))[:, None], a[np.clip(index, 0, tokens - 1)], 0)
     want_values, want_scales = np_quantize_rows(rows)
     np.testing.assert_array_equal(np.asarray(scales), want_scales)
@@ -204,7 +204,7 @@ def test_swiglu_rows_are_the_rule():
     rows, inter, used = 640, 256, 500
     gate_up = np.asarray(jnp.asarray(rng.standard_normal((rows, 2 * inter)) * 3, jnp.bfloat16).astype(jnp.float32))
     offsets = jnp.asarray([0, 256, 384, used], jnp.int32)
-    values, scales = jax.jit(fp8_gemms.fp8_hidden)(jnp.asarray(gate_up, jnp.bfloat16), offsets)
+    values, scales = jax.jit(fp8_cuda.hidden)(jnp.asarray(gate_up, jnp.bfloat16), offsets)
     gate, up = gate_up[:, :inter].astype(np.float64), gate_up[:, inter:].astype(np.float64)
     h = (gate / (1 + np.exp(-gate)) * up).astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
     h[used:] = 0
@@ -220,7 +220,7 @@ def test_swiglu_grad_rows_are_the_rule():
     g = rng.standard_normal((rows, inter)).astype(np.float32)
     w = rng.uniform(0, 1, rows).astype(np.float32)
     offsets = jnp.asarray([0, 256, 384, used], jnp.int32)
-    values, scales = jax.jit(fp8_gemms.fp8_hidden_grad)(
+    values, scales = jax.jit(fp8_cuda.hidden_grad)(
         jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(g), jnp.asarray(w), offsets
     )
     gate, up = gate_up[:, :inter].astype(np.float64), gate_up[:, inter:].astype(np.float64)
@@ -248,9 +248,7 @@ def test_token_tiles_are_the_rule_bit_for_bit(with_factor):
     a[256:384] = 0  # an all-zero tile of rows: scale 1
     values, scales = fp8.quantize(jnp.asarray(a, jnp.float32), (1, fp8.BLOCK))
     factor = rng.uniform(0, 1, rows).astype(np.float32) if with_factor else np.ones(rows, np.float32)
-    got_values, got_scales = jax.jit(fp8_gemms.fp8_token_tiles)(
-        values, scales, jnp.asarray(factor) if with_factor else None
-    )
+    got_values, got_scales = jax.jit(fp8_cuda.token_tiles)(values, scales, jnp.asarray(factor) if with_factor else None)
     want_values, want_scales = np_token_tiles(np.asarray(values).astype(np.float32), np.asarray(scales), factor)
     np.testing.assert_array_equal(np.asarray(got_scales), want_scales)
     np.testing.assert_array_equal(np.asarray(got_values).astype(np.float32), want_values)

@@ -1,6 +1,8 @@
 """The "fp8_blockwise" recipe of `moe_ffn`: every expert GEMM takes e4m3 operands with float32 blockwise scales.
 
-This module is the quantisation-exact reference of the recipe (pure JAX, a custom VJP): it quantises each GEMM
+This module holds the recipe's rule (the quantiser), the helpers that the kernels' modules share (`fp8_gemms`, the
+op on the grouped FP8 GEMMs; `fp8_cuda`, its CUDA kernels; `fp8_emulation`, their XLA emulation), the recipe's
+argument checks, and its quantisation-exact reference (pure JAX, a custom VJP): the reference quantises each GEMM
 operand by the rule below, dequantises it to float32 and runs the GEMM in float32. That is what an FP8 tensor-core
 GEMM with blockwise scales computes (fp8 x fp8 products are exact in float32, the scales multiply the float32
 partial sums), up to the float32 summation order, so the kernels are tested against it.
@@ -33,7 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_megamoe.ops.layout import Layout, moe_layout
 from jax_megamoe.ops.validation import check_float, check_moe_args, check_rank
+from jax_megamoe.reference import swiglu
 
 RECIPES = ("fp8_blockwise",)
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -50,7 +54,8 @@ def check_recipe(recipe) -> None:
         raise ValueError(f"recipe must be None or one of {RECIPES}, got {recipe!r}")
 
 
-def _round_up(n: int) -> int:
+def round_up(n: int) -> int:
+    """`n` rounded up to a multiple of `BLOCK`."""
     return -(-n // BLOCK) * BLOCK
 
 
@@ -65,12 +70,14 @@ def _div(a: jax.Array, b) -> jax.Array:
     return a / (b + 0 * a)
 
 
-def _scale(amax: jax.Array) -> jax.Array:
+def tile_scale(amax: jax.Array) -> jax.Array:
+    """The float32 scale of a tile of largest magnitude `amax`: `amax / 448`, 1 for an all-zero tile."""
     amax = amax.astype(jnp.float32)
     return jnp.where(amax > 0, _div(amax, jnp.float32(FP8_MAX)), 1.0).astype(jnp.float32)
 
 
-def _to_fp8(a: jax.Array, scale: jax.Array) -> jax.Array:
+def to_fp8(a: jax.Array, scale: jax.Array) -> jax.Array:
+    """float32 `a` over its tiles' `scale` (broadcast), saturated to +-448 and rounded to e4m3fn."""
     # XLA's f32 -> f8e4m3fn conversion rounds to nearest even. The barrier keeps the rounding: with excess
     # precision allowed (its default), XLA's GPU compiler removes a conversion chain f32 -> f8 -> f32, so a value
     # widened again right away would reach the GEMM unrounded.
@@ -79,7 +86,7 @@ def _to_fp8(a: jax.Array, scale: jax.Array) -> jax.Array:
 
 def round_to(a: jax.Array, dtype) -> jax.Array:
     """float32 `a` stored in `dtype` (x's): a reduce_precision first, which XLA keeps, where it may remove the cast
-    pair f32 -> bf16 -> f32 on GPUs (as for `_to_fp8`), so the stored value is the rounded one everywhere."""
+    pair f32 -> bf16 -> f32 on GPUs (as for `to_fp8`), so the stored value is the rounded one everywhere."""
     info = jnp.finfo(dtype)
     return jax.lax.reduce_precision(a, exponent_bits=info.nexp, mantissa_bits=info.nmant).astype(dtype)
 
@@ -91,8 +98,8 @@ def quantize(a: jax.Array, block: tuple[int, ...]) -> tuple[jax.Array, jax.Array
     split = [s for n, b in zip(a.shape, block, strict=True) for s in (n // b, b)]
     tiles = a.reshape(split)
     inner = tuple(range(1, 2 * a.ndim, 2))
-    scales = _scale(jnp.max(jnp.abs(tiles), axis=inner))
-    values = _to_fp8(tiles, jnp.expand_dims(scales, inner))
+    scales = tile_scale(jnp.max(jnp.abs(tiles), axis=inner))
+    values = to_fp8(tiles, jnp.expand_dims(scales, inner))
     return values.reshape(a.shape), scales
 
 
@@ -109,6 +116,59 @@ def fake_quantize(a: jax.Array, block: tuple[int, ...]) -> jax.Array:
     return dequantize(*quantize(a, block), block)
 
 
+def take_rows(values: jax.Array, scales: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows `index` of quantised rows `(values [R, C], scales [R, C/128])`; past R: zero values, scale 1."""
+    take = functools.partial(jnp.take, indices=index, axis=0, mode="fill")
+    return take(values, fill_value=0), take(scales, fill_value=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers around the GEMMs, shared by the reference and the kernels' modules.
+
+
+def gemm_out_dtype(dtype) -> jnp.dtype:
+    """`dtype` if the FP8 GEMMs can write it (bfloat16, float32), else a TypeError."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise TypeError(f"the FP8 GEMMs write bfloat16 or float32, got {dtype}")
+    return jnp.dtype(dtype)
+
+
+def swiglu_grad(gate_up: jax.Array, dh: jax.Array) -> jax.Array:
+    """dz: SwiGLU's derivative at float32 `gate_up` applied to `dh`, in float32."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    return jnp.concatenate([dh * up * sig * (1 + gate * (1 - sig)), dh * silu], axis=-1)
+
+
+def pad_hidden(a: jax.Array) -> jax.Array:
+    """`a [T, H]` zero-padded to H a multiple of `BLOCK`."""
+    return jnp.pad(a, ((0, 0), (0, round_up(a.shape[1]) - a.shape[1])))
+
+
+def pad_weights(w_gate_up: jax.Array, w_down: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The expert weights with H and I zero-padded to multiples of `BLOCK`, the gate and up halves of `w_gate_up`
+    separately, so that no block straddles them."""
+    inter, hidden = w_down.shape[1:]
+    hidden_p, inter_p = round_up(hidden), round_up(inter)
+    if (hidden_p, inter_p) == (hidden, inter):
+        return w_gate_up, w_down
+    gate, up = jnp.split(w_gate_up, 2, axis=-1)
+    pad = ((0, 0), (0, hidden_p - hidden), (0, inter_p - inter))
+    gate_up = jnp.concatenate([jnp.pad(gate, pad), jnp.pad(up, pad)], axis=-1)
+    return gate_up, jnp.pad(w_down, ((0, 0), (0, inter_p - inter), (0, hidden_p - hidden)))
+
+
+def unpad_gate_up(dw: jax.Array, hidden: int, inter: int) -> jax.Array:
+    """The gradient of `pad_weights`' `w_gate_up`, `[E, Hp, 2Ip]`, cut back to `[E, H, 2I]`."""
+    gate, up = jnp.split(dw, 2, axis=-1)
+    return jnp.concatenate([gate[:, :hidden, :inter], up[:, :hidden, :inter]], axis=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The reference: the GEMMs in float32 on the fake-quantised operands, over the unpadded expert-sorted rows.
+
+
 def _rows(a):  # [R, C]: 1x128 tiles along the last (contraction) dimension
     return fake_quantize(a, (1, BLOCK))
 
@@ -117,48 +177,26 @@ def _blocks(w):  # [E, R, C]: 128x128 blocks per expert
     return fake_quantize(w, (1, BLOCK, BLOCK))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The expert-sorted row layout.
+def _row_expert(layout: Layout) -> jax.Array:
+    """The expert of each row of `layout`, E for the rows past the last expert's."""
+    index = jnp.arange(layout.pair_of_row.size, dtype=jnp.int32)
+    return (jnp.searchsorted(layout.expert_offsets, index, side="right") - 1).astype(jnp.int32)
 
 
-class Layout(NamedTuple):
-    """The (token, k) pairs sorted by expert, stable in pair order; dropped pairs (ids outside [0, E)) last."""
-
-    pair: jax.Array  # [P] int32: the pair (t * K + k) of sorted row r
-    token: jax.Array  # [P] int32: its token
-    expert: jax.Array  # [P] int32: its expert, E for a dropped pair
-    tile: jax.Array  # [P] int32: its token tile (expert * tiles_per_expert + position // 128), or num_tiles
-
-
-def make_layout(experts: jax.Array, num_experts: int) -> Layout:
-    top_k = experts.shape[1]
-    ids = experts.reshape(-1)
-    key = jnp.where((ids >= 0) & (ids < num_experts), ids, num_experts).astype(jnp.int32)
-    pair = jnp.argsort(key, stable=True).astype(jnp.int32)
-    expert = key[pair]
-    counts = jnp.bincount(key, length=num_experts + 1)
-    starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)
-    position = jnp.arange(pair.size, dtype=jnp.int32) - starts[expert]
-    tiles_per_expert = -(-pair.size // BLOCK)
-    tile = jnp.where(
-        expert < num_experts, expert * tiles_per_expert + position // BLOCK, num_experts * tiles_per_expert
-    )
-    return Layout(pair, pair // top_k, expert, tile.astype(jnp.int32))
-
-
-def _token_tiles(rows: jax.Array, layout: Layout, num_experts: int) -> jax.Array:
+def _token_tiles(rows: jax.Array, layout: Layout, expert: jax.Array) -> jax.Array:
     """`rows [P, C]` fake-quantised in tiles of 128 rows of one expert along the token (contraction) dimension
-    of the weight-gradient GEMMs, one scale per (tile, column); dropped rows become zero."""
-    num_tiles = num_experts * -(-rows.shape[0] // BLOCK)
-    amax = jax.ops.segment_max(jnp.abs(rows), layout.tile, num_segments=num_tiles)
-    scale = _scale(jnp.maximum(amax, 0))  # segment_max gives -inf for empty tiles
-    scale = jnp.concatenate([scale, jnp.ones((1, rows.shape[1]), jnp.float32)])[layout.tile]
-    values = _to_fp8(rows, scale).astype(jnp.float32) * scale
-    return jnp.where((layout.expert < num_experts)[:, None], values, 0)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The GEMMs, in float32 on the dequantised values.
+    of the weight-gradient GEMMs, one scale per (tile, column), counted from each expert's first row; dropped rows
+    become zero."""
+    num_experts = layout.expert_offsets.size - 1
+    tiles_per_expert = -(-rows.shape[0] // BLOCK)
+    position = jnp.arange(rows.shape[0], dtype=jnp.int32) - layout.expert_offsets[expert]
+    valid = expert < num_experts
+    tile = jnp.where(valid, expert * tiles_per_expert + position // BLOCK, num_experts * tiles_per_expert)
+    amax = jax.ops.segment_max(jnp.abs(rows), tile, num_segments=num_experts * tiles_per_expert)
+    scale = tile_scale(jnp.maximum(amax, 0))  # segment_max gives -inf for empty tiles
+    scale = jnp.concatenate([scale, jnp.ones((1, rows.shape[1]), jnp.float32)])[tile]
+    values = to_fp8(rows, scale).astype(jnp.float32) * scale
+    return jnp.where(valid[:, None], values, 0)
 
 
 def _mm(a, b):
@@ -180,29 +218,6 @@ def _per_expert_outer(a: jax.Array, b: jax.Array, expert: jax.Array, num_experts
     )
 
 
-def _swiglu(gate_up):
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    return jax.nn.silu(gate) * up
-
-
-def _swiglu_bwd(gate_up, dh):
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    sig = jax.nn.sigmoid(gate)
-    silu = gate * sig
-    return jnp.concatenate([dh * up * sig * (1 + gate * (1 - sig)), dh * silu], axis=-1)
-
-
-def _pad_gate_up(w, hidden_p, inter_p):
-    gate, up = jnp.split(w, 2, axis=-1)
-    pad = ((0, 0), (0, hidden_p - w.shape[1]), (0, inter_p - gate.shape[2]))
-    return jnp.concatenate([jnp.pad(gate, pad), jnp.pad(up, pad)], axis=-1)
-
-
-def _unpad_gate_up(dw, hidden, inter):
-    gate, up = jnp.split(dw, 2, axis=-1)
-    return jnp.concatenate([gate[:, :hidden, :inter], up[:, :hidden, :inter]], axis=-1)
-
-
 class _Operands(NamedTuple):
     x: jax.Array  # [T, Hp] fake-quantised rows
     w_gate_up: jax.Array  # [E, Hp, 2Ip] fake-quantised blocks
@@ -210,19 +225,20 @@ class _Operands(NamedTuple):
     weights: jax.Array  # [P] float32 routing weight of each sorted row (0 when dropped)
 
 
-def _operands(x, weights, w_gate_up, w_down, layout) -> _Operands:
-    hidden_p, inter_p = _round_up(x.shape[1]), _round_up(w_down.shape[1])
-    xq = _rows(jnp.pad(x, ((0, 0), (0, hidden_p - x.shape[1]))))
-    wgu = _blocks(_pad_gate_up(w_gate_up, hidden_p, inter_p))
-    wd = _blocks(jnp.pad(w_down, ((0, 0), (0, inter_p - w_down.shape[1]), (0, hidden_p - w_down.shape[2]))))
-    valid = layout.expert < w_gate_up.shape[0]
-    row_weights = jnp.where(valid, weights.reshape(-1)[layout.pair].astype(jnp.float32), 0)
-    return _Operands(xq, wgu, wd, row_weights)
+def _operands(x, weights, w_gate_up, w_down, pair, expert) -> _Operands:
+    wgu, wd = pad_weights(w_gate_up, w_down)
+    row_weights = jnp.where(expert < w_gate_up.shape[0], weights.reshape(-1)[pair].astype(jnp.float32), 0)
+    return _Operands(_rows(pad_hidden(x)), _blocks(wgu), _blocks(wd), row_weights)
+
+
+def _sorted_pairs(layout: Layout, expert: jax.Array) -> jax.Array:
+    """The pair of each row, 0 for the rows past the last expert's (masked wherever read)."""
+    return jnp.where(expert < layout.expert_offsets.size - 1, layout.pair_of_row, 0)
 
 
 def _hidden(gate_up, dtype):
     """q(h): SwiGLU of the saved projections in x's dtype, fake-quantised along I."""
-    return _rows(round_to(_swiglu(gate_up.astype(jnp.float32)), dtype))
+    return _rows(round_to(swiglu(gate_up.astype(jnp.float32)), dtype))
 
 
 @jax.custom_vjp
@@ -231,40 +247,43 @@ def _moe_ffn_fp8(x, weights, experts, w_gate_up, w_down):
 
 
 def _moe_ffn_fp8_fwd(x, weights, experts, w_gate_up, w_down):
-    layout = Layout(*(checkpoint_name(a, LAYOUT_NAME) for a in make_layout(experts, w_gate_up.shape[0])))
-    ops = _operands(x, weights, w_gate_up, w_down, layout)
-    gate_up = checkpoint_name(
-        round_to(_grouped(ops.x[layout.token], ops.w_gate_up, layout.expert), x.dtype), GATE_UP_NAME
-    )
-    out = _grouped(_hidden(gate_up, x.dtype), ops.w_down, layout.expert)
-    y = jax.ops.segment_sum(ops.weights[:, None] * out, layout.token, num_segments=x.shape[0])
+    num_experts, top_k = w_gate_up.shape[0], experts.shape[1]
+    layout = Layout(*(checkpoint_name(a, LAYOUT_NAME) for a in moe_layout(experts, num_experts, "reference")))
+    expert = _row_expert(layout)
+    pair = _sorted_pairs(layout, expert)
+    ops = _operands(x, weights, w_gate_up, w_down, pair, expert)
+    gate_up = checkpoint_name(round_to(_grouped(ops.x[pair // top_k], ops.w_gate_up, expert), x.dtype), GATE_UP_NAME)
+    out = _grouped(_hidden(gate_up, x.dtype), ops.w_down, expert)
+    y = jax.ops.segment_sum(ops.weights[:, None] * out, pair // top_k, num_segments=x.shape[0])
     return y[:, : x.shape[1]].astype(x.dtype), (x, weights, experts, w_gate_up, w_down, gate_up, layout)
 
 
 def _moe_ffn_fp8_bwd(residuals, dy):
     x, weights, experts, w_gate_up, w_down, gate_up, layout = residuals
-    num_experts, hidden, inter = w_gate_up.shape[0], x.shape[1], w_down.shape[1]
-    ops = _operands(x, weights, w_gate_up, w_down, layout)  # recomputed: the same values as the forward's
+    num_experts, top_k, hidden, inter = w_gate_up.shape[0], experts.shape[1], x.shape[1], w_down.shape[1]
+    expert = _row_expert(layout)
+    pair = _sorted_pairs(layout, expert)
+    token = pair // top_k
+    ops = _operands(x, weights, w_gate_up, w_down, pair, expert)  # recomputed: the same values as the forward's
     hq = _hidden(gate_up, x.dtype)
-    dyq = _rows(jnp.pad(dy.astype(x.dtype), ((0, 0), (0, ops.x.shape[1] - hidden))))[layout.token]
-    g = _grouped(dyq, jnp.swapaxes(ops.w_down, 1, 2), layout.expert)  # q(dy) . q(Wd)^T
+    dyq = _rows(pad_hidden(dy.astype(x.dtype)))[token]
+    g = _grouped(dyq, jnp.swapaxes(ops.w_down, 1, 2), expert)  # q(dy) . q(Wd)^T
     d_row_weights = jnp.sum(hq * g, axis=-1)
-    dz = _swiglu_bwd(gate_up.astype(jnp.float32), ops.weights[:, None] * g)
+    dz = swiglu_grad(gate_up.astype(jnp.float32), ops.weights[:, None] * g)
     dzq = _rows(dz)
-    dx_rows = _grouped(dzq, jnp.swapaxes(ops.w_gate_up, 1, 2), layout.expert)
-    dx = jax.ops.segment_sum(dx_rows, layout.token, num_segments=x.shape[0])[:, :hidden]
-    valid = layout.expert < num_experts
-    d_weights = jnp.zeros(weights.size, jnp.float32).at[layout.pair].add(jnp.where(valid, d_row_weights, 0))
+    dx_rows = _grouped(dzq, jnp.swapaxes(ops.w_gate_up, 1, 2), expert)
+    dx = jax.ops.segment_sum(dx_rows, token, num_segments=x.shape[0])[:, :hidden]
+    d_weights = jnp.zeros(weights.size, jnp.float32).at[pair].add(jnp.where(expert < num_experts, d_row_weights, 0))
     d_w_down = _per_expert_outer(
-        _token_tiles(hq, layout, num_experts),
-        _token_tiles(ops.weights[:, None] * dyq, layout, num_experts),
-        layout.expert,
+        _token_tiles(hq, layout, expert),
+        _token_tiles(ops.weights[:, None] * dyq, layout, expert),
+        expert,
         num_experts,
     )
     d_w_gate_up = _per_expert_outer(
-        _token_tiles(ops.x[layout.token], layout, num_experts),
-        _token_tiles(dzq, layout, num_experts),
-        layout.expert,
+        _token_tiles(ops.x[token], layout, expert),
+        _token_tiles(dzq, layout, expert),
+        expert,
         num_experts,
     )
     d_experts = np.zeros(experts.shape, jax.dtypes.float0)
@@ -272,13 +291,12 @@ def _moe_ffn_fp8_bwd(residuals, dy):
         dx.astype(x.dtype),
         d_weights.reshape(weights.shape).astype(weights.dtype),
         d_experts,
-        _unpad_gate_up(d_w_gate_up, hidden, inter).astype(w_gate_up.dtype),
+        unpad_gate_up(d_w_gate_up, hidden, inter).astype(w_gate_up.dtype),
         d_w_down[:, :inter, :hidden].astype(w_down.dtype),
     )
 
 
 _moe_ffn_fp8.defvjp(_moe_ffn_fp8_fwd, _moe_ffn_fp8_bwd)
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # The entry point moe_ffn dispatches to.

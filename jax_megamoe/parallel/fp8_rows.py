@@ -79,7 +79,7 @@ def _local_step_fwd(recv_values, recv_scales, channel, recv_weights, recv_ids, w
     values = jnp.pad(recv_values.reshape(rows, hidden), ((0, 0), (0, padded_hidden - hidden)))
 
     def x_rows(index):  # the bytes gathered as bytes, then read as e4m3
-        picked, scales = fp8_gemms.take_rows(values, recv_scales.reshape(rows, -1), index)
+        picked, scales = fp8.take_rows(values, recv_scales.reshape(rows, -1), index)
         return jax.lax.bitcast_convert_type(picked, fp8.FP8_DTYPE), scales
 
     y_rows, residuals = fp8_gemms.forward(
