@@ -2,6 +2,8 @@
 decoding against the full forward, log-probs against the training forward, the sampling filters' distributions,
 bucketing, meshes, and the argument checks."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ from hf_models import HF_CONFIG, tiny_hf_model
 from moe_cases import seeded_rng
 from scipy import stats
 
-from jax_megamoe.models import qwen3_moe
+from jax_megamoe.models import generation, qwen3_moe
 
 transformers = pytest.importorskip("transformers")
 
@@ -204,3 +206,94 @@ def test_padding_mask_gives_left_padded_rows_their_own_values_and_gradients(scan
     # float32 rounding of each parameter's summed contributions.
     for got_leaf, want_leaf in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad), strict=True):
         np.testing.assert_allclose(got_leaf, want_leaf, atol=1e-5 * float(np.abs(want_leaf).max()))
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return qwen3_moe.Qwen3MoeForCausalLM(
+        qwen3_moe.Qwen3MoeConfig.from_dict(HF_CONFIG | {"max_position_embeddings": 40}),
+        implementation="cpu",
+        rngs=nnx.Rngs(3),
+    )
+
+
+def test_prompt_lengths_share_a_bucket_and_a_program(tiny_model):
+    assert [generation.prompt_bucket(n) for n in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, 128]
+    plan = qwen3_moe.generation_plan(tiny_model, 4, 11, 3)
+    # [layers, B, slots, kv heads, head_dim] for k and v, float32
+    assert plan == (16, 19, 2 * 3 * 4 * 19 * 2 * 8 * 4)
+    before = qwen3_moe.compiled_programs()
+    first = qwen3_moe.generate(tiny_model, prompts_of((5, 11, 3, 8)), max_new_tokens=3, temperature=0)
+    qwen3_moe.generate(tiny_model, prompts_of((16, 1, 2, 9), seed=1), max_new_tokens=3, temperature=0)
+    assert qwen3_moe.compiled_programs() == before + 1
+    qwen3_moe.generate(tiny_model, prompts_of((17, 1, 2, 9)), max_new_tokens=3, temperature=0)
+    assert qwen3_moe.compiled_programs() == before + 2
+    # A right-padded array with its lengths is the same call as the list.
+    prompts = prompts_of((5, 11, 3, 8))
+    array = np.full((4, 12), 7, np.int32)
+    for row, prompt in enumerate(prompts):
+        array[row, : len(prompt)] = prompt
+    again = qwen3_moe.generate(tiny_model, array, prompt_lengths=[5, 11, 3, 8], max_new_tokens=3, temperature=0)
+    for got, want in zip(again, first, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(prompts=[[1, 2], []]), ValueError, "prompt 1 is empty"),
+        (dict(prompts=np.ones((2, 4), np.int32), prompt_lengths=[4, 0]), ValueError, "prompt 1 is empty"),
+        (dict(prompts=[[1] * 30], max_new_tokens=11), ValueError, "max_position_embeddings=40"),
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens must be an int >= 1"),
+        (dict(top_p=0.0), ValueError, r"top_p must be None or a float in \(0, 1\]"),
+        (dict(top_p=1.5), ValueError, r"top_p must be None or a float in \(0, 1\]"),
+        (dict(top_k=0), ValueError, "top_k"),
+        (dict(temperature=-1.0), ValueError, "temperature"),
+        (dict(temperature=0.8), ValueError, "needs key="),
+        (dict(prompts=[[1, 64]]), ValueError, "token id 64"),
+        (dict(eos_token_id=[3, 99]), ValueError, "eos_token_id"),
+        (dict(prompts=np.ones((2, 4), np.int32), prompt_lengths=[4]), ValueError, "prompt_lengths"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(tiny_model, kwargs, error, match):
+    kwargs = dict(prompts=[[1, 2, 3]], max_new_tokens=4, temperature=0) | kwargs
+    with pytest.raises(error, match=match):
+        qwen3_moe.generate(tiny_model, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def eight_expert_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf8")
+    tiny_hf_model(seed=5, num_experts=8).save_pretrained(path)
+    prompts = prompts_of((5, 11, 3, 8, 9, 2, 7, 4), seed=2)
+    settings = dict(max_new_tokens=6, temperature=1.0, top_p=0.9, key=jax.random.key(3))
+    single = qwen3_moe.generate(qwen3_moe.from_pretrained(path, implementation="cpu"), prompts, **settings)
+    return path, prompts, settings, single
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4)], ids=["1x8", "2x4"])
+def test_generate_on_a_mesh_matches_one_device(eight_expert_checkpoint, shape, monkeypatch):
+    path, prompts, settings, want = eight_expert_checkpoint
+    mesh = jax.make_mesh(shape, ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    model = qwen3_moe.from_pretrained(path, implementation="cpu", mesh=mesh, fsdp=True)
+    q_proj = model.layer_runs[0].self_attn.q_proj.kernel[...]
+    assert ("data" in q_proj.sharding.spec) == (shape[0] > 1)  # FSDP where the data axis has devices
+    compiled = []
+    run = generation._run_jit
+
+    def compile_and_run(*args):
+        compiled.append(run.lower(*args).compile().as_text())
+        return run(*args)
+
+    monkeypatch.setattr(generation, "_run_jit", compile_and_run)
+    with jax.set_mesh(mesh):
+        got = qwen3_moe.generate(model, prompts, **settings)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    # No weight is gathered inside a loop (the decode loop, the scans over layers): the parameters are put into
+    # their compute sharding once, before. What the loops gather is the router logits, for their top-k.
+    gathers = re.findall(r"= \S+ all-gather\(.*?op_name=\"([^\"]*)\"", compiled[0])
+    assert gathers and all("while" not in name or name.endswith("/top_k") for name in gathers), gathers
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="divisible by 8"):
+        qwen3_moe.generate(model, prompts[:4], **settings)
