@@ -1,4 +1,6 @@
-"""moe_ffn_ep under jax.shard_map on 8 host CPU devices, against the single-device reference."""
+"""moe_ffn_ep under jax.shard_map on 8 host CPU devices, against the single-device reference: the shared checks of
+every transport (tests/transport_cases.py) for "xla" and for "ragged" with its collective emulated, and the
+options, ids, shardings and transforms around them."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from moe_cases import (
     without_dropped,
 )
 from moe_cases import make_problem as make_moe_problem
+from transport_cases import ROUTINGS, EpCase, TransportBase, parametrize_cases
 
 import jax_megamoe as jmm
 from jax_megamoe import reference
@@ -36,8 +39,6 @@ MESHES = {  # name -> (shape, axis names); tokens are sharded over every axis, e
     "ep8": ((8,), ("expert",)),  # K > E_local: rows carry per-local-expert summed weights
     "data2xep4": ((2, 4), ("data", "expert")),
 }
-# all_to_one: every pair on the last shard's experts; empty_experts: empty experts and whole empty shards.
-ROUTINGS = ["uniform", "zipf", "all_to_one", "empty_experts"]
 
 
 def make_mesh(name: str) -> Mesh:
@@ -95,13 +96,6 @@ def assert_matches_reference(value_and_grads_fn, args, dy, tol=1e-5, reference_a
         assert rel_error(got, want) <= tol, f"{name}: relative error {rel_error(got, want):.2e} > {tol}"
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("routing", ROUTINGS)
-def test_matches_single_device_reference(mesh_name, routing):
-    args, dy = make_problem((mesh_name, routing), TOKENS, routing)
-    assert_matches_reference(ep_value_and_grads(mesh_name, transport="xla"), args, dy)
-
-
 @pytest.mark.parametrize("mesh_name", ["ep2", "ep8"])
 def test_repeated_and_out_of_range_ids(mesh_name):
     """Repeated ids in a token's top-k count twice; ids outside [0, E) contribute zero (as in moe_ffn)."""
@@ -140,103 +134,6 @@ def test_bfloat16_close_to_float32_reference():
     args, dy = make_problem("bf16", TOKENS, "zipf", dtype=jnp.bfloat16)
     args32 = tuple(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args)
     assert_matches_reference(ep_value_and_grads("data2xep4"), args, dy, tol=1e-2, reference_args=args32)
-
-
-@functools.cache
-def stats_function(mesh_name: str, **options):
-    """`moe_ffn_ep` with its stats: `(y, expert_counts [devices * E_local], received [devices], dropped [devices])`."""
-    mesh = make_mesh(mesh_name)
-    tokens, experts, devices = P(mesh.axis_names), P("expert"), P(mesh.axis_names)
-
-    def body(*args):
-        y, stats = moe_ffn_ep(*args, return_stats=True, **options)
-        return y, stats.expert_counts, stats.pairs_received[None], stats.pairs_dropped[None]
-
-    return jax.jit(
-        jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(tokens, tokens, tokens, experts, experts),
-            out_specs=(tokens, devices, devices, devices),
-        )
-    )
-
-
-def expected_capacity(ids: np.ndarray, mesh: Mesh, pair_capacity: int):
-    """Independent model of the capacity rule: `(kept [T, K] bool, counts [devices, E_local], dropped [devices])`.
-
-    Each device (a source) sends at most `pair_capacity` pairs to each expert shard of its own row of
-    the mesh, in (token, k) order. The receiver of source (row, col) for expert shard d is (row, d).
-    """
-    ep = mesh.shape["expert"]
-    local = EXPERTS // ep
-    devices = mesh.size
-    blocks = ids.reshape(devices, -1, ids.shape[1])
-    kept = np.zeros(blocks.shape, bool)
-    counts = np.zeros((devices, local), np.int64)
-    dropped = np.zeros(devices, np.int64)
-    for source in range(devices):
-        row = source // ep
-        sent = np.zeros(ep, np.int64)
-        for t, k in np.ndindex(blocks.shape[1:]):
-            expert = blocks[source, t, k]
-            if not 0 <= expert < EXPERTS:
-                continue
-            dest = expert // local
-            receiver = row * ep + dest
-            if sent[dest] < pair_capacity:
-                kept[source, t, k] = True
-                counts[receiver, expert % local] += 1
-            else:
-                dropped[receiver] += 1
-            sent[dest] += 1
-    return kept.reshape(ids.shape), counts, dropped
-
-
-def check_capacity(mesh_name, routing, capacity_factor, **options):
-    """Stats equal the independent model; output and gradients equal the reference without the dropped pairs."""
-    mesh = make_mesh(mesh_name)
-    args, dy = make_problem((mesh_name, routing, capacity_factor), TOKENS, routing)
-    ep = mesh.shape["expert"]
-    local_tokens = TOKENS // mesh.size
-    pair_capacity = local_tokens * TOP_K
-    if capacity_factor is not None:
-        pair_capacity = math.ceil(capacity_factor * local_tokens * TOP_K / ep)
-    kept, counts, dropped = expected_capacity(np.asarray(args[2]), mesh, pair_capacity)
-    if capacity_factor is not None:
-        assert dropped.sum() > 0, "test case must overflow"
-
-    _, expert_counts, received, got_dropped = stats_function(mesh_name, capacity_factor=capacity_factor, **options)(
-        *args
-    )
-    np.testing.assert_array_equal(np.asarray(expert_counts).reshape(mesh.size, -1), counts)
-    np.testing.assert_array_equal(np.asarray(received), counts.sum(1))
-    np.testing.assert_array_equal(np.asarray(got_dropped), dropped)
-    assert int(np.sum(received)) + int(np.sum(dropped)) == TOKENS * TOP_K
-
-    # Dropped pairs behave as out-of-range ids: zero output, zero gradient.
-    reference_args = (args[0], args[1], jnp.where(kept, args[2], -1), args[3], args[4])
-    assert_matches_reference(
-        ep_value_and_grads(mesh_name, capacity_factor=capacity_factor, **options),
-        args,
-        dy,
-        reference_args=reference_args,
-    )
-
-
-@pytest.mark.parametrize(
-    "mesh_name,routing,capacity_factor",
-    [
-        ("ep4", "zipf", 0.5),
-        ("ep4", "all_to_one", 1.0),
-        ("data2xep4", "zipf", 0.75),
-        ("ep8", "uniform", 0.3),
-        ("ep2", "uniform", None),
-        ("ep1", "zipf", 0.5),
-    ],
-)
-def test_capacity_drops_are_counted_exactly(mesh_name, routing, capacity_factor):
-    check_capacity(mesh_name, routing, capacity_factor, transport="xla")
 
 
 def test_bitwise_deterministic():
@@ -341,13 +238,6 @@ def emulated_ragged_all_to_all(
         target = jnp.where(rows < recv_sizes[s], offsets[s] + rows, output.shape[0])
         output = output.at[target].set(received[s], mode="drop")
     return output
-
-
-def test_ragged_path_with_emulated_collective(monkeypatch):
-    monkeypatch.setattr(transport, "ragged_supported", lambda: True)
-    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-    check_capacity("data2xep4", "zipf", None, transport="ragged")
-    check_capacity("ep4", "zipf", 0.5, transport="ragged")
 
 
 def test_ragged_path_lowers_with_the_real_collective(monkeypatch):
@@ -479,3 +369,53 @@ def test_uncompacted_plan_keeps_each_token_at_its_index(routing):
     np.testing.assert_array_equal(sum_blocks(results), combine_rows(results, plan.slot, plan.token))
     with pytest.raises(ValueError, match="uncompacted rows need a slot per token"):
         make_plan(jnp.asarray(ids), ep, EXPERTS // ep, tokens * TOP_K, tokens - 1, compact=False)
+
+
+# ---------------------------------------------------------------------------------------- the shared checks
+
+pytest_generate_tests = parametrize_cases
+
+
+class TestXla(TransportBase):
+    transport = "xla"
+    size = Case(16, HIDDEN, INTER, EXPERTS, TOP_K)  # 16 tokens per device
+    compared_with_xla = False
+    cases = (
+        *(EpCase(shards, routing) for shards in (1, 2, 4, 8) for routing in ROUTINGS),
+        *(EpCase(4, routing, data=2) for routing in ROUTINGS),
+        # Capacities that drop pairs, K > E_local among them (ep8).
+        EpCase(4, "zipf", 0.5),
+        EpCase(4, "all_to_one", 1.0),
+        EpCase(4, "zipf", 0.75, data=2),
+        EpCase(8, "uniform", 0.3),
+        EpCase(1, "zipf", 0.5),
+    )
+
+    def check_program(self, lowered, case):
+        text = lowered.as_text()
+        assert "ragged_all_to_all" not in text and "jmm_cuda_nvlink" not in text
+
+
+class TestRagged(TransportBase):
+    """The ragged path's logic, its collective built from all_to_all (XLA:CPU lacks ragged-all-to-all)."""
+
+    transport = "ragged"
+    size = Case(16, HIDDEN, INTER, EXPERTS, TOP_K)
+    cases = (
+        EpCase(4, "zipf", 0.5),
+        EpCase(4, "zipf", data=2),
+        EpCase(8, "all_to_one"),
+        EpCase(2, "empty_experts"),
+    )
+
+    @pytest.fixture(autouse=True)
+    def emulated_collective(self, monkeypatch):
+        def named(*args, **kwargs):
+            with jax.named_scope("emulated_ragged_all_to_all"):
+                return emulated_ragged_all_to_all(*args, **kwargs)
+
+        monkeypatch.setattr(transport, "ragged_supported", lambda: True)
+        monkeypatch.setattr(jax.lax, "ragged_all_to_all", named)
+
+    def check_program(self, lowered, case):
+        assert "emulated_ragged_all_to_all" in lowered.as_text(debug_info=True)

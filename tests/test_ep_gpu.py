@@ -24,8 +24,7 @@ import jax_megamoe as jmm
 from jax_megamoe.parallel import transport
 from jax_megamoe.parallel.plan import make_plan
 
-GPUS = [d for d in jax.devices() if d.platform == "gpu"]
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason="needs an NVIDIA GPU")]
+pytestmark = pytest.mark.gpu
 
 TOLERANCE = {jnp.float32: 3e-4, jnp.bfloat16: 1e-2}
 
@@ -50,16 +49,16 @@ def assert_close_to_reference(results, args, dy, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("routing", ["uniform", "zipf"])
-def test_one_gpu_equals_moe_ffn(dtype, routing):
+def test_one_gpu_equals_moe_ffn(gpus, dtype, routing):
     args, dy = make_problem(7, 2048, 512, 256, 32, 4, dtype, routing)
-    ep = jax.jit(functools.partial(value_and_grads, ep_function(GPUS[:1])))(args, dy)
+    ep = jax.jit(functools.partial(value_and_grads, ep_function(gpus[:1])))(args, dy)
     single = jax.jit(functools.partial(value_and_grads, jmm.moe_ffn))(args, dy)
     for name, a, b in zip(("y", "dx", "d_weights", "d_w_gate_up", "d_w_down"), ep, single, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
     assert_close_to_reference(ep, args, dy, dtype)
 
 
-def test_one_gpu_deterministic_and_capacity_counted():
+def test_one_gpu_deterministic_and_capacity_counted(gpus):
     args, dy = make_problem(11, 1024, 256, 128, 16, 4, jnp.bfloat16, "zipf")
 
     def with_stats(*a):
@@ -69,7 +68,7 @@ def test_one_gpu_deterministic_and_capacity_counted():
     spec = P("expert")
     fn = jax.jit(
         jax.shard_map(
-            with_stats, mesh=Mesh(np.array(GPUS[:1]), ("expert",)), in_specs=(spec,) * 5, out_specs=(spec, spec, spec)
+            with_stats, mesh=Mesh(np.array(gpus[:1]), ("expert",)), in_specs=(spec,) * 5, out_specs=(spec, spec, spec)
         )
     )
     first, second = fn(*args), fn(*args)
@@ -87,7 +86,7 @@ def test_ragged_all_to_all_is_usable_here():
 
 
 @pytest.mark.parametrize("transport_name", ["xla", "ragged"])
-def test_exchange_path_on_one_gpu(transport_name):
+def test_exchange_path_on_one_gpu(gpus, transport_name):
     """The multi-shard path (plan, row gather, the transport's exchanges, local kernels on padded rows, combine:
     `Transport.experts`), run on a one-GPU axis: moe_ffn_ep takes a shortcut at ep=1, so this is where one GPU
     exercises it, and the real ragged_all_to_all with its transpose."""
@@ -101,15 +100,15 @@ def test_exchange_path_on_one_gpu(transport_name):
         )
 
     spec = P("expert")
-    fn = jax.shard_map(exchange_path, mesh=Mesh(np.array(GPUS[:1]), ("expert",)), in_specs=(spec,) * 5, out_specs=spec)
+    fn = jax.shard_map(exchange_path, mesh=Mesh(np.array(gpus[:1]), ("expert",)), in_specs=(spec,) * 5, out_specs=spec)
     assert_close_to_reference(jax.jit(functools.partial(value_and_grads, fn))(args, dy), args, dy, jnp.bfloat16)
 
 
-@pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs")
+@pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("transport_name", ["xla", "ragged"])
-def test_two_gpus_match_reference(transport_name):
+def test_two_gpus_match_reference(gpus, transport_name):
     args, dy = make_problem(13, 2048, 512, 256, 32, 4, jnp.bfloat16, "zipf")
-    fn = jax.jit(functools.partial(value_and_grads, ep_function(GPUS[:2], transport=transport_name)))
+    fn = jax.jit(functools.partial(value_and_grads, ep_function(gpus[:2], transport=transport_name)))
     first, second = fn(args, dy), fn(args, dy)
     for a, b in zip(first, second, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

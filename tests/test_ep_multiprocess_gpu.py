@@ -9,7 +9,7 @@ mappings; checked to be in the bf16 program; float32 falls back to "xla"). XLA r
 processes, so moe_ffn_ep rejects "ragged" there; the CPU test runs the xla transport over gloo, so CI covers
 the multi-process plumbing. This file
 never initialises JAX in the pytest process (that could take GPUs the workers need): GPUs are counted
-with `nvidia-smi -L`. A worker that hangs fails the test after WORKER_TIMEOUT_S.
+by tests/gpus.py. A worker that hangs fails the test after WORKER_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -24,25 +24,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from gpus import visible_gpus
 
 WORKER = Path(__file__).with_name("ep_multiprocess_worker.py")
 WORKER_TIMEOUT_S = 300
 NUM_PROCESSES = 2
-
-
-def visible_gpus() -> list[str]:
-    """CUDA_VISIBLE_DEVICES entries for the GPUs this process may use (empty without nvidia-smi)."""
-    try:
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if listing.returncode != 0:
-        return []
-    count = sum(line.startswith("GPU ") for line in listing.stdout.splitlines())
-    restricted = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if restricted is not None:
-        return [entry for entry in restricted.split(",") if entry.strip()][:count]
-    return [str(index) for index in range(count)]
 
 
 def free_port() -> int:
@@ -132,10 +118,7 @@ def test_two_cpu_processes_match_reference(tmp_path):
     assert_all_checked(outputs, "xla")
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(count=NUM_PROCESSES)
 def test_two_gpu_processes_match_reference(tmp_path):
-    gpus = visible_gpus()
-    if len(gpus) < NUM_PROCESSES:
-        pytest.skip(f"needs {NUM_PROCESSES} GPUs, nvidia-smi shows {len(gpus)}")
-    outputs = run_workers(tmp_path, "gpu", "xla,nvlink", gpus)
+    outputs = run_workers(tmp_path, "gpu", "xla,nvlink", visible_gpus())
     assert_all_checked(outputs, "xla,nvlink")

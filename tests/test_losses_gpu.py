@@ -8,15 +8,9 @@ import jax.numpy as jnp
 import pytest
 from loss_cases import LinearCrossEntropyBase, problem, rel
 
-from jax_megamoe import _ffi, losses
+from jax_megamoe import losses
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not any(d.platform == "gpu" for d in jax.devices()) or not _ffi.has_cuda_kernels(),
-        reason="needs an NVIDIA GPU and the CUDA kernels",
-    ),
-]
+pytestmark = pytest.mark.gpu
 
 
 class TestCudaKernel(LinearCrossEntropyBase):

@@ -271,17 +271,13 @@ def test_old_keywords_are_gone(old):
         make_layer(**old)
 
 
-GPUS = [d for d in jax.devices() if d.platform == "gpu"]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs")
+@pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_two_gpus_nvlink_layer_equals_xla_layer(dtype):
+def test_two_gpus_nvlink_layer_equals_xla_layer(gpus, dtype):
     """The layer with transport=NvlinkTransport(workspace) gives the "xla" transport's output, aux and
     gradients bit for bit (float32: through the fallback to "xla", tests/test_nvlink_gpu.py)."""
     hidden, inter, experts, tokens = 64, 32, 8, 256
-    mesh = two_device_expert_mesh(GPUS)
+    mesh = two_device_expert_mesh(gpus)
     x = normal("two gpus", (4, tokens // 4, hidden))
 
     def loss(layer, x):

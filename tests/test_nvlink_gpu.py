@@ -4,11 +4,12 @@ Emulation (`NvlinkWorkspace.emulated(R)` under `jax.vmap(axis_name=...)`) runs t
 real protocol (epochs, staging reuse, bounded waits) with R shards' memory on one GPU. Checks:
 - the plain exchange against its definition, for every copy width (16-, 4- and 1-byte units) and
   `blocks_per_peer`, with the staging blocks poisoned by an earlier call so stale rows would show;
-- `moe_ffn_ep(transport=NvlinkTransport(ws))`, bf16 at tensor-core shapes: the program calls the three fused
-  targets, and forward and all gradients are bit for bit the "xla" transport's, run to run, and close to the
-  float32 reference when dropless, for R = 2, 4, 8, uniform, Zipf and all-to-one routing and both block layouts
-  (x as every destination's block: dropless; compacted send blocks: a capacity below T rows); K = 1, empty
-  experts, K > E_local; successive different problems on one workspace;
+- `moe_ffn_ep(transport=NvlinkTransport(ws))`, bf16 at tensor-core shapes, through the checks every transport
+  shares (tests/transport_cases.py): the program calls the three fused targets, and forward, all gradients and
+  the stats are bit for bit the "xla" transport's, run to run, and close to the float32 reference on the problem
+  without the dropped pairs, for R = 2, 4, 8, uniform, Zipf and all-to-one routing and both block layouts (x as
+  every destination's block: dropless; compacted send blocks: a capacity below T rows); K = 1, empty experts,
+  K > E_local; and successive different problems on one workspace;
 - where the fused path cannot apply (float32, H not a multiple of 8) moe_ffn_ep runs "xla" and warns once why;
 - with recipe="fp8_blockwise" (rows cross quantised by the plain exchange, no fused call): bit for bit the xla
   transport, run to run, and within the recipe's bound of moe_ffn with the recipe on the gathered problem;
@@ -19,6 +20,7 @@ real protocol (epochs, staging reuse, bounded waits) with R shards' memory on on
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -39,19 +41,18 @@ from moe_cases import (
     Case,
     make_problem,
     merge_shards,
-    reference_value_and_grads,
     rel_error,
     seeded_rng,
     split_shards,
     value_and_grads,
 )
+from transport_cases import EpCase, TransportBase, assert_bitwise_equal, parametrize_cases
 
 import jax_megamoe as jmm
 from jax_megamoe.parallel import ep as ep_module
 from jax_megamoe.parallel.nvlink import exchange
 
-GPUS = [d for d in jax.devices() if d.platform == "gpu"]
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason="needs an NVIDIA GPU")]
+pytestmark = pytest.mark.gpu
 # The nvlink transport's fused FFI targets.
 FUSED_CALLS = ("jmm_cuda_nvlink_moe_gate_up", "jmm_cuda_nvlink_moe_down", "jmm_cuda_nvlink_moe_backward")
 
@@ -103,20 +104,6 @@ def make_shards(seed, ranks, tokens, hidden, inter, experts, top_k, dtype, routi
     return tuple(split_shards(a, ranks) for a in args), split_shards(dy, ranks)
 
 
-def assert_close_to_reference(results, args, dy):
-    """Compares sharded results with the float32 reference on the gathered problem."""
-    expected = reference_value_and_grads(tuple(merge_shards(a) for a in args), merge_shards(dy))
-    tolerance = 1e-2 if args[0].dtype == jnp.bfloat16 else 3e-4
-    for name, got, want in zip(OUTPUT_NAMES, results, expected, strict=True):
-        err = rel_error(merge_shards(got), want)
-        assert err <= tolerance, f"{name}: relative error {err:.2e} > {tolerance}"
-
-
-def assert_bitwise_equal(first, second):
-    for name, a, b in zip(OUTPUT_NAMES, first, second, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
-
-
 def emulated_ep(transport, **options):
     per_shard = functools.partial(jmm.moe_ffn_ep, axis_name="expert", transport=transport, **options)
     return jax.vmap(per_shard, axis_name="expert")
@@ -141,57 +128,49 @@ def xla_results(args, dy, **options):
 # whose pair capacity ceil(f * T * K / R) is 3/4 of T compacts the rows into send blocks.
 LAYOUTS = {"x_as_blocks": lambda ranks, top_k: None, "send_blocks": lambda ranks, top_k: 0.75 * ranks / top_k}
 
-
-def check_nvlink_equals_xla(seed, ranks, routing, tokens, hidden, inter, experts, top_k, capacity_factor=None):
-    """The fused forward and backward (bf16, tensor-core shapes) run, twice bit for bit alike and equal to the
-    xla transport (forward and all gradients), and close to the reference when nothing is dropped."""
-    assert hidden % 8 == 0 and inter % 8 == 0, "tensor-core shapes: the fused path applies only to these"
-    args, dy = make_shards(seed, ranks, tokens, hidden, inter, experts, top_k, jnp.bfloat16, routing)
-    fused, (first, second) = emulated_nvlink(ranks, args, dy, runs=2, capacity_factor=capacity_factor)
-    assert fused == list(FUSED_CALLS), f"the program calls only {fused}"
-    assert_bitwise_equal(first, second)
-    assert_bitwise_equal(first, xla_results(args, dy, capacity_factor=capacity_factor))
-    if capacity_factor is None:  # with drops the reference is another problem (test_ep.py)
-        assert_close_to_reference(first, args, dy)
+pytest_generate_tests = parametrize_cases
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("ranks", [2, 4, 8])
-@pytest.mark.parametrize("routing", ["uniform", "zipf", "all_to_one"])
-def test_emulated_nvlink_equals_xla(ranks, routing, layout):
-    check_nvlink_equals_xla(
-        ranks + len(routing),
-        ranks,
-        routing,
-        tokens=96,
-        hidden=128,
-        inter=64,
-        experts=32,
-        top_k=4,
-        capacity_factor=LAYOUTS[layout](ranks, 4),
+class TestNvlinkEmulated(TransportBase):
+    """R shards emulated on one GPU (`NvlinkWorkspace.emulated(R)` under `jax.vmap(axis_name="expert")`), bf16 at
+    tensor-core shapes, so that the fused calls run."""
+
+    size = Case(96, 128, 64, 32, 4)  # 96 tokens per shard
+    dtype = jnp.bfloat16
+    cases = (
+        *(
+            EpCase(ranks, routing, LAYOUTS[layout](ranks, 4))
+            for layout in LAYOUTS
+            for ranks in (2, 4, 8)
+            for routing in ("uniform", "zipf", "all_to_one")
+        ),
+        EpCase(4, "uniform", top_k=1),  # one column per row
+        EpCase(4, "empty_experts"),  # empty (expert, source) groups, empty experts and empty shards
+        EpCase(8, "zipf", 1.0, experts=16),  # K > E_local (rows carry summed per-expert columns), pairs dropped
     )
 
+    @contextlib.contextmanager
+    def opened(self, case, problem):
+        with jmm.NvlinkWorkspace.emulated(
+            case.shards,
+            max_tokens=problem.tokens // case.shards,
+            hidden=problem.hidden,
+            top_k=problem.top_k,
+            dtype=self.dtype,
+        ) as ws:
+            yield jmm.NvlinkTransport(ws)
 
-@pytest.mark.parametrize(
-    "ranks, routing, experts, top_k, capacity_factor",
-    [
-        (4, "uniform", 32, 1, None),  # K = 1: one column per row
-        (4, "empty_experts", 32, 4, None),  # empty (expert, source) groups, empty experts and empty shards
-        (8, "zipf", 16, 4, 1.0),  # K > E_local (rows carry summed per-expert columns), pairs dropped
-    ],
-)
-def test_emulated_nvlink_edge_cases(ranks, routing, experts, top_k, capacity_factor):
-    check_nvlink_equals_xla(
-        7 * ranks + top_k,
-        ranks,
-        routing,
-        tokens=96,
-        hidden=128,
-        inter=64,
-        experts=experts,
-        top_k=top_k,
-        capacity_factor=capacity_factor,
-    )
+    def sharded(self, per_shard, case):
+        emulated = jax.vmap(per_shard, axis_name="expert")
+
+        def gathered(*args):
+            return tuple(merge_shards(out) for out in emulated(*(split_shards(a, case.shards) for a in args)))
+
+        return gathered
+
+    def check_program(self, lowered, case):
+        text = lowered.as_text()
+        assert [target for target in FUSED_CALLS if target in text] == list(FUSED_CALLS)
 
 
 def test_emulated_nvlink_sees_each_calls_own_rows():
@@ -320,18 +299,18 @@ def test_workspace_too_small_is_reported():
             emulated_ep(jmm.NvlinkTransport(ws))(*args)
 
 
-def two_gpu_ep(**options):
-    mesh = Mesh(np.array(GPUS[:2]), ("expert",))
+def two_gpu_ep(gpus, **options):
+    mesh = Mesh(np.array(gpus[:2]), ("expert",))
     spec = P("expert")
     fn = jax.shard_map(functools.partial(jmm.moe_ffn_ep, **options), mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)
     return mesh, fn
 
 
-@pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs")
+@pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("routing", ["uniform", "zipf", "all_to_one"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_two_gpus_nvlink_equals_xla_transport(routing, dtype, layout):
+def test_two_gpus_nvlink_equals_xla_transport(gpus, routing, dtype, layout):
     """Three calls in a row across real NVLink, each bit for bit the xla transport (whose accuracy against the
     reference on two GPUs is tests/test_ep_gpu.py::test_two_gpus_match_reference): the fused calls for bf16,
     the fallback to xla for float32."""
@@ -339,12 +318,13 @@ def test_two_gpus_nvlink_equals_xla_transport(routing, dtype, layout):
     capacity_factor = LAYOUTS[layout](2, top_k)
     args, dy = make_shards(5, 2, tokens, hidden, inter, experts, top_k, dtype, routing)
     args, dy = tuple(merge_shards(a) for a in args), merge_shards(dy)
-    mesh, xla_fn = two_gpu_ep(transport="xla", capacity_factor=capacity_factor)
+    mesh, xla_fn = two_gpu_ep(gpus, transport="xla", capacity_factor=capacity_factor)
     xla = jax.block_until_ready(jax.jit(functools.partial(value_and_grads, xla_fn))(args, dy))
     with jmm.NvlinkWorkspace(mesh, "expert", max_tokens=tokens, hidden=hidden, top_k=top_k, dtype=dtype) as ws:
         ours = jax.jit(
             functools.partial(
-                value_and_grads, two_gpu_ep(transport=jmm.NvlinkTransport(ws), capacity_factor=capacity_factor)[1]
+                value_and_grads,
+                two_gpu_ep(gpus, transport=jmm.NvlinkTransport(ws), capacity_factor=capacity_factor)[1],
             )
         )
         with warnings.catch_warnings():
@@ -356,18 +336,18 @@ def test_two_gpus_nvlink_equals_xla_transport(routing, dtype, layout):
         assert_bitwise_equal(run, xla)
 
 
-@pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs")
+@pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("routing", ["uniform", "zipf"])
-def test_two_gpus_nvlink_fp8_equals_xla_transport(routing):
+def test_two_gpus_nvlink_fp8_equals_xla_transport(gpus, routing):
     """recipe="fp8_blockwise" across real NVLink: the rows cross as e4m3 bytes by the plain exchange, twice bit for
     bit the xla transport."""
     tokens, hidden, inter, experts, top_k = 1024, 512, 256, 32, 4
     args, dy = make_shards(6, 2, tokens, hidden, inter, experts, top_k, jnp.bfloat16, routing)
     args, dy = tuple(merge_shards(a) for a in args), merge_shards(dy)
-    mesh, xla_fn = two_gpu_ep(transport="xla", recipe="fp8_blockwise")
+    mesh, xla_fn = two_gpu_ep(gpus, transport="xla", recipe="fp8_blockwise")
     xla = jax.block_until_ready(jax.jit(functools.partial(value_and_grads, xla_fn))(args, dy))
     with jmm.NvlinkWorkspace(mesh, "expert", max_tokens=tokens, hidden=hidden, top_k=top_k) as ws:
-        _, fn = two_gpu_ep(transport=jmm.NvlinkTransport(ws), recipe="fp8_blockwise")
+        _, fn = two_gpu_ep(gpus, transport=jmm.NvlinkTransport(ws), recipe="fp8_blockwise")
         ours = jax.jit(functools.partial(value_and_grads, fn))
         assert fused_calls(ours, args, dy) == []
         runs = [jax.block_until_ready(ours(args, dy)) for _ in range(2)]
@@ -390,7 +370,7 @@ MISSING_PEER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs")
+@pytest.mark.gpu(count=2)
 def test_missing_peer_fails_with_bounded_wait_message():
     proc = subprocess.run([sys.executable, "-c", MISSING_PEER], capture_output=True, text=True, timeout=240)
     output = proc.stdout + proc.stderr

@@ -10,15 +10,10 @@
 
 import subprocess
 
-import jax
 import pytest
 from cuda_programs import NVCC, build
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(sum(d.platform == "gpu" for d in jax.devices()) < 2, reason="needs two GPUs"),
-    pytest.mark.skipif(NVCC is None, reason="needs nvcc to build the check"),
-]
+pytestmark = [pytest.mark.gpu(count=2), pytest.mark.skipif(NVCC is None, reason="needs nvcc to build the check")]
 
 
 @pytest.fixture(scope="module")

@@ -11,27 +11,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gpus import visible_gpus
 
 pytestmark = pytest.mark.gpu
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_qwen3_moe.py"
 
 
-def visible_gpus() -> list[str]:
-    """The GPU ids the runs may use, found without starting JAX here (whose preallocation would take the
-    memory the training subprocesses need)."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES"):
-        return os.environ["CUDA_VISIBLE_DEVICES"].split(",")
-    try:
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
-    except OSError:
-        return []
-    return [str(i) for i in range(sum(line.startswith("GPU ") for line in listing.splitlines()))]
-
-
 def train(out_dir: Path, *args, gpus: int = 1) -> list[dict]:
     """Runs the script on the first `gpus` visible GPUs, all on the expert axis; returns its metrics."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join((visible_gpus() or ["0"])[:gpus]))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(visible_gpus()[:gpus]))
     command = [
         sys.executable,
         str(SCRIPT),
@@ -94,7 +83,7 @@ def test_qwen3_30b_a3b_width_preset_trains(tmp_path):
     assert records[-1]["mfu"] > 0
 
 
-@pytest.mark.skipif(len(visible_gpus()) < 2, reason="needs two GPUs")
+@pytest.mark.gpu(count=2)
 def test_nvlink_transport_trains_like_xla(tmp_path):
     """--transport nvlink on a 1 x 2 mesh: its workspace fits the train and eval steps and the losses follow
     the xla transport's (bitwise per call, tests/test_nn.py; separate processes may autotune differently)."""
