@@ -377,6 +377,8 @@ pytest_generate_tests = parametrize_cases
 
 
 class TestXla(TransportBase):
+    """The xla transport (all_to_all of padded blocks) on expert axes of 1, 2, 4 and 8 devices and a 2 x 4 mesh."""
+
     transport = "xla"
     size = Case(16, HIDDEN, INTER, EXPERTS, TOP_K)  # 16 tokens per device
     compared_with_xla = False
