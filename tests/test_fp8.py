@@ -221,6 +221,22 @@ class TestCpuKernels(Fp8KernelsBase):
             assert rel_error(a, b) < tolerance[name], (case, name, rel_error(a, b))
 
 
+@pytest.mark.parametrize("implementation", ["cpu", "reference"])
+def test_named_policy_saves_the_layout_and_the_projections(implementation, capsys):
+    """Under save_only_these_names("moe_layout", "moe_gate_up") the backward keeps the inputs, the layout's three
+    arrays and the projections, nothing else: it recomputes what else it needs from them (docs/fp8.md)."""
+    (x, weights, ids, w_gate_up, w_down), _ = recipe_problem(Case(64, 136, 72, 8, 2, "zipf"))
+    policy = jax.checkpoint_policies.save_only_these_names(fp8.LAYOUT_NAME, fp8.GATE_UP_NAME)
+    layer = functools.partial(jmm.moe_ffn, implementation=implementation, recipe=RECIPE)
+    fn = jax.checkpoint(lambda x, weights, w_gate_up, w_down: layer(x, weights, ids, w_gate_up, w_down), policy=policy)
+    jax.ad_checkpoint.print_saved_residuals(fn, x, weights, w_gate_up, w_down)
+    saved = capsys.readouterr().out.splitlines()
+    named = sorted(re.search(r"named '(\w+)'", line).group(1) for line in saved if " named " in line)
+    assert named == [fp8.GATE_UP_NAME] + [fp8.LAYOUT_NAME] * 3, saved
+    assert sum("from the argument" in line for line in saved) == 4, saved
+    assert len(saved) == len(named) + 5, saved  # and the expert ids, a constant here
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Expert parallelism on the xla transport.
 
