@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from jax_megamoe import NvlinkTransport, NvlinkWorkspace
 from jax_megamoe.losses import linear_cross_entropy
-from jax_megamoe.models import sharding
+from jax_megamoe.models import qwen3_moe, sharding
 from jax_megamoe.models.qwen3_moe import Qwen3MoeForCausalLM
 from jax_megamoe.ops.moe import GATE_UP_NAME, LAYOUT_NAME, resolve_implementation
 from jax_megamoe.parallel.transport import resolve_transport
@@ -32,6 +32,7 @@ from moe_training import checkpoints, cli, data, metrics
 from moe_training.baseline import ragged_dot_ffn
 
 BATCH_AXES = ("data", "expert")  # the batch is split over the whole mesh; experts over "expert"
+MODEL_DIR = "model"  # the final model's directory under --out-dir
 FINAL_WINDOW = 10  # summary.json's final_loss: mean LM loss of the last steps (single steps are noisy)
 
 
@@ -432,6 +433,8 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
                 bar.set_postfix(progress_fields(record, last_eval), refresh=False)
         if manager:
             manager.wait_until_finished()
+        if args.save_model:
+            save_model(graphdef, state.params, os.path.join(args.out_dir, MODEL_DIR))
 
     if not is_main:
         return {}
@@ -444,6 +447,14 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
+
+
+def save_model(graphdef, params, path: str) -> None:
+    """The model in Hugging Face's layout at `path` (config.json, bf16 safetensors): what
+    examples/generate_qwen3_moe.py, `qwen3_moe.from_pretrained` and transformers read."""
+    qwen3_moe.save_pretrained(nnx.merge(graphdef, params), path, dtype=jnp.bfloat16)
+    if jax.process_index() == 0:
+        print(f"model saved to {path} (sample from it: python examples/generate_qwen3_moe.py {path})", flush=True)
 
 
 def progress_fields(record: dict, last_eval: float | None) -> dict:
