@@ -44,11 +44,30 @@ def test_trains_and_resume_reproduces_the_loss(tmp_path):
     assert summary["final_loss"] < summary["first_loss"]
     assert np.isfinite(summary["final_eval_loss"])
     assert (full / "loss_curve.png").stat().st_size > 0
+    sample_saved_model(full / "model")
 
     ckpt = tmp_path / "ckpt"
     run("--steps", "3", "--lr-decay-steps", "6", "--ckpt-dir", str(ckpt), "--ckpt-every", "3", "--out-dir", str(part))
     run("--steps", "6", "--ckpt-dir", str(ckpt), "--resume", "--out-dir", str(part))
     assert losses(part) == losses(full)  # bitwise: same data, same state, deterministic kernels
+
+
+def sample_saved_model(model_dir):
+    """The final model the job saved is read back by examples/generate_qwen3_moe.py, which prints a continuation
+    of each prompt and its throughput line."""
+    script = SCRIPT.parent / "generate_qwen3_moe.py"
+    command = [sys.executable, str(script), str(model_dir), "--prompt", "def ", "--prompt", "x", "--temperature", "0"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run([*command, "--max-new-tokens", "5"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("--- sample") == 2 and "--- sample 0: 'def ' ->" in result.stdout
+    assert "1 program(s) compiled" in result.stdout and "tokens/s" in result.stdout
+    missing = subprocess.run(
+        [sys.executable, str(script), str(model_dir / "absent")], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1].startswith(
+        "generate_qwen3_moe.py: error: MODEL_DIR"
+    ), missing.stderr
 
 
 def read_metrics(out_dir):
