@@ -36,7 +36,9 @@ import functools
 import json
 import statistics
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_megamoe as jmm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from moe_training import cli  # noqa: E402  (the command-line jobs' exit-code rule; path set above)
 
 CONFIGS = {  # name: (T per device, H, I, E, K)
     "q30": (16384, 2048, 768, 128, 8),
@@ -158,7 +163,10 @@ def ep_problem(config, ranks, emulated, routing):
         )
     devices = jax.devices()[:ranks]
     if len(devices) < ranks:
-        raise SystemExit(f"--ep {ranks} needs {ranks} devices, found {len(jax.devices())}")
+        raise cli.UsageError(
+            f"--ep {ranks} needs {ranks} devices, found {len(jax.devices())}: pass a smaller --ep, or --emulate "
+            f"{ranks} for emulated shards on one device"
+        )
     mesh = Mesh(np.array(devices), ("expert",))
     sharding = NamedSharding(mesh, P("expert"))
     spec = P("expert")
@@ -265,7 +273,7 @@ def parse_transports(text: str) -> list[str]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json_path", help="where to write the results (JSON)")
     parser.add_argument("--config", default="q30", choices=sorted(CONFIGS))
     parser.add_argument("--ep", type=int, default=1, help="expert-axis size (devices)")
@@ -343,8 +351,10 @@ def main():
     )
     print(f"wrote {opts.json_path}{verdict}")
     if failed:
-        raise SystemExit(f"transports failed: {', '.join(result['failed_transports'])} (errors in the table and JSON)")
+        raise cli.RunError(
+            f"transports failed: {', '.join(result['failed_transports'])} (errors in the table and JSON)"
+        )
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

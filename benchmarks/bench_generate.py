@@ -29,6 +29,10 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from moe_training import cli  # noqa: E402  (the command-line jobs' exit-code rule; path set above)
 
 MODELS = ("tiny", "q30-4layer", "q30")
 FRAMEWORKS = ("ours", "transformers")
@@ -253,7 +257,7 @@ def comma_list(known, cast=str):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", type=comma_list(MODELS), default=["q30-4layer", "q30"])
     parser.add_argument("--batches", type=comma_list(None, int), default=list(BATCHES))
     parser.add_argument("--frameworks", type=comma_list(FRAMEWORKS), default=list(FRAMEWORKS))
@@ -281,4 +285,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

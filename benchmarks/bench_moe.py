@@ -52,6 +52,10 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from moe_training import cli  # noqa: E402  (the command-line jobs' exit-code rule; path set above)
 
 DECODE_TOKENS = (8, 64, 256, 512)  # one decode step's batch
 CONFIGS = {  # name: (T, H, I, E, K), in ascending memory order
@@ -658,7 +662,7 @@ def plot(rows, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="q30s,q30,q235")
     parser.add_argument("--routings", default="uniform,zipf")
     parser.add_argument("--impls", default=",".join(IMPLS))
@@ -729,4 +733,4 @@ def with_rates(row, matmul_tfs, bandwidth_gbs):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -56,6 +56,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 from train_bench.children import child, run_child
 from train_bench.common import BETAS, LEARNING_RATE, WEIGHT_DECAY, model_config
@@ -63,6 +64,9 @@ from train_bench.plot import plot
 from train_bench.rates import train_flops_per_step, with_rates
 from train_bench.report import table
 from train_bench.stacks import DEFAULT_BREAKDOWN, DEFAULT_STACKS, STACKS, stack_label
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from moe_training import cli  # noqa: E402  (the command-line jobs' exit-code rule; path set above)
 
 # Per preset: (layers, batch, seq, steps, warmup); the flags override each.
 PRESETS = {"qwen3-30b-a3b-4layer": (4, 4, 4096, 10, 3), "tiny": (2, 2, 32, 3, 1)}
@@ -73,12 +77,12 @@ def parse_list(text: str, known, flag: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip() and s.strip() != "none"]
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise SystemExit(f"error: {flag}: unknown {unknown}; known: {', '.join(known)}")
+        raise cli.UsageError(f"{flag}: unknown {unknown}; known: {', '.join(known)}")
     return list(dict.fromkeys(names))
 
 
 def main(argv=None) -> dict | None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b-4layer")
     parser.add_argument("--layers", type=int, help="decoder layers (preset default: 4, tiny: 2)")
     parser.add_argument("--batch", type=int)
@@ -183,4 +187,4 @@ def main(argv=None) -> dict | None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

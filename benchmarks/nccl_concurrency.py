@@ -36,12 +36,16 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from moe_training import cli  # noqa: E402  (the command-line jobs' exit-code rule; path set above)
 
 EXIT_HANG = 3
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json_path", help="where to write the result (JSON)")
     parser.add_argument("--transport", default="nvlink", choices=("nvlink", "xla", "ragged"))
     parser.add_argument("--iters", type=int, default=1000)
@@ -161,13 +165,16 @@ def main(argv=None) -> int:
     from bench_ep import CONFIGS, ep_options, git_commit, make_inputs
 
     if opts.config not in CONFIGS:
-        raise SystemExit(f"--config must be one of {sorted(CONFIGS)}, got {opts.config!r}")
+        raise cli.UsageError(f"--config must be one of {sorted(CONFIGS)}, got {opts.config!r}")
     tokens, hidden, inter, experts, top_k = CONFIGS[opts.config]
     devices = jax.local_devices()
     mesh = Mesh(np.array(devices), ("expert",))
     ep = mesh.size
     if experts % ep:
-        raise SystemExit(f"config {opts.config} has {experts} experts, not divisible by the {ep} local devices")
+        raise cli.UsageError(
+            f"--config {opts.config} has {experts} experts, not divisible by the {ep} local devices: pass another "
+            "--config"
+        )
     collective_elems = max(1, int(opts.collective_mib * 2**20) // 4)  # float32 per device
 
     result = {
@@ -267,4 +274,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

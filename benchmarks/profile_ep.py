@@ -17,7 +17,6 @@ Usage: python benchmarks/profile_ep.py OUT_DIR [--config q30] [--ep 2 | --emulat
 
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import gzip
@@ -25,6 +24,9 @@ import json
 import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from moe_training import cli  # noqa: E402  (the command-line jobs' exit-code rule; path set above)
 
 DEVICE_PROCESS = r"^/device:GPU:\d+"  # the profiler's process names for GPU activity
 
@@ -107,13 +109,13 @@ def per_step(times: dict, iters: int) -> dict:
 def latest_trace(out_dir: Path) -> dict:
     paths = sorted(out_dir.glob("plugins/profile/*/perfetto_trace.json.gz"))
     if not paths:
-        raise SystemExit(f"no perfetto_trace.json.gz under {out_dir}/plugins/profile: did the profiler run?")
+        raise cli.RunError(f"no perfetto_trace.json.gz under {out_dir}/plugins/profile: did the profiler run?")
     with gzip.open(paths[-1]) as f:
         return json.load(f)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path, help="where the trace and profile_ep.json go")
     parser.add_argument("--config", default="q30")
     parser.add_argument("--ep", type=int, default=1, help="GPUs of the expert axis")
@@ -153,7 +155,7 @@ def main(argv=None):
     trace = latest_trace(opts.out_dir)
     profile = per_step(kernel_times(trace, opts.process), opts.iters)
     if not profile:
-        raise SystemExit(f"no complete events in trace processes matching {opts.process!r}")
+        raise cli.UsageError(f"no complete events in trace processes matching --process {opts.process!r}: pass another")
     timeline = last_step_timeline(trace, opts.process, opts.iters)
     for process, summary in profile.items():
         print(f"{process}: {summary['total_ms']:.3f} ms of events per step (overlapping streams add up)")
@@ -179,4 +181,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

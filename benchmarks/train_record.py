@@ -17,7 +17,6 @@ H200 even at 2048 tokens per step, benchmarks/README.md) is recorded as failed a
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import os
@@ -29,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-from moe_training import metrics  # noqa: E402  (the example's helpers; path set above)
+from moe_training import cli, metrics  # noqa: E402  (the example's helpers; path set above)
 
 BASELINES = ("ragged_dot", "reference")
 
@@ -103,7 +102,7 @@ def agreement(cuda: list[dict], baseline: list[dict], window: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path, help="output folder")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch", type=int, default=2)
@@ -188,8 +187,8 @@ def main() -> None:
             )
     print(f"outputs in {args.out_dir}")
     if summaries["cuda"].get("failed"):
-        sys.exit("the CUDA run failed")
+        raise cli.RunError(f"the CUDA run failed (exit code {summaries['cuda']['returncode']}); its output is above")
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -173,6 +173,10 @@ def test_bench_ep_emulated_shards_on_one_cpu_device(tmp_path):
         "1",
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert (
+        proc.stderr.strip().splitlines()[-1]
+        == "bench_ep.py: error: transports failed: ragged (errors in the table and JSON)"
+    )
     result = json.loads(out.read_text())
     assert result["config"]["emulated_shards"] == 4 and result["failed_transports"] == ["ragged"]
     assert result["config"]["transports"] == ["xla", "ragged"]
@@ -200,7 +204,11 @@ def test_bench_ep_runs_the_fp8_recipe_on_both_sides(tmp_path):
 
 def test_bench_ep_emulate_refuses_a_mesh():
     proc = run_script("bench_ep.py", "/dev/null", "--emulate", "2", "--ep", "2", timeout=120)
-    assert proc.returncode == 2 and "--emulate R needs" in proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "usage: bench_ep.py [options] json_path  (--help lists them)",
+        "bench_ep.py: error: --emulate R needs R >= 1 and no --ep (got --emulate 2, --ep 2)",
+    ]
 
 
 def test_profile_ep_sums_complete_events_per_device_process():

@@ -19,6 +19,9 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class UsageError(Exception):
@@ -50,12 +53,12 @@ class Parser(argparse.ArgumentParser):
         return usage_line(self.prog, positionals) + "\n"
 
 
-def run(main: Callable[[], object]) -> None:
-    """Calls `main()`: a `UsageError` exits with status 2 after the usage line, a `RunError` or an `OSError` (a file
-    that cannot be read or written) with status 1, each printed as one `PROG: error: ...` line."""
+def run(main: Callable[[], T]) -> T:
+    """Returns `main()`; a `UsageError` exits with status 2 after the usage line, a `RunError` or an `OSError` (a
+    file that cannot be read or written) with status 1, each printed as one `PROG: error: ...` line."""
     prog = os.path.basename(sys.argv[0])
     try:
-        main()
+        return main()
     except UsageError as error:
         sys.stderr.write(f"{error.usage or usage_line(prog)}\n{prog}: error: {error}\n")
         sys.exit(2)
