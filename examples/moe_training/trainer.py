@@ -62,17 +62,17 @@ def check_platform(args) -> None:
             raise cli.UsageError(f"--transport ragged: {error}") from None
 
 
-def open_workspace(args, config, mesh) -> NvlinkWorkspace | None:
-    """The `NvlinkWorkspace` of `--transport nvlink` (None for the other transports), sized for one train or
-    eval step: its `--batch` x `--seq` input tokens split over every device of the mesh. Without GPUs or the
-    CUDA kernels this is a command-line error, before anything is compiled."""
+def open_workspace(args, config, mesh, tokens: int) -> NvlinkWorkspace | None:
+    """The `NvlinkWorkspace` of `--transport nvlink` (None for the other transports), sized for the model's largest
+    call: `tokens` input tokens split over every device of the mesh. Without GPUs or the CUDA kernels this is a
+    command-line error, before anything is compiled."""
     if args.transport != "nvlink":
         return None
     try:
         return NvlinkWorkspace(
             mesh,
             "expert",
-            max_tokens=args.batch * args.seq // mesh.size,
+            max_tokens=tokens // mesh.size,
             hidden=config.hidden_size,
             top_k=config.num_experts_per_tok,
             dtype=jnp.dtype(args.dtype),
@@ -86,29 +86,32 @@ def remat_policy(args):
     return jax.checkpoint_policies.save_only_these_names(LAYOUT_NAME, GATE_UP_NAME) if args.remat_save_moe else None
 
 
+def model_options(args, workspace: NvlinkWorkspace | None = None) -> dict:
+    """The model's keyword arguments for the model flags (`workspace`: the nvlink transport's), the same for a
+    fresh model and for `qwen3_moe.from_pretrained`."""
+    implementation = ragged_dot_ffn if args.implementation == "ragged_dot" else args.implementation
+    return dict(
+        dtype=jnp.dtype(args.dtype),
+        param_dtype=jnp.dtype(args.param_dtype),
+        implementation=implementation,
+        expert_axis=None if callable(implementation) else "expert",  # the baseline runs per data shard
+        transport=NvlinkTransport(workspace) if workspace is not None else args.transport,
+        recipe=args.recipe,
+        remat=args.remat,
+        remat_policy=remat_policy(args),
+        attention_impl=args.attention_impl,
+        scan_layers=args.scan_layers,
+    )
+
+
 def create_model_fn(config, args, workspace: NvlinkWorkspace | None = None):
     """The model's constructor for `--preset` and the model flags (`workspace`: the nvlink transport's)."""
-    implementation = ragged_dot_ffn if args.implementation == "ragged_dot" else args.implementation
-    expert_axis = None if callable(implementation) else "expert"  # the baseline runs per data shard
-    transport = NvlinkTransport(workspace) if workspace is not None else args.transport
+    options = model_options(args, workspace)
 
     def create():
-        return Qwen3MoeForCausalLM(
-            config,
-            dtype=jnp.dtype(args.dtype),
-            param_dtype=jnp.dtype(args.param_dtype),
-            implementation=implementation,
-            expert_axis=expert_axis,
-            transport=transport,
-            recipe=args.recipe,
-            remat=args.remat,
-            remat_policy=remat_policy(args),
-            attention_impl=args.attention_impl,
-            scan_layers=args.scan_layers,
-            rngs=nnx.Rngs(args.seed),
-        )
+        return Qwen3MoeForCausalLM(config, **options, rngs=nnx.Rngs(args.seed))
 
-    return create, expert_axis
+    return create, options["expert_axis"]
 
 
 def abstract_state(config, args, mesh, tx, workspace: NvlinkWorkspace | None = None):
@@ -132,10 +135,14 @@ def init_state(create, tx, shardings: TrainState) -> TrainState:
 
 
 def make_optimizer(args) -> optax.GradientTransformation:
-    """AdamW (weight decay on matrices only) after global-norm clipping; warmup then cosine decay."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, args.warmup, max(args.lr_decay_steps, args.warmup + 1), end_value=args.lr * 0.1
-    )
+    """`adamw` with the flags' learning rate, schedule, weight decay and clip."""
+    return adamw(args.lr, args.warmup, args.lr_decay_steps, args.weight_decay, args.grad_clip)
+
+
+def adamw(lr: float, warmup: int, decay_steps: int, weight_decay: float, grad_clip: float):
+    """AdamW (weight decay on matrices only) after global-norm clipping; linear warmup over `warmup` steps, then
+    cosine decay to a tenth of `lr` at step `decay_steps`."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(decay_steps, warmup + 1), end_value=lr * 0.1)
 
     def decay_mask(params):  # a scanned stack's leading layer axis does not make a norm scale a matrix
         return jax.tree_util.tree_map_with_path(
@@ -143,8 +150,8 @@ def make_optimizer(args) -> optax.GradientTransformation:
         )
 
     return optax.chain(
-        optax.clip_by_global_norm(args.grad_clip),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay_mask),
+        optax.clip_by_global_norm(grad_clip),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask),
     )
 
 
@@ -183,32 +190,37 @@ def make_steps(graphdef, tx, aux_coef: float, z_coef: float, state_shardings, ba
         return cross_entropy(hidden, model.lm_head_kernel(), tokens[:, 1:], mesh), aux
 
     def loss_fn(params, tokens):
-        loss, aux = lm_loss(params, tokens)
-        return loss + aux_coef * aux.load_balancing_loss + z_coef * aux.router_z_loss, (loss, aux)
-
-    def train_step(state: TrainState, tokens):
-        (loss, (lm, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, tokens)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        lm, aux = lm_loss(params, tokens)
         stats = {
-            "loss": loss,
             "lm_loss": lm,
             "load_balancing_loss": aux.load_balancing_loss,
             "router_z_loss": aux.router_z_loss,
             "dropped_pairs": aux.dropped_pairs,
-            "grad_norm": optax.tree.norm(grads),
         }
-        return TrainState(optax.apply_updates(state.params, updates), opt_state), stats
+        return lm + aux_coef * aux.load_balancing_loss + z_coef * aux.router_z_loss, stats
 
     eval_step = jax.jit(
         lambda params, tokens: lm_loss(params, tokens)[0], in_shardings=(state_shardings.params, batch_sharding)
     )
-    train_step = jax.jit(
+    return jit_train_step(loss_fn, tx, state_shardings, batch_sharding), eval_step
+
+
+def jit_train_step(loss_fn, tx, state_shardings: TrainState, batch_sharding):
+    """The jitted optimizer step of `loss_fn(params, batch) -> (loss, stats)`: `(state, batch) -> (state, {"loss",
+    **stats, "grad_norm"})`, the state donated and kept in its shardings, so one compilation serves the run."""
+
+    def train_step(state: TrainState, batch):
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        stats = {"loss": loss, **stats, "grad_norm": optax.tree.norm(grads)}
+        return TrainState(optax.apply_updates(state.params, updates), opt_state), stats
+
+    return jax.jit(
         train_step,
         in_shardings=(state_shardings, batch_sharding),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     )
-    return train_step, eval_step
 
 
 def global_batch(tokens: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -267,7 +279,7 @@ def memory_plan(args, config) -> dict:
     the compiler's for this platform: on host CPU devices standing in for GPUs they are estimates."""
     mesh = make_mesh(args.mesh_data, args.mesh_expert)
     batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
-    workspace = open_workspace(args, config, mesh)
+    workspace = open_workspace(args, config, mesh, args.batch * args.seq)
     tx = make_optimizer(args)
     graphdef, _, state, shardings = abstract_state(config, args, mesh, tx, workspace)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
@@ -365,7 +377,7 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
     """Runs the training; writes metrics.jsonl, loss_curve.png and summary.json to `args.out_dir`."""
     mesh = make_mesh(args.mesh_data, args.mesh_expert)
     batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
-    workspace = open_workspace(args, config, mesh)
+    workspace = open_workspace(args, config, mesh, args.batch * args.seq)
     tx = make_optimizer(args)
     graphdef, create, abstract, state_shardings = abstract_state(config, args, mesh, tx, workspace)
     manager = checkpoints.open_manager(args)
