@@ -225,7 +225,7 @@ def with_rates(row, args, bandwidth_gbs):
 def table(rows, bandwidth_gbs):
     lines = [
         f"read bandwidth in this run: {bandwidth_gbs:.0f} GB/s",
-        f"{'framework':<14}{'model':<12}{'batch':>6}{'tokens/s':>11}{'step ms':>9}{'floor ms':>10}{'x floor':>8}"
+        f"{'framework':<14}{'model':<12}{'batch':>6}{'tokens/s':>11}{'step ms':>10}{'floor ms':>10}{'x floor':>10}"
         f"{'vs transformers':>17}  mode / status",
     ]
     peers = {(r["model"], r["batch"]): r for r in rows if r.get("framework") == "transformers" and "tokens_per_s" in r}
@@ -234,13 +234,13 @@ def table(rows, bandwidth_gbs):
             continue
         head = f"{r['framework']:<14}{r['model']:<12}{r['batch']:>6}"
         if r.get("status") != "ok":
-            lines.append(f"{head}{'':>55}  {r.get('status')}")
+            lines.append(f"{head}{'':>58}  {r.get('status')}")
             continue
         peer = peers.get((r["model"], r["batch"]))
         ratio = f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer and r is not peer else ""
         lines.append(
-            f"{head}{r['tokens_per_s']:>11.0f}{r['step_ms']:>9.2f}{r['floor_ms']:>10.3f}"
-            f"{r['step_over_floor']:>8.2f}{ratio:>17}  {r.get('mode', '')}"
+            f"{head}{r['tokens_per_s']:>11.0f}{r['step_ms']:>10.2f}{r['floor_ms']:>10.3f}"
+            f"{r['step_over_floor']:>10.1f}{ratio:>17}  {r.get('mode', '')}"
         )
     return "\n".join(lines)
 
