@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from generation_cases import PROMPT_LENGTHS, generated_and_trained_logprobs, prompts_of
 from hf_models import HF_CONFIG, tiny_hf_model
 from moe_cases import seeded_rng
 from scipy import stats
@@ -17,13 +18,6 @@ from scipy import stats
 from jax_megamoe.models import generation, qwen3_moe
 
 transformers = pytest.importorskip("transformers")
-
-PROMPT_LENGTHS = (5, 11, 3, 8)
-
-
-def prompts_of(lengths, seed=0):
-    rng = seeded_rng("generate prompts", seed)
-    return [rng.integers(0, HF_CONFIG["vocab_size"], n).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +47,20 @@ def hf_greedy(model, prompts, max_new_tokens, eos_token_id):
     return out.sequences[:, width:].numpy(), torch.stack(out.logits).numpy()
 
 
-@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
-def test_greedy_matches_transformers(hf_checkpoint, scan_layers):
-    hf, path = hf_checkpoint
-    ours = qwen3_moe.from_pretrained(path, implementation="cpu", scan_layers=scan_layers)
+@pytest.fixture(scope="module")
+def transformers_greedy(hf_checkpoint):
+    """transformers' greedy run of 32 tokens from four prompts, with an eos token that row 0 emits midway (so
+    rows stop at different steps): `(prompts, eos, tokens, logits)`."""
+    hf, _ = hf_checkpoint
     prompts = prompts_of(PROMPT_LENGTHS)
-    want, _ = hf_greedy(hf, prompts, 32, eos_token_id=None)
-    # An eos token that row 0 emits midway, so rows stop at different steps.
-    eos = int(want[0, 12])
-    want, hf_logits = hf_greedy(hf, prompts, 32, eos_token_id=eos)
+    eos = int(hf_greedy(hf, prompts, 32, eos_token_id=None)[0][0, 12])
+    return prompts, eos, *hf_greedy(hf, prompts, 32, eos_token_id=eos)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_greedy_matches_transformers(hf_checkpoint, transformers_greedy, scan_layers):
+    ours = qwen3_moe.from_pretrained(hf_checkpoint[1], implementation="cpu", scan_layers=scan_layers)
+    prompts, eos, want, hf_logits = transformers_greedy
     got = qwen3_moe.generate(ours, prompts, max_new_tokens=32, temperature=0, eos_token_id=eos)
     tokens, logprobs, lengths = map(np.asarray, got)
     assert tokens.shape == (4, 32) and tokens.dtype == np.int32 and logprobs.dtype == np.float32
@@ -87,31 +86,27 @@ def test_incremental_decoding_matches_the_full_forward(scan_layers, attention_im
         config, implementation="cpu", scan_layers=scan_layers, attention_impl=attention_impl, rngs=nnx.Rngs(0)
     )
     ids = jnp.asarray(seeded_rng("decode ids").integers(0, config.vocab_size, (3, 14)))
-    full, _ = model(ids)
+    full, _ = nnx.jit(lambda m, ids: m(ids))(model, ids)
     lengths = jnp.array([4, 9, 6])
     prompt = jnp.where(jnp.arange(9) < lengths[:, None], ids[:, :9], 0)  # right-padded to the longest
-    hidden, cache = nnx.jit(lambda m, *args: m.prefill(*args))(model, prompt, lengths, model.init_cache(3, 16))
+
+    @nnx.jit
+    def prefill(model, prompt, lengths, cache):
+        hidden, cache = model.prefill(prompt, lengths, cache)
+        return model.logits(hidden), cache
+
+    @nnx.jit
+    def decode(model, tokens, cache):
+        hidden, cache = model.decode(tokens, cache)
+        return model.logits(hidden[:, 0]), cache
+
+    logits, cache = prefill(model, prompt, lengths, model.init_cache(3, 16))
     rows = jnp.arange(3)
-    np.testing.assert_allclose(model.logits(hidden)[rows, lengths - 1], full[rows, lengths - 1], atol=1e-5)
-    decode = nnx.jit(lambda m, *args: m.decode(*args))
+    np.testing.assert_allclose(logits[rows, lengths - 1], full[rows, lengths - 1], atol=1e-5)
     for step in range(5):
-        hidden, cache = decode(model, ids[rows, lengths + step][:, None], cache)
+        logits, cache = decode(model, ids[rows, lengths + step][:, None], cache)
         np.testing.assert_array_equal(cache.lengths, lengths + step + 1)
-        np.testing.assert_allclose(model.logits(hidden[:, 0]), full[rows, lengths + step], atol=1e-5)
-
-
-def generated_and_trained_logprobs(model, prompts, new_tokens, **sampling):
-    """`generate`'s log-probs and the training forward's on the sequences it made (prompt then completion,
-    right-padded, positions from 0, as a trainer sees them), both `[B, new_tokens]`."""
-    out = qwen3_moe.generate(model, prompts, max_new_tokens=new_tokens, **sampling)
-    sequences = np.zeros((len(prompts), max(map(len, prompts)) + new_tokens), np.int32)
-    for row, prompt in enumerate(prompts):
-        sequences[row, : len(prompt)] = prompt
-        sequences[row, len(prompt) : len(prompt) + new_tokens] = out.tokens[row]
-    logits, _ = nnx.jit(lambda m, ids: m(ids))(model, jnp.asarray(sequences))
-    trained = qwen3_moe.token_logprobs(logits[:, :-1], jnp.asarray(sequences[:, 1:]))
-    starts = [len(prompt) - 1 for prompt in prompts]
-    return np.asarray(out.logprobs), np.stack([trained[row, s : s + new_tokens] for row, s in enumerate(starts)])
+        np.testing.assert_allclose(logits, full[rows, lengths + step], atol=1e-5)
 
 
 @pytest.mark.parametrize(

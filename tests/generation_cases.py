@@ -1,0 +1,33 @@
+"""Prompts and the log-prob comparison shared by the generation tests (CPU and GPU)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from hf_models import HF_CONFIG
+from moe_cases import seeded_rng
+
+from jax_megamoe.models import qwen3_moe
+
+PROMPT_LENGTHS = (5, 11, 3, 8)
+
+
+def prompts_of(lengths, seed=0) -> list[list[int]]:
+    """Random prompts of the tiny model's vocabulary, one of each length."""
+    rng = seeded_rng("generate prompts", seed)
+    return [rng.integers(0, HF_CONFIG["vocab_size"], n).tolist() for n in lengths]
+
+
+def generated_and_trained_logprobs(model, prompts, new_tokens, **sampling):
+    """`generate`'s log-probs and the training forward's on the sequences it made (prompt then completion,
+    right-padded, positions from 0, as a trainer sees them), both `[B, new_tokens]`."""
+    out = qwen3_moe.generate(model, prompts, max_new_tokens=new_tokens, **sampling)
+    sequences = np.zeros((len(prompts), max(map(len, prompts)) + new_tokens), np.int32)
+    for row, prompt in enumerate(prompts):
+        sequences[row, : len(prompt)] = prompt
+        sequences[row, len(prompt) : len(prompt) + new_tokens] = out.tokens[row]
+    logits, _ = nnx.jit(lambda m, ids: m(ids))(model, jnp.asarray(sequences))
+    trained = qwen3_moe.token_logprobs(logits[:, :-1], jnp.asarray(sequences[:, 1:]))
+    starts = [len(prompt) - 1 for prompt in prompts]
+    return np.asarray(out.logprobs), np.stack([trained[row, s : s + new_tokens] for row, s in enumerate(starts)])

@@ -1,0 +1,47 @@
+"""Generation on a GPU (marker `gpu`): the CUDA kernels in the decode loop give the pure-JAX reference's tokens and
+log-probs in float32, and in bfloat16 (cuDNN attention for the prompts, with and without the FP8 recipe) log-probs
+close to the training forward's."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from generation_cases import PROMPT_LENGTHS, generated_and_trained_logprobs, prompts_of
+from hf_models import HF_CONFIG
+
+from jax_megamoe.models import qwen3_moe
+
+pytestmark = pytest.mark.gpu
+
+CONFIG = qwen3_moe.Qwen3MoeConfig.from_dict(HF_CONFIG)
+
+
+def test_cuda_kernels_generate_the_reference_tokens_in_float32():
+    prompts = prompts_of(PROMPT_LENGTHS)
+    cuda, reference = (
+        qwen3_moe.Qwen3MoeForCausalLM(CONFIG, implementation=implementation, rngs=nnx.Rngs(0))
+        for implementation in ("cuda", "reference")
+    )
+    with jax.default_matmul_precision("highest"):  # no TF32: float32 as on the CPU
+        got, want = (qwen3_moe.generate(m, prompts, max_new_tokens=16, temperature=0) for m in (cuda, reference))
+        generated, trained = generated_and_trained_logprobs(
+            cuda, prompts, 16, temperature=0.9, top_p=0.95, key=jax.random.key(1)
+        )
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    np.testing.assert_allclose(generated, trained, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", [None, "fp8_blockwise"], ids=["bfloat16", "fp8_blockwise"])
+def test_bfloat16_logprobs_stay_close_to_the_training_forward(recipe):
+    model = qwen3_moe.Qwen3MoeForCausalLM(
+        CONFIG, dtype=jnp.bfloat16, implementation="cuda", recipe=recipe, attention_impl="cudnn", rngs=nnx.Rngs(1)
+    )
+    generated, trained = generated_and_trained_logprobs(
+        model, prompts_of(PROMPT_LENGTHS, seed=1), 16, temperature=1.0, key=jax.random.key(2)
+    )
+    assert np.all(np.isfinite(generated))
+    np.testing.assert_allclose(generated, trained, atol=5e-2)
