@@ -3,7 +3,6 @@ loss falls, outputs are written, resuming from a checkpoint reproduces the unint
 exactly, a command line that cannot run exits with status 2 and a failing run with 1, each after one line
 saying what to change."""
 
-import importlib.util
 import json
 import os
 import re
@@ -251,14 +250,14 @@ def test_bf16_parameters_and_the_fp8_recipe(tmp_path):
 
 def test_jax_gpu_allocator_share_is_raised_unless_the_user_set_it(monkeypatch):
     """JAX's allocator takes 75% of a GPU's memory by default, less than the memory plan's budget."""
-    spec = importlib.util.spec_from_file_location("train_qwen3_moe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    from moe_training import flags
+
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/dev/null")
-    module.configure_jax_environment(8)
-    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == module.GPU_MEMORY_FRACTION
+    flags.configure_jax_environment(8)
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == flags.GPU_MEMORY_FRACTION
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/dev/null --xla_force_host_platform_device_count=8"
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
-    module.configure_jax_environment(8)
+    flags.configure_jax_environment(8)
     assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
