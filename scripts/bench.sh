@@ -7,6 +7,8 @@
 #
 # Steps (env STEPS, default "moe ep e2e"):
 #   moe          benchmarks/bench_moe.py: the MoE layer against the peers, one GPU     -> bench_moe.{log,json,png}
+#   decode       benchmarks/bench_moe.py at decode sizes, each row against its floor  -> bench_moe_decode.{log,json,png}
+#   generate     benchmarks/bench_generate.py: sampling against transformers' generate -> bench_generate.{log,json}
 #   ep           benchmarks/bench_ep.py over every GPU of this process (--ep N; with one GPU, ep = 1:
 #                the cost of moe_ffn_ep's plumbing)                                      -> bench_ep.{log,json}
 #   emulated     benchmarks/bench_ep.py with 8 emulated shards of q30s on one GPU      -> bench_ep_emulated.{log,json}
@@ -19,7 +21,8 @@
 #   profile-ep   benchmarks/profile_ep.py: per-kernel time of one moe_ffn_ep step      -> profile_ep.{log,json}
 #   kernels      Nsight Compute per-kernel time and DRAM bytes of one moe_ffn forward+backward
 #                (scripts/profile_kernels.py)                                            -> kernels.log
-# Arguments per step: MOE_ARGS (default "--configs q30s,q30,q235 --routings uniform,zipf"), EP_ARGS
+# Arguments per step: MOE_ARGS (default "--configs q30s,q30,q235 --routings uniform,zipf"), DECODE_ARGS (default:
+# q30 and q235 at T = 8, 64, 256, 512 against torch and tokamax), GENERATE_ARGS (default: bench_generate's), EP_ARGS
 # (default "--config q30"), EMULATED_ARGS (default "--config q30s --emulate 8"), E2E_ARGS (default
 # "--steps 100 --batch 4 --seq 4096"), RECORD_ARGS, CONCURRENCY_ARGS, PROFILE_EP_ARGS (default "--config q30"),
 # KERNELS_CONFIG (q30s, q30 or q235; default q30), KERNELS_ROUTING (uniform or zipf; default uniform).
@@ -45,6 +48,14 @@ source scripts/steps.sh
 want moe && step bench-moe bench_moe.log $PY benchmarks/bench_moe.py --json "$OUTDIR/bench_moe.json" \
   --png "$OUTDIR/bench_moe.png" ${MOE_ARGS:---configs q30s,q30,q235 --routings uniform,zipf}
 
+decode_configs=q30-t8,q30-t64,q30-t256,q30-t512,q235-t8,q235-t64,q235-t256,q235-t512
+want decode && step bench-moe-decode bench_moe_decode.log $PY benchmarks/bench_moe.py \
+  --json "$OUTDIR/bench_moe_decode.json" --png "$OUTDIR/bench_moe_decode.png" \
+  ${DECODE_ARGS:---configs $decode_configs --impls ours,torch_grouped_mm,tokamax}
+
+want generate && step bench-generate bench_generate.log $PY benchmarks/bench_generate.py \
+  --json "$OUTDIR/bench_generate.json" ${GENERATE_ARGS:-}
+
 want ep && step bench-ep bench_ep.log $PY benchmarks/bench_ep.py "$OUTDIR/bench_ep.json" --ep "$gpus" \
   ${EP_ARGS:---config q30}
 
@@ -54,7 +65,7 @@ want emulated && step bench-ep-emulated bench_ep_emulated.log $PY benchmarks/ben
 e2e() {
   rm -rf /tmp/jmm_e2e
   CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $PY examples/train_qwen3_moe.py --preset qwen3-30b-a3b-4layer \
-    --out-dir /tmp/jmm_e2e ${E2E_ARGS:---steps 100 --batch 4 --seq 4096} || return 1
+    --out-dir /tmp/jmm_e2e --no-save-model ${E2E_ARGS:---steps 100 --batch 4 --seq 4096} || return 1
   cp /tmp/jmm_e2e/summary.json "$OUTDIR/e2e_summary.json" && cp /tmp/jmm_e2e/loss_curve.png "$OUTDIR/e2e_loss_curve.png"
 }
 want e2e && step e2e e2e.log e2e
