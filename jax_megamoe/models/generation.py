@@ -81,7 +81,7 @@ class _Settings:
 
 
 class _Loop(NamedTuple):
-    step: jax.Array  # [] int32: tokens emitted per row
+    step: jax.Array  # [] int32: the index of the next token
     tokens: jax.Array
     logprobs: jax.Array
     lengths: jax.Array

@@ -30,11 +30,6 @@ class KVCache(NamedTuple):
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
     @property
-    def length(self) -> int:
-        """Slots per row."""
-        return self.k.shape[2]
-
-    @property
     def nbytes(self) -> int:
         """Bytes of the keys and values (all devices together); also of an abstract cache (`jax.eval_shape`)."""
         return 2 * math.prod(self.k.shape) * self.k.dtype.itemsize
