@@ -308,6 +308,9 @@ class Qwen3MoeForCausalLM(nnx.Module):
     Under an active multi-device mesh each layer's parameters are gathered into their compute sharding
     (`gathered`) inside its step of the scan, so parameters sharded over `data` (FSDP,
     `jax_megamoe.models.sharding`) are whole on a device one layer at a time.
+
+    Generation: `init_cache`, `prefill` and `decode` run the model over a `KVCache`, `logits` is its LM head, and
+    `generate` (docs/models.md, "Generation") is the decode loop over them, on `compute_form()`.
     """
 
     def __init__(
