@@ -19,8 +19,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_training import cli  # noqa: E402  (beside this file)
+from moe_training.text import Text  # noqa: E402
 
-BYTE_VOCAB = 256
 DEFAULT_PROMPTS = ("def ", "import ", "class Model:\n    def __init__(self", "    return ")
 
 
@@ -50,37 +50,6 @@ def parse_args(argv=None):
         if value < least:
             parser.error(f"{flag} must be at least {least}, got {value}")
     return args
-
-
-class Text:
-    """Text to token ids and back: the directory's tokenizer, or bytes for a byte-level vocabulary."""
-
-    def __init__(self, model_dir: str, vocab_size: int):
-        path = os.path.join(model_dir, "tokenizer.json")
-        self.tokenizer = None
-        if os.path.exists(path):
-            try:
-                import tokenizers
-            except ImportError:
-                raise cli.UsageError(
-                    f"{path} needs the tokenizers package: pip install tokenizers (or .venv/bin/pip install ...)"
-                ) from None
-            self.tokenizer = tokenizers.Tokenizer.from_file(path)
-        elif vocab_size != BYTE_VOCAB:
-            raise cli.UsageError(
-                f"{model_dir} has no tokenizer.json and a {vocab_size}-token vocabulary (bytes need {BYTE_VOCAB}): "
-                "pass a directory with the model's tokenizer.json"
-            )
-
-    def encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            return list(text.encode("utf-8"))
-        return self.tokenizer.encode(text).ids
-
-    def decode(self, ids) -> str:
-        if self.tokenizer is None:
-            return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-        return self.tokenizer.decode([int(i) for i in ids])
 
 
 def main(argv=None) -> None:
