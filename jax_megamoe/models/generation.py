@@ -13,7 +13,7 @@ import dataclasses
 import math
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -22,11 +22,27 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_megamoe.models.kv_cache import KVCache
+from jax_megamoe.models.qwen3_moe_config import Qwen3MoeConfig
 from jax_megamoe.models.sampling import check_sampling, sample_logits, token_logprobs
 from jax_megamoe.nn import active_mesh
 
-if TYPE_CHECKING:
-    from jax_megamoe.models.qwen3_moe import Qwen3MoeForCausalLM
+
+class CausalLM(Protocol):
+    """What generation needs of a model (`Qwen3MoeForCausalLM` has it); named here so that this module does not
+    import the model module that re-exports it."""
+
+    config: Qwen3MoeConfig
+
+    def init_cache(self, batch: int, length: int) -> KVCache: ...
+
+    def prefill(self, input_ids: jax.Array, lengths: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]: ...
+
+    def decode(self, input_ids: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]: ...
+
+    def logits(self, hidden: jax.Array) -> jax.Array: ...
+
+    def compute_form(self) -> CausalLM: ...
+
 
 MIN_PROMPT_BUCKET = 16
 
@@ -54,7 +70,7 @@ def prompt_bucket(longest_prompt: int) -> int:
     return max(MIN_PROMPT_BUCKET, 1 << (longest_prompt - 1).bit_length())
 
 
-def generation_plan(model: Qwen3MoeForCausalLM, batch: int, longest_prompt: int, max_new_tokens: int) -> GenerationPlan:
+def generation_plan(model: CausalLM, batch: int, longest_prompt: int, max_new_tokens: int) -> GenerationPlan:
     """The shapes of a `generate` call with `batch` prompts, the longest `longest_prompt` tokens."""
     bucket = prompt_bucket(longest_prompt)
     length = bucket + max_new_tokens
@@ -231,7 +247,7 @@ def _pad_id(value, vocab_size: int) -> int:
 
 
 def generate(
-    model: Qwen3MoeForCausalLM,
+    model: CausalLM,
     prompts,
     *,
     max_new_tokens: int,
