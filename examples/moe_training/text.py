@@ -25,7 +25,8 @@ class Text:
                 import tokenizers
             except ImportError:
                 raise cli.UsageError(
-                    f"{path} needs the tokenizers package: pip install 'jax_megamoe[text]' (or .venv/bin/pip install tokenizers)"
+                    f"{path} needs the tokenizers package: pip install 'jax_megamoe[text]' "
+                    "(or .venv/bin/pip install tokenizers)"
                 ) from None
             self.tokenizer = tokenizers.Tokenizer.from_file(path)
         elif model_dir and vocab_size != BYTE_VOCAB:
