@@ -1,4 +1,5 @@
-"""Throughput accounting (FLOPs per token, MFU), the metrics JSONL and the loss-curve plot."""
+"""Throughput accounting (FLOPs per token, MFU), the metrics JSONL, and the plots of a training run (loss) and of an
+RL run (reward and accuracy)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,29 @@ def plot_loss_curves(curves: dict[str, list[dict]], path: str) -> None:
                 ax.plot(*zip(*evals, strict=True), "o--", color=line.get_color(), label=f"{name} eval", ms=3)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_rl_curves(records: list[dict], path: str) -> None:
+    """Plots an RL run against step: the mean reward of each step's samples and the held-out accuracy (where
+    evaluated; step 0 is the starting policy)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    rewards = [(r["step"], r["reward"]) for r in records if "reward" in r]
+    accuracy = [(r["step"], r["accuracy"]) for r in records if "accuracy" in r]
+    if rewards:
+        ax.plot(*zip(*rewards, strict=True), label="reward (mean of the step's samples)", lw=1)
+    if accuracy:
+        ax.plot(*zip(*accuracy, strict=True), "o--", label="held-out accuracy (greedy)", ms=3)
+    ax.set_xlabel("GRPO step")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
