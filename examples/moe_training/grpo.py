@@ -6,6 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_megamoe.models.qwen3_moe import token_logprobs
+
 # Positions per block of the LM head's logits: a block's float32 logits [rows, block, vocab] are the only ones alive
 # (recomputed in the backward), so a large vocabulary never holds [rows, seq, vocab] at once.
 LOGIT_BLOCK = 128
@@ -13,8 +15,8 @@ LOGIT_BLOCK = 128
 
 def target_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Array) -> jax.Array:
     """`log_softmax(hidden @ kernel)[targets]`, float32 `[R, S]`, for `hidden [R, S, H]` and the LM head
-    `kernel [H, V]`. The logits are the model's (the product in the compute dtype, as its LM head computes them),
-    then float32, as the sampler reads them."""
+    `kernel [H, V]`: the logits in the compute dtype, as the model's LM head computes them, then the sampler's
+    `token_logprobs`."""
     rows, seq, width = hidden.shape
     block = min(seq, LOGIT_BLOCK)
     blocks = -(-seq // block)
@@ -25,8 +27,7 @@ def target_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Array) ->
     @jax.checkpoint
     def one_block(carry, inputs):
         h, t = inputs
-        logits = jnp.einsum("rsh,hv->rsv", h, kernel).astype(jnp.float32)
-        return carry, jnp.take_along_axis(jax.nn.log_softmax(logits), t[..., None], axis=-1)[..., 0]
+        return carry, token_logprobs(jnp.einsum("rsh,hv->rsv", h, kernel), t)
 
     _, logprobs = jax.lax.scan(one_block, None, (hidden, targets))
     return logprobs.swapaxes(0, 1).reshape(rows, blocks * block)[:, :seq]
