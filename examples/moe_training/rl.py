@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from jax_megamoe.models import qwen3_moe
+from jax_megamoe.models.generation import prompt_bucket
 from moe_training import checkpoints, cli, grpo, metrics, rollouts, tasks, trainer
 from moe_training.trainer import TrainState
 
@@ -248,10 +249,11 @@ def train(args, config, task: tasks.Task, text) -> dict:
     """Runs the warm-up and the GRPO steps; writes metrics.jsonl, rl_curve.png, summary.json and the final model
     (`model/`, Hugging Face layout) to `args.out_dir`. Returns the summary (empty on processes other than 0)."""
     mesh = trainer.make_mesh(args.mesh_data, args.mesh_expert)
-    rollout_count = args.prompts * args.group
-    seq = args.prompt_width + args.max_new_tokens
+    # The model's largest calls: prefill of the prompts (padded to generate's bucket), a minibatch's forward.
+    rollouts_per_step, bucket = args.prompts * args.group, prompt_bucket(args.prompt_width)
     tokens_per_call = max(
-        rollout_count * args.prompt_width, args.eval_problems * args.prompt_width, rollout_count * seq
+        max(rollouts_per_step, args.eval_problems) * bucket,
+        rollouts_per_step // args.minibatches * (args.prompt_width + args.max_new_tokens),
     )
     workspace = trainer.open_workspace(args, config, mesh, tokens_per_call)
     tx = trainer.adamw(args.lr, args.warmup, args.lr_decay_steps, args.weight_decay, args.grad_clip)

@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from moe_training import cli
 from moe_training.tasks import Problem, Task
 
 
@@ -39,8 +40,8 @@ def encode_prompts(problems: list[Problem], text, width: int, repeat: int = 1) -
     `repeat` times in a row (a group of samples per prompt)."""
     encoded = [text.encode(p.prompt) for p in problems]
     longest = max(map(len, encoded))
-    if longest > width or min(map(len, encoded)) == 0:
-        raise ValueError(f"prompts must have 1 to {width} tokens (the prompt width), got one of {longest}")
+    if longest > width:
+        raise cli.UsageError(f"a prompt of {longest} tokens exceeds --prompt-width {width}: pass {longest} or more")
     ids = np.zeros((len(encoded), width), np.int32)
     for row, prompt in enumerate(encoded):
         ids[row, : len(prompt)] = prompt
@@ -105,8 +106,11 @@ def demonstrations(problems: list[Problem], text, width: int, new_tokens: int) -
     answer and the end token."""
     prompt_ids, prompt_lengths = encode_prompts(problems, text, width)
     answers = [text.encode(p.answer) + [text.end_id] for p in problems]
-    if max(map(len, answers)) > new_tokens:
-        raise ValueError(f"an answer needs {max(map(len, answers))} tokens with the end token, past {new_tokens}")
+    longest = max(map(len, answers))
+    if longest > new_tokens:
+        raise cli.UsageError(
+            f"an answer and its end token take {longest} tokens, past --max-new-tokens {new_tokens}: pass {longest}"
+        )
     tokens = np.zeros((len(answers), new_tokens), np.int32)
     for row, answer in enumerate(answers):
         tokens[row, : len(answer)] = answer

@@ -26,8 +26,8 @@ class Problem:
 class Task:
     """`draw(rng)`: a random problem. `reward(problem, completion, stopped)`: the score of `completion` (the decoded
     text before the end token), `stopped` saying whether the end token came within the sampling budget.
-    `prompt_chars`, `answer_chars`: the longest prompt and answer in characters (the byte tokenizer's tokens; None:
-    no bound). `accuracy_threshold`: the reward at or above which a held-out answer counts as correct.
+    `prompt_chars`, `answer_chars`: the longest prompt and answer in characters (a byte-level model's tokens;
+    None: no bound). `accuracy_threshold`: the reward at or above which a held-out answer counts as correct.
     `demonstrations`: whether `problem.answer` is a correct completion (what the supervised warm-up needs)."""
 
     name: str
