@@ -37,3 +37,15 @@ def gpus():
     import jax  # here: nothing imports JAX before the environment above is set
 
     return jax.devices("gpu")
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """`(model, path)`: the tiny random transformers Qwen3-MoE of tests/hf_models.py and its `save_pretrained`
+    directory, one per test module (the callers `importorskip` transformers)."""
+    from hf_models import tiny_hf_model
+
+    model = tiny_hf_model()
+    path = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(path)
+    return model, path

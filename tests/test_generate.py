@@ -20,14 +20,6 @@ from jax_megamoe.models import generation, qwen3_moe
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def hf_checkpoint(tmp_path_factory):
-    model = tiny_hf_model()
-    path = tmp_path_factory.mktemp("hf")
-    model.save_pretrained(path)
-    return model, path
-
-
 def hf_greedy(model, prompts, max_new_tokens, eos_token_id):
     """transformers' greedy generate on left-padded prompts: `(tokens [B, n], logits [n, B, V])`."""
     width = max(map(len, prompts))

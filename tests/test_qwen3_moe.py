@@ -31,14 +31,6 @@ def assert_logits_close(got, want):
     assert np.max(np.abs(np.asarray(got) - want)) < 1e-4
 
 
-@pytest.fixture(scope="module")
-def hf_checkpoint(tmp_path_factory):
-    model = tiny_hf_model()
-    path = tmp_path_factory.mktemp("hf")
-    model.save_pretrained(path)
-    return model, path
-
-
 def test_logits_match_transformers(hf_checkpoint):
     model, path = hf_checkpoint
     ours = qwen3_moe.from_pretrained(path, implementation="cpu", scan_layers=False)  # layers to look at one by one
