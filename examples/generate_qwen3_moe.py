@@ -60,7 +60,6 @@ def main(argv=None) -> None:
     from tqdm import tqdm
 
     from jax_megamoe.models import qwen3_moe
-    from jax_megamoe.models.sampling import check_sampling
 
     if not os.path.exists(os.path.join(args.model_dir, "config.json")):
         raise cli.UsageError(
@@ -77,15 +76,6 @@ def main(argv=None) -> None:
     if any(not ids for ids in encoded):
         raise cli.UsageError("--prompt: a prompt encodes to no tokens; pass some text")
     longest = max(len(ids) for ids in encoded)
-    if longest + args.max_new_tokens > config.max_position_embeddings:
-        raise cli.UsageError(
-            f"the longest prompt ({longest} tokens) plus --max-new-tokens {args.max_new_tokens} exceeds the model's "
-            f"max_position_embeddings {config.max_position_embeddings}: pass a smaller --max-new-tokens"
-        )
-    try:
-        check_sampling(args.temperature, args.top_k, args.top_p)
-    except ValueError as error:
-        raise cli.UsageError(str(error)) from None
 
     key = jax.random.key(args.seed)
     outputs = []
@@ -93,16 +83,19 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     for first in tqdm(range(0, len(encoded), args.batch), desc="batches", unit="batch", file=sys.stderr):
         chunk = encoded[first : first + args.batch]
-        result = qwen3_moe.generate(
-            model,
-            chunk,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            eos_token_id=args.eos,
-            key=jax.random.fold_in(key, first),
-        )
+        try:  # generate checks its arguments before anything runs: a ValueError is the command line's
+            result = qwen3_moe.generate(
+                model,
+                chunk,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                eos_token_id=args.eos,
+                key=jax.random.fold_in(key, first),
+            )
+        except ValueError as error:
+            raise cli.UsageError(f"{error} (--max-new-tokens, --temperature, --top-k, --top-p, --eos)") from None
         tokens, lengths = np.asarray(result.tokens), np.asarray(result.lengths)
         outputs += [row[:length] for row, length in zip(tokens, lengths, strict=True)]
         generated += int(lengths.sum())

@@ -67,6 +67,10 @@ def sample_saved_model(model_dir):
     assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1].startswith(
         "generate_qwen3_moe.py: error: MODEL_DIR"
     ), missing.stderr
+    bad_eos = subprocess.run([*command, "--eos", "999"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad_eos.returncode == 2 and bad_eos.stderr.strip().splitlines()[-1].startswith(
+        "generate_qwen3_moe.py: error: eos_token_id [999] outside [0, vocab_size=256)"
+    ), bad_eos.stderr
 
 
 def read_metrics(out_dir):
