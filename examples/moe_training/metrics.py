@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import os
 
-# Dense bf16 matmul FLOP/s used as the MFU denominator, by device kind. H200: a measured bf16 matmul rate
-# (benchmarks/README.md), not the datasheet's. Other devices: pass --peak-tflops.
-PEAK_FLOPS = {"H200": 785e12}
+# Dense bf16 matmul FLOP/s used as the MFU denominator, by device kind: measured bf16 matmul rates
+# (benchmarks/README.md's 8192^3 product), not the datasheets'. Other devices: pass --peak-tflops.
+PEAK_FLOPS = {"H200": 785e12, "H100": 771e12}
 
 
 def active_params_per_token(config) -> int:
