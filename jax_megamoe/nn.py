@@ -300,6 +300,7 @@ class MoE(nnx.Module):
         eager = not mesh.empty and self.expert_axis in mesh.axis_names
         return nnx.Param(value, out_sharding=(self.expert_axis, None, None), eager_sharding=eager)
 
+    @jax.named_scope("moe")  # the profiles' name for the router and the experts
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
         dtype = self.dtype or x.dtype
         tokens = x.reshape(-1, x.shape[-1])

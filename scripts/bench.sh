@@ -9,6 +9,8 @@
 #   moe          benchmarks/bench_moe.py: the MoE layer against the peers, one GPU     -> bench_moe.{log,json,png}
 #   decode       benchmarks/bench_moe.py at decode sizes, each row against its floor  -> bench_moe_decode.{log,json,png}
 #   generate     benchmarks/bench_generate.py: sampling against transformers' generate -> bench_generate.{log,json}
+#   profile-decode  benchmarks/profile_decode.py: one decode step's kernel time by part of the model
+#                                                                                        -> profile_decode.{log,json}
 #   ep           benchmarks/bench_ep.py over every GPU of this process (--ep N; with one GPU, ep = 1:
 #                the cost of moe_ffn_ep's plumbing)                                      -> bench_ep.{log,json}
 #   emulated     benchmarks/bench_ep.py with 8 emulated shards of q30s on one GPU      -> bench_ep_emulated.{log,json}
@@ -55,6 +57,9 @@ want decode && step bench-moe-decode bench_moe_decode.log $PY benchmarks/bench_m
 
 want generate && step bench-generate bench_generate.log $PY benchmarks/bench_generate.py \
   --json "$OUTDIR/bench_generate.json" ${GENERATE_ARGS:-}
+
+want profile-decode && step profile-decode profile_decode.log $PY benchmarks/profile_decode.py \
+  --json "$OUTDIR/profile_decode.json" ${PROFILE_DECODE_ARGS:-}
 
 want ep && step bench-ep bench_ep.log $PY benchmarks/bench_ep.py "$OUTDIR/bench_ep.json" --ep "$gpus" \
   ${EP_ARGS:---config q30}

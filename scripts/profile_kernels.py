@@ -1,5 +1,4 @@
-"""Per-kernel device time and DRAM traffic of one `moe_ffn` forward+backward, or of one decode step of the
-Qwen3-MoE model, read by Nsight Compute.
+"""Per-kernel device time and DRAM traffic of one `moe_ffn` forward+backward, read by Nsight Compute.
 
     ncu --profile-from-start off --clock-control none --csv \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
@@ -8,20 +7,15 @@ Qwen3-MoE model, read by Nsight Compute.
 
 `run` compiles the bf16 forward+backward at a bench_moe.py shape (q30s, q30 or q235) and routing
 (uniform or zipf, as bench_moe.py draws them), runs it twice, then once between cudaProfilerStart and
-cudaProfilerStop (through torch), so that only that call is profiled. `decode MODEL BATCH` (MODEL one of
-bench_generate.py's) profiles one greedy decode step the way `generate` runs it (the model's `decode`, its
-LM head and the token's choice, bf16) over a cache prefilled with 512-token prompts, 640 slots written of 768.
-`summarize` prints each kernel in launch order with its time (us) and DRAM bytes read and written (MB), and
-the totals.
+cudaProfilerStop (through torch), so that only that call is profiled. `summarize` prints each kernel in
+launch order with its time (us) and DRAM bytes read and written (MB), and the totals.
 """
 
 from __future__ import annotations
 
 import csv
-import functools
 import math
 import sys
-from pathlib import Path
 
 CONFIGS = {"q30s": (2048, 2048, 768, 128, 8), "q30": (16384, 2048, 768, 128, 8), "q235": (16384, 4096, 1536, 128, 8)}
 
@@ -51,45 +45,6 @@ def run(config: str, routing: str) -> None:
         jax.block_until_ready(step(x, weights, w_gate_up, w_down, dy))
     torch.cuda.profiler.start()
     jax.block_until_ready(step(x, weights, w_gate_up, w_down, dy))
-    torch.cuda.profiler.stop()
-
-
-def decode(model_name: str, batch: int, prompt: int = 512, new: int = 256) -> None:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import torch
-    from bench_generate import model_config
-    from flax import nnx
-
-    from jax_megamoe.models import qwen3_moe
-
-    config = model_config(model_name)
-    model = nnx.jit(
-        lambda: qwen3_moe.Qwen3MoeForCausalLM(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    )()
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, prompt), dtype=np.int32))
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def prefill(state, ids):
-        model = nnx.merge(graphdef, state).compute_form()
-        cache = model.init_cache(batch, prompt + new)
-        _, cache = model.prefill(ids, jnp.full((batch,), prompt, jnp.int32), cache)
-        return cache._replace(lengths=cache.lengths + new // 2)  # the mean cache length of a generate call
-
-    @functools.partial(jax.jit, donate_argnums=2)
-    def step(state, token, cache):
-        model = nnx.merge(graphdef, state).compute_form()
-        hidden, cache = model.decode(token, cache)
-        return jnp.argmax(model.logits(hidden[:, 0]).astype(jnp.float32), axis=-1)[:, None].astype(jnp.int32), cache
-
-    cache = prefill(state, ids)
-    token = ids[:, -1:]
-    for _ in range(3):
-        token, cache = jax.block_until_ready(step(state, token, cache))
-    torch.cuda.profiler.start()
-    token, cache = jax.block_until_ready(step(state, token, cache))
     torch.cuda.profiler.stop()
 
 
@@ -128,9 +83,6 @@ def summarize(path: str) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "run":
         run(sys.argv[2], sys.argv[3])
-    elif len(sys.argv) == 4 and sys.argv[1] == "decode":
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-        decode(sys.argv[2], int(sys.argv[3]))
     elif len(sys.argv) == 3 and sys.argv[1] == "summarize":
         summarize(sys.argv[2])
     else:

@@ -136,6 +136,23 @@ def test_gemm_config_is_typed():
     assert jmm.GemmConfig is GemmConfig and jmm.GemmTiles is GemmTiles
 
 
+# bench_moe.py's shapes (T, H, I, E, K): its decode rows (q30-t<T>, q235-t<T>) and its training rows.
+Q30, Q235 = (2048, 768, 128, 8), (4096, 1536, 128, 8)
+DECODE_SHAPES = {f"{name}-t{t}": (t, *dims) for name, dims in (("q30", Q30), ("q235", Q235)) for t in (8, 64, 256, 512)}
+TRAINING_SHAPES = {"q30s": (2048, *Q30), "q30": (16384, *Q30), "q235": (16384, *Q235)}
+
+
+@pytest.mark.parametrize("shape", [*DECODE_SHAPES, *TRAINING_SHAPES])
+def test_the_heuristic_takes_small_row_gemms_at_decode_sizes(shape):
+    """At the decode rows (at most 32 rows per expert) the forward's row GEMMs run SMALL_ROWS, at the training rows
+    (128 and more) the CUTLASS tiles; the backward keeps the CUTLASS tiles at every size."""
+    t, h, i, e, k = {**DECODE_SHAPES, **TRAINING_SHAPES}[shape]
+    forward = GemmTiles.SMALL_ROWS if shape in DECODE_SHAPES else GemmTiles.COOP_128X256
+    assert GemmConfig.for_problem(t, k, h, i, e) == GemmConfig(
+        forward, forward, GemmTiles.COOP_128X256, GemmTiles.COOP_128X256
+    )
+
+
 def test_moe_ffn_rejects_a_gemm_config_of_another_type():
     args = (
         jnp.zeros((T, H)),

@@ -52,6 +52,9 @@ CASES = {
     "row_tile_edges": (Case(sum(ROW_TILE_EDGES), 256, 128, 11, 1), ROW_TILE_EDGES),
     # H, I multiples of 8 but not of the 64-deep contraction tile; fewer rows than one tile per expert.
     "ragged_contraction": (Case(96, 200, 72, 16, 2), None),
+    # Decode sizes: a few rows per expert, some experts empty, several column slices per expert; one token.
+    "decode_rows": (Case(24, 512, 192, 64, 8), None),
+    "one_token": (Case(1, 256, 128, 16, 4), None),
 }
 
 

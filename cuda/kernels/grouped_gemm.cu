@@ -164,6 +164,8 @@ CutlassRowsGemm FindRowsGemm(GemmTiles tiles, bool b_transposed) {
   switch (tiles) {
     case GemmTiles::kCooperative128x256:
       return b_transposed ? cutlass_gemm::RowsGemmNT : cutlass_gemm::RowsGemmNN;
+    case GemmTiles::kSmallRows:
+      break;  // not CUTLASS: RowsGemm launches SmallRowsGemm
   }
   return nullptr;
 }
@@ -187,6 +189,9 @@ Status RowsGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, vo
                 const Scratch& scratch, cudaStream_t stream) {
   if (rows == 0 || n == 0) return {};
   if (tensor_cores) {
+    if (tiles == GemmTiles::kSmallRows) {
+      return SmallRowsGemm(a, b, d, expert_offsets, num_experts, n, k, b_transposed, stream);
+    }
     const CutlassRowsGemm gemm = FindRowsGemm(tiles, b_transposed);
     if (gemm == nullptr) return "GEMM tiles " + std::to_string(static_cast<int64_t>(tiles)) + " are not built";
     return gemm(a, b, d, expert_offsets, num_experts, n, k, scratch, stream);

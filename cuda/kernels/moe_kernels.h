@@ -105,19 +105,25 @@ Status ZeroEmptyExperts(Dtype dtype, const int32_t* expert_offsets, int64_t num_
 // Tensor-core (CUTLASS sm90) grouped GEMMs need bf16 and 16-byte aligned rows; otherwise the SIMT path.
 bool UseTensorCores(Dtype dtype, int64_t hidden, int64_t intermediate);
 
-// Tile configurations of the tensor-core row-grouped GEMMs (grouped_gemm_cutlass.cuh), each built for both B
-// layouts. The values travel as int64 FFI attributes (jax_megamoe/ops/gemm_config.py's GemmTiles mirrors them), so
-// they are explicit and never renumbered. The SIMT path ignores the choice. The weight-gradient GEMMs always use
-// cooperative 128 x 256 tiles with a 2 x 1 cluster.
+// Tile configurations of the tensor-core row-grouped GEMMs, each built for both B layouts. The values travel as
+// int64 FFI attributes (jax_megamoe/ops/gemm_config.py's GemmTiles mirrors them), so they are explicit and never
+// renumbered. The SIMT path ignores the choice. The weight-gradient GEMMs always use cooperative 128 x 256 tiles
+// with a 2 x 1 cluster.
 enum class GemmTiles : int64_t {
-  kCooperative128x256 = 0,  // cooperative 128 x 256 x 64, no cluster
+  kCooperative128x256 = 0,  // CUTLASS sm90 (grouped_gemm_cutlass.cuh): cooperative 128 x 256 x 64, no cluster
+  kSmallRows = 1,           // grouped_gemm_small_rows.cu: one expert's 128-column slice per block, mma.sync
 };
 
 // Whether `value` names a GemmTiles configuration built into this library.
-inline bool GemmTilesBuilt(int64_t value) { return value == static_cast<int64_t>(GemmTiles::kCooperative128x256); }
+inline bool GemmTilesBuilt(int64_t value) {
+  return value == static_cast<int64_t>(GemmTiles::kCooperative128x256) ||
+         value == static_cast<int64_t>(GemmTiles::kSmallRows);
+}
 
 // The built values and what they are, for error messages.
-inline std::string AcceptedGemmTiles() { return "0 (cooperative 128x256, no cluster)"; }
+inline std::string AcceptedGemmTiles() {
+  return "0 (cooperative 128x256, no cluster), 1 (small rows: a 128-column slice of one expert per block)";
+}
 
 // Row-grouped GEMM: d[rows of e] = a[rows of e] @ B_e, a [rows, k], d [rows, n].
 // B_e = b + e*k*n holds [k, n] row-major, or [n, k] row-major when `b_transposed`. `tiles` picks the CUTLASS
@@ -125,6 +131,11 @@ inline std::string AcceptedGemmTiles() { return "0 (cooperative 128x256, no clus
 Status RowsGemm(Dtype dtype, bool tensor_cores, const void* a, const void* b, void* d, const int32_t* expert_offsets,
                 int64_t num_experts, int64_t rows, int64_t n, int64_t k, bool b_transposed, GemmTiles tiles,
                 const Scratch& scratch, cudaStream_t stream);
+
+// RowsGemm's GemmTiles::kSmallRows kernel (bf16, k and n multiples of 8): the decode-size path, for a few rows per
+// expert. It takes no scratch.
+Status SmallRowsGemm(const void* a, const void* b, void* d, const int32_t* expert_offsets, int64_t num_experts,
+                     int64_t n, int64_t k, bool b_transposed, cudaStream_t stream);
 
 // Expert-grouped weight GEMM: d_e = a[rows of e]^T @ b[rows of e], a [rows, m], b [rows, n], d [E, m, n].
 // Experts without rows get zeros.

@@ -116,6 +116,7 @@ def _rows(x: jax.Array, axis: int = 0) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
+@jax.named_scope("sampling")
 def _emit(loop: _Loop, logits: jax.Array, key: jax.Array | None, settings: _Settings) -> _Loop:
     """The loop with the next token of every row chosen from `logits [B, V]`."""
     if key is not None:
@@ -164,6 +165,7 @@ def _run(graphdef, settings: _Settings, state, prompts, prompt_lengths, key) -> 
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
 
+    @jax.named_scope("decode_step")  # the profiles' name for the loop body (benchmarks/profile_decode.py)
     def decode_step(loop: _Loop) -> _Loop:
         # Modules of the loop body's own trace (flax does not let a transform inside update outer ones).
         model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))

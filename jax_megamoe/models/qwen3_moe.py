@@ -121,14 +121,15 @@ class Attention(nnx.Module):
         """`x [B, T, H]` at positions `cache.lengths[b] + t`, its keys and values written into layer `index` of the
         cache. `prefill`: the cache holds nothing yet (lengths 0), so the tokens attend causally over themselves,
         as `__call__` does; else over the cache's slots up to each query's position."""
-        q, k, v = self._project(x, cos, sin)
-        cache = cache.write(index, k, v)
-        if prefill:
-            out = causal_attention(q, k, v, implementation=self.attention_impl)
-        else:
-            positions = cache.lengths[:, None] + jnp.arange(x.shape[1])
-            out = chunked_attention(q, *cache.layer(index), query_positions=positions)
-        return self._output(out), cache
+        with jax.named_scope("attention"):  # the profiles' name for this block (benchmarks/profile_decode.py)
+            q, k, v = self._project(x, cos, sin)
+            cache = cache.write(index, k, v)
+            if prefill:
+                out = causal_attention(q, k, v, implementation=self.attention_impl)
+            else:
+                positions = cache.lengths[:, None] + jnp.arange(x.shape[1])
+                out = chunked_attention(q, *cache.layer(index), query_positions=positions)
+            return self._output(out), cache
 
 
 class DenseMLP(nnx.Module):
@@ -400,10 +401,11 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """The LM head: final normed hidden states `[..., H]` -> logits `[..., vocab]` in the compute dtype."""
-        if self.lm_head is None:
-            embed = typing.cast(nnx.Embed, gathered(self.embed_tokens, self.dtype, None))
-            return embed.attend(hidden)
-        return gathered(self.lm_head, self.dtype, None)(hidden)
+        with jax.named_scope("lm_head"):
+            if self.lm_head is None:
+                embed = typing.cast(nnx.Embed, gathered(self.embed_tokens, self.dtype, None))
+                return embed.attend(hidden)
+            return gathered(self.lm_head, self.dtype, None)(hidden)
 
     def lm_head_kernel(self) -> jax.Array:
         """The LM head as an `[H, vocab]` matrix in the compute dtype (the embedding table's transpose when

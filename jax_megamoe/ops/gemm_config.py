@@ -12,9 +12,14 @@ import enum
 
 
 class GemmTiles(enum.IntEnum):
-    """The CUTLASS sm90 instantiations of the row-grouped bf16 GEMMs; values are `cuda::GemmTiles`'s."""
+    """The kernels of the row-grouped bf16 GEMMs; values are `cuda::GemmTiles`'s."""
 
-    COOP_128X256 = 0  # cooperative schedule, 128 x 256 x 64 tiles, no cluster
+    COOP_128X256 = 0  # CUTLASS sm90, cooperative schedule, 128 x 256 x 64 tiles, no cluster
+    SMALL_ROWS = 1  # a 128-column slice of one expert's weights per block, its rows 64 at a time (mma.sync)
+
+
+# At or below this many rows per expert (tokens * top_k / experts) the forward's row GEMMs take SMALL_ROWS.
+SMALL_ROWS_PER_EXPERT = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +41,15 @@ class GemmConfig:
 
     @classmethod
     def for_problem(cls, tokens: int, top_k: int, hidden: int, intermediate: int, experts: int) -> GemmConfig:
-        """The tiles for a problem of these sizes. Cooperative 128 x 256 tiles without a cluster measured
-        fastest, or within run-to-run spread of the fastest, for every GEMM at the q30s, q30 and q235 sizes
-        (bench_moe.py with explicit configs, before the other instantiations were removed): a cluster's padding of
-        row tiles costs more than its weight multicast saves, and 64-row pingpong tiles won only within the spread
-        at 16 rows per expert and lost under skewed routing. A new instantiation earns a rule here once it wins."""
-        del tokens, top_k, hidden, intermediate, experts  # one configuration serves every measured shape
+        """The tiles for a problem of these sizes (bench_moe.py's rows, benchmarks/README.md).
+
+        Training sizes (thousands of rows per expert): cooperative 128 x 256 tiles without a cluster measured
+        fastest, or within run-to-run spread of the fastest, for every GEMM at the q30s, q30 and q235 sizes: a
+        cluster's padding of row tiles costs more than its weight multicast saves, and 64-row pingpong tiles won only
+        within the spread at 16 rows per expert and lost under skewed routing. Decode sizes (at most
+        `SMALL_ROWS_PER_EXPERT` rows per expert): the forward's GEMMs read each touched expert's weights once
+        through `SMALL_ROWS`, whose blocks carry no row padding beyond 16 rows."""
+        del hidden, intermediate  # the rule depends on the rows per expert alone
+        if tokens * top_k <= SMALL_ROWS_PER_EXPERT * experts:
+            return cls(fwd_gate_up=GemmTiles.SMALL_ROWS, fwd_down=GemmTiles.SMALL_ROWS)
         return cls()
