@@ -110,25 +110,32 @@ class Attention(nnx.Module):
     def _output(self, out: jax.Array) -> jax.Array:
         return self.o_proj(out.reshape(*out.shape[:2], -1))
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, key_mask: jax.Array | None = None) -> jax.Array:
-        """`x [B, S, H]` attending causally over itself; `key_mask [B, S]` hides the keys where it is False."""
-        q, k, v = self._project(x, cos, sin)
-        return self._output(causal_attention(q, k, v, implementation=self.attention_impl, key_mask=key_mask))
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        key_mask: jax.Array | None = None,
+        cache: KVCache | None = None,
+        index=None,
+        *,
+        prefill: bool = False,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """`(out, cache)` of `x [B, T, H]` at the positions of the RoPE tables `cos, sin`.
 
-    def cached(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: KVCache, index, *, prefill: bool
-    ) -> tuple[jax.Array, KVCache]:
-        """`x [B, T, H]` at positions `cache.lengths[b] + t`, its keys and values written into layer `index` of the
-        cache. `prefill`: the cache holds nothing yet (lengths 0), so the tokens attend causally over themselves,
-        as `__call__` does; else over the cache's slots up to each query's position."""
+        Without a cache the tokens attend causally over themselves, `key_mask [B, T]` hiding the keys where it is
+        False. With one, their keys and values are written into layer `index` of `cache` at positions
+        `cache.lengths[b] + t`; `prefill`: the cache holds nothing yet (lengths 0), so the tokens attend causally
+        over themselves as without a cache; else over the cache's slots up to each query's position."""
         with jax.named_scope("attention"):  # the profiles' name for this block (benchmarks/profile_decode.py)
             q, k, v = self._project(x, cos, sin)
-            cache = cache.write(index, k, v)
-            if prefill:
-                out = causal_attention(q, k, v, implementation=self.attention_impl)
-            else:
-                positions = cache.lengths[:, None] + jnp.arange(x.shape[1])
-                out = chunked_attention(q, *cache.layer(index), query_positions=positions)
+            if cache is None or prefill:
+                out = causal_attention(q, k, v, implementation=self.attention_impl, key_mask=key_mask)
+            if cache is not None:
+                cache = cache.write(index, k, v)
+                if not prefill:
+                    positions = cache.lengths[:, None] + jnp.arange(x.shape[1])
+                    out = chunked_attention(q, *cache.layer(index), query_positions=positions)
             return self._output(out), cache
 
 
@@ -192,27 +199,27 @@ class DecoderLayer(nnx.Module):
             self.mlp = DenseMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, key_mask: jax.Array | None = None
-    ) -> tuple[jax.Array, MoEAux | None]:
-        x = x + self.self_attn(_recomputed_norm(self.input_layernorm, x), cos, sin, key_mask)
-        return self._mlp_block(x)
-
-    def cached(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: KVCache, index, *, prefill: bool
-    ) -> tuple[jax.Array, KVCache]:
-        """The layer over tokens that extend a KV cache (`Attention.cached`); the cache with their keys and values."""
-        attended, cache = self.self_attn.cached(
-            _recomputed_norm(self.input_layernorm, x), cos, sin, cache, index, prefill=prefill
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        key_mask: jax.Array | None = None,
+        cache: KVCache | None = None,
+        index=None,
+        *,
+        prefill: bool = False,
+    ) -> tuple[jax.Array, MoEAux | None, KVCache | None]:
+        """`(x, aux, cache)`: the block over `x [B, T, H]` (arguments as `Attention`'s). `aux` is the sparse MLP's
+        `MoEAux` without a cache, else None (inference has no use for it, so nothing builds it)."""
+        attended, cache = self.self_attn(
+            _recomputed_norm(self.input_layernorm, x), cos, sin, key_mask, cache, index, prefill=prefill
         )
-        x, _ = self._mlp_block(x + attended)
-        return x, cache
-
-    def _mlp_block(self, x: jax.Array) -> tuple[jax.Array, MoEAux | None]:
+        x = x + attended
         h = _recomputed_norm(self.post_attention_layernorm, x)
         if isinstance(self.mlp, MoE):
             y, aux = self.mlp(h)
-            return x + y, aux
-        return x + self.mlp(h), None
+            return x + y, (aux if cache is None else None), cache
+        return x + self.mlp(h), None, cache
 
 
 def combine_aux(layer_aux: list[MoEAux], num_experts: int) -> MoEAux:
@@ -415,14 +422,6 @@ class Qwen3MoeForCausalLM(nnx.Module):
             return embed.embedding[...].T
         return typing.cast(nnx.Linear, gathered(self.lm_head, self.dtype, None)).kernel[...]
 
-    def _layer_fn(self):
-        dtype, expert_axis = self.dtype, self.expert_axis
-
-        def apply(layer, x, cos, sin, key_mask):
-            return gathered(layer, dtype, expert_axis)(x, cos, sin, key_mask)
-
-        return nnx.remat(apply, policy=self.remat_policy) if self.remat else apply
-
     def hidden_states(
         self, input_ids: jax.Array, positions: jax.Array | None = None, *, attention_mask: jax.Array | None = None
     ) -> tuple[jax.Array, MoEAux]:
@@ -430,36 +429,65 @@ class Qwen3MoeForCausalLM(nnx.Module):
         `__call__`'s)."""
         if positions is None:
             positions = jnp.arange(input_ids.shape[-1])
-        cos, sin = self._rope(positions)
         key_mask = None if attention_mask is None else attention_mask.astype(bool)
+        hidden, aux, _ = self._forward(input_ids, positions, key_mask=key_mask)
+        return hidden, typing.cast(MoEAux, aux)
+
+    def _forward(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        *,
+        key_mask: jax.Array | None = None,
+        cache: KVCache | None = None,
+        prefill: bool = False,
+    ) -> tuple[jax.Array, MoEAux | None, KVCache | None]:
+        """The model's one forward, for training and for generation: `(final normed hidden states, MoEAux without a
+        cache else None, the cache)` of `input_ids [B, T]` at `positions` (`[T]` or `[B, T]`).
+
+        Each run of same-kind layers is one `layer_scan.scan` over its stacked parameters (or, without
+        `scan_layers`, an unrolled loop), its carry the hidden states and, with a cache, the cache and the layer's
+        index into it, so the cache is written in place (a plain scan: nothing is differentiated there)."""
+        cos, sin = self._rope(positions)
         x = gathered(self.embed_tokens, self.dtype, None)(input_ids)
-        apply = self._layer_fn()
+        dtype, expert_axis = self.dtype, self.expert_axis
+
+        def apply(layer, x, cache, index, cos, sin, key_mask):
+            return gathered(layer, dtype, expert_axis)(x, cos, sin, key_mask, cache, index, prefill=prefill)
+
+        if self.remat and cache is None:
+            apply = nnx.remat(apply, policy=self.remat_policy)
+        consts = (cos, sin, key_mask)
         layer_aux = []
         if self.scan_layers:
-            for run in self.layer_runs:
+            for (first, _, _), run in zip(self.config.layer_runs(), self.layer_runs, strict=True):
                 graphdef, stacked = nnx.split(run)
                 # The weights' gradients stack in the compute dtype either way, converted once where the
                 # optimizer reads them. Without remat the stacks are cast once before the scan and the backward
                 # slices the cast stacks; under remat the scan casts each layer's slice (again in the
                 # backward), so that no cast copy of every layer is kept.
                 prepare = None
-                if self.remat:
+                if self.remat and cache is None:
                     prepare = functools.partial(compute_dtype, dtype=self.dtype)
                 else:
                     stacked = compute_dtype(stacked, self.dtype)
 
-                def layer(params, x, consts, graphdef=graphdef):
-                    return apply(nnx.merge(graphdef, params), x, *consts)
+                def layer(params, carry, consts, graphdef=graphdef):
+                    x, cache, index = carry
+                    x, aux, cache = apply(nnx.merge(graphdef, params), x, cache, index, *consts)
+                    return (x, cache, None if index is None else index + 1), aux
 
-                x, aux = layer_scan.scan(layer, stacked, x, (cos, sin, key_mask), prepare)
+                index = None if cache is None else jnp.asarray(first, jnp.int32)
+                (x, cache, _), aux = layer_scan.scan(layer, stacked, (x, cache, index), consts, prepare)
                 if aux is not None:
                     layer_aux.append(aux)
         else:
-            for decoder_layer in self.layers:
-                x, aux = apply(decoder_layer, x, cos, sin, key_mask)
+            for layer_index, decoder_layer in enumerate(self.layers):
+                x, aux, cache = apply(decoder_layer, x, cache, layer_index, *consts)
                 if aux is not None:
                     layer_aux.append(jax.tree.map(lambda a: a[None], aux))
-        return _recomputed_norm(self.norm, x), combine_aux(layer_aux, self.config.num_experts)
+        aux = None if cache is not None else combine_aux(layer_aux, self.config.num_experts)
+        return _recomputed_norm(self.norm, x), aux, cache
 
     def compute_form(self) -> Qwen3MoeForCausalLM:
         """This model with every parameter in its compute form (`gathered`): matrices in the compute dtype and,
@@ -487,47 +515,19 @@ class Qwen3MoeForCausalLM(nnx.Module):
         tokens attend causally over themselves, as in `__call__` (`attention_impl` included); the padding's slots
         are overwritten by `decode` before any query sees them."""
         cache = cache._replace(lengths=jnp.zeros_like(cache.lengths))
-        hidden, cache = self._cached(input_ids, cache, prefill=True)
-        return hidden, cache._replace(lengths=jnp.asarray(lengths, jnp.int32))
+        hidden, _, written = self._forward(input_ids, jnp.arange(input_ids.shape[1]), cache=cache, prefill=True)
+        return hidden, typing.cast(KVCache, written)._replace(lengths=jnp.asarray(lengths, jnp.int32))
 
     def decode(self, input_ids: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Runs `input_ids [B, T]` as the next tokens of each row, row b's at positions `cache.lengths[b]`,
         `+1`, ...: `(final normed hidden states [B, T, H], the cache with their keys and values written and its
         lengths advanced by T)`. Each token attends over the cache's slots up to its own position."""
-        hidden, cache = self._cached(input_ids, cache, prefill=False)
-        return hidden, cache.advance(input_ids.shape[1])
+        positions = cache.lengths[:, None] + jnp.arange(input_ids.shape[1])
+        hidden, _, written = self._forward(input_ids, positions, cache=cache)
+        return hidden, typing.cast(KVCache, written).advance(input_ids.shape[1])
 
     def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         return rope_tables(positions, typing.cast(int, self.config.head_dim), self.config.rope_theta)
-
-    def _cached(self, input_ids: jax.Array, cache: KVCache, *, prefill: bool) -> tuple[jax.Array, KVCache]:
-        # Inference only: no gradient, so a plain scan over each run of layers, the cache its carry (written in
-        # place; as scanned inputs and outputs it would be copied whole at every step).
-        cos, sin = self._rope(cache.lengths[:, None] + jnp.arange(input_ids.shape[1]))
-        x = gathered(self.embed_tokens, self.dtype, None)(input_ids)
-        dtype, expert_axis = self.dtype, self.expert_axis
-
-        def apply(layer, index, carry):
-            x, cache = carry
-            layer = typing.cast(DecoderLayer, gathered(layer, dtype, expert_axis))
-            return layer.cached(x, cos, sin, cache, index, prefill=prefill)
-
-        carry = (x, cache)
-        if self.scan_layers:
-            for (first, count, _), run in zip(self.config.layer_runs(), self.layer_runs, strict=True):
-                graphdef, stacked = nnx.split(run)
-
-                def step(carry, inputs, graphdef=graphdef):
-                    params, index = inputs
-                    return apply(nnx.merge(graphdef, params), index, carry), None
-
-                indices = jnp.arange(first, first + count)
-                carry, _ = jax.lax.scan(step, carry, (compute_dtype(stacked, self.dtype), indices))
-        else:
-            for index, decoder_layer in enumerate(self.layers):
-                carry = apply(decoder_layer, index, carry)
-        x, cache = carry
-        return _recomputed_norm(self.norm, x), cache
 
 
 def from_pretrained(
