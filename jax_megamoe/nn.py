@@ -158,17 +158,30 @@ def moe_block(
     expert_axis: str | None = None,
     transport: str | Transport = "xla",
     recipe: str | None = None,
-) -> tuple[jax.Array, MoEAux]:
-    """Routes `x [T, H]` by `router_logits [T, E]` and runs the experts; returns `(y [T, H], MoEAux)`.
+    recorded: jax.Array | None = None,
+    return_experts: bool = False,
+):
+    """Routes `x [T, H]` by `router_logits [T, E]` and runs the experts; returns `(y [T, H], MoEAux)`, and the
+    experts each token used (`[T, K]` int32) third with `return_experts`.
 
     `w_gate_up [E, H, 2I]` and `w_down [E, I, H]` must already be in x's dtype. `implementation` is a
     `moe_ffn` implementation name, or a function with `moe_ffn`'s positional signature (a baseline to compare
     against; it cannot be combined with `expert_axis`). Under an active multi-device mesh
     (`jax.set_mesh`) the experts run per shard in `shard_map` (see `sharded_ffn`); with `expert_axis`
     that is expert parallelism through `moe_ffn_ep` over `transport`.
+
+    `recorded [T, K]` replays a routing record (`jax_megamoe.route`: the recorded experts, weighted by this
+    router's probabilities; rows of -1 route themselves). Replay is dropless: it cannot be combined with a
+    `capacity_factor`, whose drops depend on the batch the record was made in. The aux losses count the experts
+    the layer used, the replayed ones where there is a record.
     """
     num_experts = router_logits.shape[-1]
-    weights, experts = route(router_logits, top_k, norm_topk_prob)
+    if recorded is not None and capacity_factor is not None:
+        raise ValueError(
+            "routing replay is dropless: a capacity_factor cannot reproduce the recorded run's drops "
+            f"(capacity_factor={capacity_factor}); use capacity_factor=None with a routing record"
+        )
+    weights, experts = route(router_logits, top_k, norm_topk_prob, recorded)
     aux_losses = (
         load_balancing_loss(router_logits, experts),
         router_z_loss(router_logits),
@@ -190,6 +203,8 @@ def moe_block(
         capacity_factor=capacity_factor,
         recipe=recipe,
     )
+    if return_experts:
+        return y, MoEAux(*aux_losses, dropped), experts
     return y, MoEAux(*aux_losses, dropped)
 
 
@@ -207,6 +222,16 @@ def check_layer_args(hidden_size, intermediate_size, num_experts, top_k, capacit
         raise ValueError(f"top_k must be <= num_experts={num_experts}, got {top_k}")
     if capacity_factor is not None and not capacity_factor > 0:
         raise ValueError(f"capacity_factor must be positive or None (dropless), got {capacity_factor!r}")
+
+
+def check_routing_shape(routing, leading: tuple, top_k: int) -> None:
+    """A layer's routing record: integer, the tokens' leading shape then K."""
+    if not hasattr(routing, "dtype") or not jnp.issubdtype(routing.dtype, jnp.integer):
+        raise TypeError(f"routing must be an integer array of expert ids (-1: no record), got {routing!r:.80}")
+    if tuple(routing.shape) != (*leading, top_k):
+        raise ValueError(
+            f"routing must have the tokens' shape then top_k, {(*leading, top_k)}, got {tuple(routing.shape)}"
+        )
 
 
 def default_expert_init() -> nnx.Initializer:
@@ -301,11 +326,19 @@ class MoE(nnx.Module):
         return nnx.Param(value, out_sharding=(self.expert_axis, None, None), eager_sharding=eager)
 
     @jax.named_scope("moe")  # the profiles' name for the router and the experts
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
+    def __call__(self, x: jax.Array, routing: jax.Array | None = None, *, return_experts: bool = False):
+        """`(y, aux)` for `x [..., H]`, and with `return_experts` the experts each token used (`[..., K]` int32).
+
+        `routing [..., K]` (integer, x's leading shape) replays a routing record: each token whose row is not
+        all -1 uses the recorded experts, weighted by this router's probabilities at them (`moe_block`)."""
         dtype = self.dtype or x.dtype
         tokens = x.reshape(-1, x.shape[-1])
         router_logits = _recomputed_router(self.router, tokens)
-        y, aux = moe_block(
+        recorded = None
+        if routing is not None:
+            check_routing_shape(routing, x.shape[:-1], self.top_k)
+            recorded = routing.reshape(-1, self.top_k)
+        out = moe_block(
             tokens.astype(dtype),
             router_logits,
             self.w_gate_up[...].astype(dtype),
@@ -317,5 +350,10 @@ class MoE(nnx.Module):
             expert_axis=self.expert_axis,
             transport=self.transport,
             recipe=self.recipe,
+            recorded=recorded,
+            return_experts=return_experts,
         )
-        return y.reshape(*x.shape[:-1], y.shape[-1]), aux
+        y = out[0].reshape(*x.shape[:-1], out[0].shape[-1])
+        if return_experts:
+            return y, out[1], out[2].reshape(*x.shape[:-1], self.top_k)
+        return y, out[1]

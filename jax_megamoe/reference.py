@@ -15,17 +15,32 @@ def _compute_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def route(router_logits: jax.Array, top_k: int, norm_topk_prob: bool = True):
+def route(router_logits: jax.Array, top_k: int, norm_topk_prob: bool = True, recorded: jax.Array | None = None):
     """Qwen3-MoE routing: softmax over all experts in float32, top-k, optional renormalisation.
 
     Returns `(weights [T, K] float32, experts [T, K] int32)`; experts are in descending probability,
     ties broken toward the lower expert id.
+
+    `recorded [T, K]` (integer; routing replay) replaces the top-k of every token whose row holds an id other than
+    -1 by that row's ids, weighted by this router's probabilities at them (renormalised over the row's ids in
+    `[0, E)` with `norm_topk_prob`); a row of -1 keeps its own top-k. Ids outside `[0, E)` in a recorded row get
+    weight 0 and are dropped by `moe_ffn`.
     """
     probs = jax.nn.softmax(router_logits.astype(_compute_dtype(router_logits.dtype)), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
+    experts = experts.astype(jnp.int32)
+    if recorded is not None:
+        num_experts = probs.shape[-1]
+        recorded = recorded.astype(jnp.int32)
+        replayed = jnp.any(recorded != -1, axis=-1, keepdims=True)
+        valid = (recorded >= 0) & (recorded < num_experts)
+        at_recorded = jnp.take_along_axis(probs, jnp.clip(recorded, 0, num_experts - 1), axis=-1)
+        weights = jnp.where(replayed, jnp.where(valid, at_recorded, 0), weights)
+        experts = jnp.where(replayed, recorded, experts)
     if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights.astype(jnp.promote_types(probs.dtype, jnp.float32)), experts.astype(jnp.int32)
+        total = jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / jnp.where(total > 0, total, 1)
+    return weights.astype(jnp.promote_types(probs.dtype, jnp.float32)), experts
 
 
 def swiglu(gate_up: jax.Array) -> jax.Array:

@@ -33,7 +33,7 @@ class CausalLM(Protocol):
 
     config: Qwen3MoeConfig
 
-    def init_cache(self, batch: int, length: int) -> KVCache: ...
+    def init_cache(self, batch: int, length: int, *, record_routing: bool = False) -> KVCache: ...
 
     def prefill(self, input_ids: jax.Array, lengths: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]: ...
 
@@ -53,6 +53,9 @@ class Generation(NamedTuple):
     tokens: jax.Array  # [B, max_new_tokens] int32; pad_token_id once the row has stopped
     logprobs: jax.Array  # [B, max_new_tokens] float32: log_softmax(logits) of each token at temperature 1; 0 after
     lengths: jax.Array  # [B] int32: tokens generated per row, its eos token counted
+    # With return_routing: [B, positions, L_moe, K], the experts each sparse layer chose for the token at each
+    # position (prompt then completion), -1 where no token was fed (padding, the last token); else None.
+    routing: jax.Array | None = None
 
 
 class GenerationPlan(NamedTuple):
@@ -94,6 +97,7 @@ class _Settings:
     top_p: float | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
+    return_routing: bool
 
 
 class _Loop(NamedTuple):
@@ -145,8 +149,13 @@ def _run(graphdef, settings: _Settings, state, prompts, prompt_lengths, key) -> 
     model = nnx.merge(graphdef, state).compute_form()
     batch, bucket = prompts.shape
     steps = settings.max_new_tokens
-    cache = model.init_cache(batch, bucket + steps)
-    cache = KVCache(_rows(cache.k, 1), _rows(cache.v, 1), _rows(cache.lengths))
+    cache = model.init_cache(batch, bucket + steps, record_routing=settings.return_routing)
+    cache = KVCache(
+        _rows(cache.k, 1),
+        _rows(cache.v, 1),
+        _rows(cache.lengths),
+        None if cache.routing is None else _rows(cache.routing, 1),
+    )
     hidden, cache = model.prefill(_rows(prompts), _rows(prompt_lengths), cache)
     last = jnp.take_along_axis(hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     loop = _Loop(
@@ -174,7 +183,20 @@ def _run(graphdef, settings: _Settings, state, prompts, prompt_lengths, key) -> 
         return _emit(loop._replace(cache=cache), model.logits(hidden[:, 0]), key, settings)
 
     loop = jax.lax.while_loop(running, decode_step, loop)
-    return Generation(loop.tokens, loop.logprobs, loop.lengths)
+    routing = None
+    if loop.cache.routing is not None:
+        routing = _fed_routing(loop.cache.routing, model.config, prompt_lengths, loop.lengths)
+    return Generation(loop.tokens, loop.logprobs, loop.lengths, routing)
+
+
+def _fed_routing(recorded: jax.Array, config: Qwen3MoeConfig, prompt_lengths, lengths) -> jax.Array:
+    """The cache's routing record `[layers, B, S, K]` as `[B, S, L_moe, K]` (the sparse layers), -1 at every slot
+    whose token was not fed through the model: past a row's prompt and its generated tokens but the last one
+    (prefill wrote the padding's slots, and a stopped row keeps feeding padding)."""
+    sparse = np.array(sorted(config.moe_layer_index()))
+    record = jnp.moveaxis(recorded[sparse], 0, 2)
+    fed = jnp.arange(record.shape[1])[None] < (prompt_lengths + lengths - 1)[:, None]
+    return jnp.where(fed[:, :, None, None], record, jnp.asarray(-1, record.dtype))
 
 
 _run_jit = jax.jit(_run, static_argnums=(0, 1))
@@ -260,6 +282,7 @@ def generate(
     pad_token_id: int | None = None,
     key: jax.Array | None = None,
     prompt_lengths=None,
+    return_routing: bool = False,
 ) -> Generation:
     """Continues each prompt by up to `max_new_tokens` tokens: `Generation(tokens, logprobs, lengths)`.
 
@@ -276,6 +299,12 @@ def generate(
       eos_token_id: an id or a list of ids; a row stops after emitting one (counted in its length).
       pad_token_id: the token after a row stops (default 0); its log-probs there are 0.
       key: a `jax.random.key`; each step draws with `fold_in(key, step)`.
+      return_routing: also return `Generation.routing [B, bucket + max_new_tokens, L_moe, K]`: the experts each
+        sparse layer chose for the token at each position (prompt then completion, the layout of a training row;
+        `bucket` is the prompts' padded width, `generation_plan`'s), -1 where nothing was fed (prompt padding,
+        positions after a row's last generated token, and that token itself, which is never fed), in the
+        narrowest integer type holding the expert ids (`qwen3_moe.routing_dtype`). Pass its first S positions
+        as `routing=` to the model's forward over the same rows to replay them. Without it nothing is recorded.
 
     `logprobs` are the model's temperature-1 log-softmax of each emitted token in float32, what a
     policy-gradient loss compares with the training forward's. The loop on the device stops early once every row
@@ -312,6 +341,7 @@ def generate(
         top_p=None if top_p is None else float(top_p),
         eos_token_ids=() if eos_token_id is None else _token_ids(eos_token_id, "eos_token_id", config.vocab_size),
         pad_token_id=0 if pad_token_id is None else _pad_id(pad_token_id, config.vocab_size),
+        return_routing=bool(return_routing),
     )
     bucket = prompt_bucket(longest)
     padded = np.zeros((ids.shape[0], bucket), np.int32)

@@ -206,18 +206,24 @@ class DecoderLayer(nnx.Module):
         key_mask: jax.Array | None = None,
         cache: KVCache | None = None,
         index=None,
+        routing: jax.Array | None = None,
         *,
         prefill: bool = False,
     ) -> tuple[jax.Array, MoEAux | None, KVCache | None]:
         """`(x, aux, cache)`: the block over `x [B, T, H]` (arguments as `Attention`'s). `aux` is the sparse MLP's
-        `MoEAux` without a cache, else None (inference has no use for it, so nothing builds it)."""
+        `MoEAux` without a cache, else None (inference has no use for it, so nothing builds it). `routing
+        [B, T, K]` replays a routing record in the sparse MLP (`jax_megamoe.nn.MoE`); a cache that keeps a routing
+        record gets the experts the sparse MLP used, at the tokens' slots."""
         attended, cache = self.self_attn(
             _recomputed_norm(self.input_layernorm, x), cos, sin, key_mask, cache, index, prefill=prefill
         )
         x = x + attended
         h = _recomputed_norm(self.post_attention_layernorm, x)
         if isinstance(self.mlp, MoE):
-            y, aux = self.mlp(h)
+            if cache is not None and cache.routing is not None:
+                y, _, experts = self.mlp(h, routing, return_experts=True)
+                return x + y, None, cache.record(index, experts)
+            y, aux = self.mlp(h, routing)
             return x + y, (aux if cache is None else None), cache
         return x + self.mlp(h), None, cache
 
@@ -236,6 +242,14 @@ def combine_aux(layer_aux: list[MoEAux], num_experts: int) -> MoEAux:
         stacked.expert_counts,
         jnp.sum(stacked.dropped_pairs),
     )
+
+
+def routing_dtype(num_experts: int):
+    """The narrowest signed integer type holding expert ids `0 .. num_experts - 1` and -1 (a routing record's)."""
+    for dtype in (jnp.int8, jnp.int16):
+        if num_experts <= jnp.iinfo(dtype).max:
+            return dtype
+    return jnp.int32
 
 
 def stack_layers(layers) -> DecoderLayer:
@@ -393,7 +407,12 @@ class Qwen3MoeForCausalLM(nnx.Module):
         )
 
     def __call__(
-        self, input_ids: jax.Array, positions: jax.Array | None = None, *, attention_mask: jax.Array | None = None
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None = None,
+        *,
+        attention_mask: jax.Array | None = None,
+        routing: jax.Array | None = None,
     ) -> tuple[jax.Array, MoEAux]:
         """`input_ids [B, S]` -> `(logits [B, S, vocab] in the compute dtype, MoEAux)`.
 
@@ -402,8 +421,14 @@ class Qwen3MoeForCausalLM(nnx.Module):
         causal mask already hides the padding from the tokens before it); left-padded rows need it and their
         positions (`positions[b]` counting from 0 at the row's first token). The MoE layers route every token,
         padding included (their `aux` counts it).
+
+        `routing [B, S, L_moe, K]` (integer; routing replay) gives each sparse layer the experts a sampler chose
+        for each token (`generate(..., return_routing=True)`) in place of its own top-k, weighted by this model's
+        router probabilities at them (`jax_megamoe.route`), so the router still gets gradients; a token whose
+        record in a layer is all -1 routes itself there. The aux losses count the experts used, the replayed ones
+        where there is a record. Replay is dropless (a `capacity_factor` is refused with it).
         """
-        x, aux = self.hidden_states(input_ids, positions, attention_mask=attention_mask)
+        x, aux = self.hidden_states(input_ids, positions, attention_mask=attention_mask, routing=routing)
         return self.logits(x), aux
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -423,15 +448,33 @@ class Qwen3MoeForCausalLM(nnx.Module):
         return typing.cast(nnx.Linear, gathered(self.lm_head, self.dtype, None)).kernel[...]
 
     def hidden_states(
-        self, input_ids: jax.Array, positions: jax.Array | None = None, *, attention_mask: jax.Array | None = None
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None = None,
+        *,
+        attention_mask: jax.Array | None = None,
+        routing: jax.Array | None = None,
     ) -> tuple[jax.Array, MoEAux]:
         """`(final normed hidden states [B, S, H], MoEAux)`: the model without its LM head (arguments as
         `__call__`'s)."""
         if positions is None:
             positions = jnp.arange(input_ids.shape[-1])
         key_mask = None if attention_mask is None else attention_mask.astype(bool)
-        hidden, aux, _ = self._forward(input_ids, positions, key_mask=key_mask)
+        hidden, aux, _ = self._forward(input_ids, positions, key_mask=key_mask, routing=routing)
         return hidden, typing.cast(MoEAux, aux)
+
+    def check_routing(self, routing, tokens_shape: tuple[int, ...]) -> None:
+        """Refuses, at trace time, a routing record that is not integer `[B, T, L_moe, K]` for tokens of shape
+        `[B, T]` (`L_moe` the sparse layers, K the experts per token)."""
+        config = self.config
+        expected = (*tokens_shape, len(config.moe_layer_index()), config.num_experts_per_tok)
+        if not hasattr(routing, "dtype") or not jnp.issubdtype(routing.dtype, jnp.integer):
+            raise TypeError(f"routing must be an integer array of expert ids (-1: no record), got {routing!r:.80}")
+        if tuple(routing.shape) != expected:
+            raise ValueError(
+                f"routing must have shape [B, T, L_moe, K] = {expected} for tokens of shape {tuple(tokens_shape)} "
+                f"({expected[2]} sparse layers, top_k {expected[3]}), got {tuple(routing.shape)}"
+            )
 
     def _forward(
         self,
@@ -441,26 +484,33 @@ class Qwen3MoeForCausalLM(nnx.Module):
         key_mask: jax.Array | None = None,
         cache: KVCache | None = None,
         prefill: bool = False,
+        routing: jax.Array | None = None,
     ) -> tuple[jax.Array, MoEAux | None, KVCache | None]:
         """The model's one forward, for training and for generation: `(final normed hidden states, MoEAux without a
-        cache else None, the cache)` of `input_ids [B, T]` at `positions` (`[T]` or `[B, T]`).
+        cache else None, the cache)` of `input_ids [B, T]` at `positions` (`[T]` or `[B, T]`); `routing
+        [B, T, L_moe, K]` replays a routing record in the sparse layers (`check_routing`).
 
         Each run of same-kind layers is one `layer_scan.scan` over its stacked parameters (or, without
-        `scan_layers`, an unrolled loop), its carry the hidden states and, with a cache, the cache and the layer's
-        index into it, so the cache is written in place (a plain scan: nothing is differentiated there)."""
+        `scan_layers`, an unrolled loop), its carry the hidden states and, with a cache or a routing record, the
+        layer's index (into the cache, and into the run's slice of the record); a cache rides in the carry too, so
+        it is written in place (a plain scan: nothing is differentiated there)."""
+        if routing is not None:
+            self.check_routing(routing, input_ids.shape)
         cos, sin = self._rope(positions)
         x = gathered(self.embed_tokens, self.dtype, None)(input_ids)
         dtype, expert_axis = self.dtype, self.expert_axis
 
-        def apply(layer, x, cache, index, cos, sin, key_mask):
-            return gathered(layer, dtype, expert_axis)(x, cos, sin, key_mask, cache, index, prefill=prefill)
+        def apply(layer, x, cache, index, routing, cos, sin, key_mask):
+            layer = gathered(layer, dtype, expert_axis)
+            return layer(x, cos, sin, key_mask, cache, index, routing, prefill=prefill)
 
         if self.remat and cache is None:
             apply = nnx.remat(apply, policy=self.remat_policy)
         consts = (cos, sin, key_mask)
+        moe_index = self.config.moe_layer_index()
         layer_aux = []
         if self.scan_layers:
-            for (first, _, _), run in zip(self.config.layer_runs(), self.layer_runs, strict=True):
+            for (first, count, _), run in zip(self.config.layer_runs(), self.layer_runs, strict=True):
                 graphdef, stacked = nnx.split(run)
                 # The weights' gradients stack in the compute dtype either way, converted once where the
                 # optimizer reads them. Without remat the stacks are cast once before the scan and the backward
@@ -472,18 +522,31 @@ class Qwen3MoeForCausalLM(nnx.Module):
                 else:
                     stacked = compute_dtype(stacked, self.dtype)
 
-                def layer(params, carry, consts, graphdef=graphdef):
+                # The run's slice of the record, layer-major, read by each layer at its index (an input of the
+                # scan like the RoPE tables: layer_scan stacks floating-point parameters only).
+                run_routing = None
+                if routing is not None and first in moe_index:
+                    run_routing = jnp.moveaxis(routing[:, :, moe_index[first] : moe_index[first] + count], 2, 0)
+
+                def layer(params, carry, consts, graphdef=graphdef, first=first):
                     x, cache, index = carry
-                    x, aux, cache = apply(nnx.merge(graphdef, params), x, cache, index, *consts)
+                    *consts, run_routing = consts
+                    layer_routing = None
+                    if run_routing is not None:
+                        layer_routing = jax.lax.dynamic_index_in_dim(run_routing, index - first, keepdims=False)
+                    x, aux, cache = apply(nnx.merge(graphdef, params), x, cache, index, layer_routing, *consts)
                     return (x, cache, None if index is None else index + 1), aux
 
-                index = None if cache is None else jnp.asarray(first, jnp.int32)
-                (x, cache, _), aux = layer_scan.scan(layer, stacked, (x, cache, index), consts, prepare)
+                index = None if cache is None and run_routing is None else jnp.asarray(first, jnp.int32)
+                (x, cache, _), aux = layer_scan.scan(layer, stacked, (x, cache, index), (*consts, run_routing), prepare)
                 if aux is not None:
                     layer_aux.append(aux)
         else:
             for layer_index, decoder_layer in enumerate(self.layers):
-                x, aux, cache = apply(decoder_layer, x, cache, layer_index, *consts)
+                layer_routing = None
+                if routing is not None and layer_index in moe_index:
+                    layer_routing = routing[:, :, moe_index[layer_index]]
+                x, aux, cache = apply(decoder_layer, x, cache, layer_index, layer_routing, *consts)
                 if aux is not None:
                     layer_aux.append(jax.tree.map(lambda a: a[None], aux))
         aux = None if cache is not None else combine_aux(layer_aux, self.config.num_experts)
@@ -496,8 +559,9 @@ class Qwen3MoeForCausalLM(nnx.Module):
         no-op."""
         return typing.cast(Qwen3MoeForCausalLM, gathered(self, self.dtype, self.expert_axis))
 
-    def init_cache(self, batch: int, length: int) -> KVCache:
-        """An empty `KVCache` of `length` slots per row for this model, in the compute dtype."""
+    def init_cache(self, batch: int, length: int, *, record_routing: bool = False) -> KVCache:
+        """An empty `KVCache` of `length` slots per row for this model, in the compute dtype; with `record_routing`
+        it also records the experts each sparse layer chooses for every token written (`routing_dtype`)."""
         config = self.config
         return KVCache.empty(
             layers=config.num_hidden_layers,
@@ -506,24 +570,33 @@ class Qwen3MoeForCausalLM(nnx.Module):
             kv_heads=config.num_key_value_heads,
             head_dim=typing.cast(int, config.head_dim),
             dtype=self.dtype,
+            routing_top_k=config.num_experts_per_tok if record_routing else None,
+            routing_dtype=routing_dtype(config.num_experts),
         )
 
-    def prefill(self, input_ids: jax.Array, lengths: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def prefill(
+        self, input_ids: jax.Array, lengths: jax.Array, cache: KVCache, *, routing: jax.Array | None = None
+    ) -> tuple[jax.Array, KVCache]:
         """Runs right-padded prompts `input_ids [B, P]` (row b's first `lengths[b]` tokens real, at positions
         0, 1, ...) into `cache` (at least P slots; what it held is dropped): `(final normed hidden states
         [B, P, H], the cache with their keys and values in slots 0..P-1 and its lengths set to lengths)`. The
         tokens attend causally over themselves, as in `__call__` (`attention_impl` included); the padding's slots
-        are overwritten by `decode` before any query sees them."""
+        are overwritten by `decode` before any query sees them. `routing [B, P, L_moe, K]` replays a record
+        (as in `__call__`)."""
         cache = cache._replace(lengths=jnp.zeros_like(cache.lengths))
-        hidden, _, written = self._forward(input_ids, jnp.arange(input_ids.shape[1]), cache=cache, prefill=True)
+        positions = jnp.arange(input_ids.shape[1])
+        hidden, _, written = self._forward(input_ids, positions, cache=cache, prefill=True, routing=routing)
         return hidden, typing.cast(KVCache, written)._replace(lengths=jnp.asarray(lengths, jnp.int32))
 
-    def decode(self, input_ids: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def decode(
+        self, input_ids: jax.Array, cache: KVCache, *, routing: jax.Array | None = None
+    ) -> tuple[jax.Array, KVCache]:
         """Runs `input_ids [B, T]` as the next tokens of each row, row b's at positions `cache.lengths[b]`,
         `+1`, ...: `(final normed hidden states [B, T, H], the cache with their keys and values written and its
-        lengths advanced by T)`. Each token attends over the cache's slots up to its own position."""
+        lengths advanced by T)`. Each token attends over the cache's slots up to its own position. `routing
+        [B, T, L_moe, K]` replays a record (as in `__call__`)."""
         positions = cache.lengths[:, None] + jnp.arange(input_ids.shape[1])
-        hidden, _, written = self._forward(input_ids, positions, cache=cache)
+        hidden, _, written = self._forward(input_ids, positions, cache=cache, routing=routing)
         return hidden, typing.cast(KVCache, written).advance(input_ids.shape[1])
 
     def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

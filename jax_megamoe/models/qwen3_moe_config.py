@@ -67,6 +67,12 @@ class Qwen3MoeConfig:
             and layer_idx not in self.mlp_only_layers
         )
 
+    def moe_layer_index(self) -> dict[int, int]:
+        """`{decoder layer: its index among the sparse layers}` for every sparse layer (the `L_moe` axis of a
+        routing record and of `MoEAux.expert_counts`)."""
+        sparse = [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+        return {layer: position for position, layer in enumerate(sparse)}
+
     def layer_runs(self) -> tuple[tuple[int, int, bool], ...]:
         """`(first layer, layers, is_moe)` of each run of consecutive decoder layers of one kind (sparse or dense),
         in order: the scanned model's stacks. All-sparse models (the published Qwen3-MoE ones) are one run."""

@@ -52,6 +52,14 @@ def check_route_args(router_logits, top_k) -> None:
     check_top_k(top_k, router_logits.shape[1])
 
 
+def check_recorded_routing(recorded, tokens: int, top_k: int) -> None:
+    """A routing record for `tokens` tokens of `top_k` experts each: integer `[T, K]`."""
+    check_array("recorded routing", recorded, "[T, K]")
+    if not jnp.issubdtype(recorded.dtype, jnp.integer):
+        raise TypeError(f"recorded routing must hold integer expert ids (-1: no record), got dtype {recorded.dtype}")
+    check_shape("recorded routing", recorded, (tokens, top_k), "[T, K]")
+
+
 def check_moe_args(
     x, weights, experts, w_gate_up, w_down, num_experts: int | None = None
 ) -> tuple[int, int, int, int, int]:
