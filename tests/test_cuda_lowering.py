@@ -143,14 +143,11 @@ TRAINING_SHAPES = {"q30s": (2048, *Q30), "q30": (16384, *Q30), "q235": (16384, *
 
 
 @pytest.mark.parametrize("shape", [*DECODE_SHAPES, *TRAINING_SHAPES])
-def test_the_heuristic_takes_small_row_gemms_at_decode_sizes(shape):
-    """At the decode rows (at most 32 rows per expert) the forward's row GEMMs run SMALL_ROWS, at the training rows
-    (128 and more) the CUTLASS tiles; the backward keeps the CUTLASS tiles at every size."""
+def test_the_heuristic_takes_the_measured_fastest_tiles(shape):
+    """At every bench_moe.py size, decode and training, the CUTLASS tiles measured fastest or level
+    (benchmarks/README.md): the heuristic picks them for all four row GEMMs, never SMALL_ROWS."""
     t, h, i, e, k = {**DECODE_SHAPES, **TRAINING_SHAPES}[shape]
-    forward = GemmTiles.SMALL_ROWS if shape in DECODE_SHAPES else GemmTiles.COOP_128X256
-    assert GemmConfig.for_problem(t, k, h, i, e) == GemmConfig(
-        forward, forward, GemmTiles.COOP_128X256, GemmTiles.COOP_128X256
-    )
+    assert GemmConfig.for_problem(t, k, h, i, e) == GemmConfig(*(GemmTiles.COOP_128X256,) * 4)
 
 
 def test_moe_ffn_rejects_a_gemm_config_of_another_type():
