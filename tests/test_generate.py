@@ -54,7 +54,8 @@ def test_greedy_matches_transformers(hf_checkpoint, transformers_greedy, scan_la
     ours = qwen3_moe.from_pretrained(hf_checkpoint[1], implementation="cpu", scan_layers=scan_layers)
     prompts, eos, want, hf_logits = transformers_greedy
     got = qwen3_moe.generate(ours, prompts, max_new_tokens=32, temperature=0, eos_token_id=eos)
-    tokens, logprobs, lengths = map(np.asarray, got)
+    tokens, logprobs, lengths = map(np.asarray, (got.tokens, got.logprobs, got.lengths))
+    assert got.routing is None  # recorded only when asked for
     assert tokens.shape == (4, 32) and tokens.dtype == np.int32 and logprobs.dtype == np.float32
     steps = want.shape[1]  # transformers stops once every row has
     np.testing.assert_array_equal(tokens[:, :steps], want)
