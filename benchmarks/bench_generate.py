@@ -16,8 +16,14 @@ cache with `torch.compile` of the forward where that works, else its default cac
 `mode` says which). Models: `q30-4layer` (Qwen3-30B-A3B widths, 4 layers), `q30` (the full-depth Qwen3-30B-A3B:
 61 GB of bf16 weights), `tiny` (the CPU smoke size). Times are medians over `--samples` calls after warm-up.
 
+`--workload long-tail` measures continuous batching instead: `--prompts` prompts with long-tailed budgets
+(`long_tail_budgets`: exponential with mean `--new` / 4, at most `--new`, seed 0; random weights rarely emit an
+eos token, so the budgets make the tail) through R rows for each `--batches` value R: static batches of R prompts one
+after another, each running until its longest budget, against one `generate(..., rows=R)` call; tokens/s of each.
+
 Usage: python benchmarks/bench_generate.py [--models q30-4layer,q30] [--batches 1,16,64,256]
                                           [--frameworks ours,transformers] [--prompt 512] [--new 256] [--json F]
+                                          [--workload batch|long-tail] [--prompts 64]
 """
 
 from __future__ import annotations
@@ -114,6 +120,46 @@ def run_ours(model_name, batch, args):
     return row
 
 
+def long_tail_budgets(count: int, new: int, seed: int = 0):
+    """Per-prompt token budgets with a long tail, as RL completions have: exponential with mean new / 4, rounded up
+    and clipped to [1, new]."""
+    import numpy as np
+
+    draws = np.random.default_rng(seed).exponential(new / 4, count)
+    return np.clip(np.ceil(draws), 1, new).astype(int).tolist()
+
+
+def run_long_tail(model_name, rows, args):
+    """`--prompts` prompts of long-tailed budgets through `rows` rows: static batches of `rows` prompts one after
+    another (each until its longest budget), against one continuous-batching call (`generate(rows=...)`)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_megamoe.models import qwen3_moe
+
+    device = jax.devices()[0]
+    config = model_config(model_name)
+    model = nnx.jit(
+        lambda: qwen3_moe.Qwen3MoeForCausalLM(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    )()
+    prompts = jnp.asarray(prompt_tokens(config.vocab_size, args.prompts, args.prompt))
+    budgets = long_tail_budgets(args.prompts, args.new)
+    chunks = [(prompts[i : i + rows], budgets[i : i + rows]) for i in range(0, args.prompts, rows)]
+
+    def static():
+        return [qwen3_moe.generate(model, p, max_new_tokens=b, temperature=0.0).tokens for p, b in chunks]
+
+    def continuous():
+        return qwen3_moe.generate(model, prompts, max_new_tokens=budgets, temperature=0.0, rows=rows).tokens
+
+    row = dict(framework="ours", model=model_name, batch=rows, device=device.device_kind, workload="long-tail")
+    row["tokens"] = sum(budgets)
+    row["static_s"] = timed(static, jax.block_until_ready, args.samples)
+    row["continuous_s"] = timed(continuous, jax.block_until_ready, args.samples)
+    return row
+
+
 def run_transformers(model_name, batch, args):
     import torch
     import transformers
@@ -183,7 +229,7 @@ def child(args):
         row = bench_moe.run_read_bandwidth()
     else:
         framework, model_name, batch = args.child.split(":")
-        run = run_ours if framework == "ours" else run_transformers
+        run = {"ours": run_ours, "transformers": run_transformers, "long-tail": run_long_tail}[framework]
         try:
             row = dict(run(model_name, int(batch), args), status="ok")
         except Exception as err:  # noqa: BLE001 - OOM and compile failures are results here
@@ -200,7 +246,7 @@ def child(args):
 
 def run_child(name, args):
     cmd = [sys.executable, __file__, "--child", name, "--prompt", str(args.prompt), "--new", str(args.new)]
-    cmd += ["--samples", str(args.samples)]
+    cmd += ["--samples", str(args.samples), "--prompts", str(args.prompts)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     found = [line for line in proc.stdout.splitlines() if line.startswith("JMM_BENCH_ROW ")]
     if found:
@@ -210,8 +256,13 @@ def run_child(name, args):
 
 
 def with_rates(row, args, bandwidth_gbs):
-    """`row` with tokens/s, the decode step's time, its floor and the step's multiple of it."""
+    """`row` with tokens/s, the decode step's time, its floor and the step's multiple of it (long-tail rows: the
+    tokens/s of static and continuous batching)."""
     if row.get("status") != "ok":
+        return row
+    if row.get("workload") == "long-tail":
+        row["static_tokens_per_s"] = row["tokens"] / row["static_s"]
+        row["continuous_tokens_per_s"] = row["tokens"] / row["continuous_s"]
         return row
     batch = row["batch"]
     row["tokens_per_s"] = batch * args.new / row["generate_s"]
@@ -231,6 +282,13 @@ def table(rows, bandwidth_gbs):
     peers = {(r["model"], r["batch"]): r for r in rows if r.get("framework") == "transformers" and "tokens_per_s" in r}
     for r in rows:
         if "framework" not in r:
+            continue
+        if r.get("workload") == "long-tail" and r.get("status") == "ok":
+            lines.append(
+                f"{'long-tail':<14}{r['model']:<12}{r['batch']:>6}  {r['tokens']} tokens: static batches "
+                f"{r['static_tokens_per_s']:.0f} tokens/s, continuous {r['continuous_tokens_per_s']:.0f} tokens/s "
+                f"({r['static_s'] / r['continuous_s']:.2f}x)"
+            )
             continue
         head = f"{r['framework']:<14}{r['model']:<12}{r['batch']:>6}"
         if r.get("status") != "ok":
@@ -264,6 +322,15 @@ def main():
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per sequence")
     parser.add_argument("--new", type=int, default=256, help="generated tokens per sequence")
     parser.add_argument("--samples", type=int, default=5, help="timed calls per measurement (median)")
+    parser.add_argument(
+        "--workload",
+        choices=("batch", "long-tail"),
+        default="batch",
+        help="batch: every prompt generates --new tokens, the rows above; long-tail: --prompts prompts of "
+        "long-tailed budgets (exponential, mean --new / 4, at most --new) through each --batches value of rows, "
+        "static batches against continuous batching",
+    )
+    parser.add_argument("--prompts", type=int, default=64, help="prompts of the long-tail workload")
     parser.add_argument("--json", default="bench_generate.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -274,9 +341,10 @@ def main():
     bandwidth = run_child(BANDWIDTH_ROW, args)
     bandwidth_gbs = bandwidth["gb_per_s"] if bandwidth.get("status") == "ok" else float("nan")
     rows = [bandwidth]
+    frameworks = args.frameworks if args.workload == "batch" else ["long-tail"]
     for model_name in args.models:
         for batch in args.batches:
-            for framework in args.frameworks:
+            for framework in frameworks:
                 rows.append(with_rates(run_child(f"{framework}:{model_name}:{batch}", args), args, bandwidth_gbs))
                 print(json.dumps(rows[-1]), flush=True)
                 with open(args.json, "w") as f:  # after every row, so a run cut short keeps its rows
