@@ -36,6 +36,9 @@ class MoEAux(NamedTuple):
     router_z_loss: jax.Array  # [] float32, mean(logsumexp(logits)^2)
     expert_counts: jax.Array  # [E] int32, (token, k) pairs the router sent to each expert
     dropped_pairs: jax.Array  # [] int32, pairs dropped by the capacity limit (0 when dropless)
+    # [T, K] int32 with `return_routing`: the router's own top-k experts of each token (under routing replay the
+    # experts it would have chosen, not the replayed ones); else None.
+    routing: jax.Array | None = None
 
 
 def active_mesh():
@@ -159,10 +162,10 @@ def moe_block(
     transport: str | Transport = "xla",
     recipe: str | None = None,
     recorded: jax.Array | None = None,
-    return_experts: bool = False,
-):
-    """Routes `x [T, H]` by `router_logits [T, E]` and runs the experts; returns `(y [T, H], MoEAux)`, and the
-    experts each token used (`[T, K]` int32) third with `return_experts`.
+    return_routing: bool = False,
+) -> tuple[jax.Array, MoEAux]:
+    """Routes `x [T, H]` by `router_logits [T, E]` and runs the experts; returns `(y [T, H], MoEAux)`, the aux
+    with the router's own top-k experts (`MoEAux.routing`) where `return_routing`.
 
     `w_gate_up [E, H, 2I]` and `w_down [E, I, H]` must already be in x's dtype. `implementation` is a
     `moe_ffn` implementation name, or a function with `moe_ffn`'s positional signature (a baseline to compare
@@ -203,9 +206,10 @@ def moe_block(
         capacity_factor=capacity_factor,
         recipe=recipe,
     )
-    if return_experts:
-        return y, MoEAux(*aux_losses, dropped), experts
-    return y, MoEAux(*aux_losses, dropped)
+    own = None
+    if return_routing:
+        own = experts if recorded is None else route(router_logits, top_k, norm_topk_prob)[1]
+    return y, MoEAux(*aux_losses, dropped, own)
 
 
 def check_layer_args(hidden_size, intermediate_size, num_experts, top_k, capacity_factor) -> None:
@@ -326,8 +330,11 @@ class MoE(nnx.Module):
         return nnx.Param(value, out_sharding=(self.expert_axis, None, None), eager_sharding=eager)
 
     @jax.named_scope("moe")  # the profiles' name for the router and the experts
-    def __call__(self, x: jax.Array, routing: jax.Array | None = None, *, return_experts: bool = False):
-        """`(y, aux)` for `x [..., H]`, and with `return_experts` the experts each token used (`[..., K]` int32).
+    def __call__(
+        self, x: jax.Array, routing: jax.Array | None = None, *, return_routing: bool = False
+    ) -> tuple[jax.Array, MoEAux]:
+        """`(y, aux)` for `x [..., H]`; with `return_routing`, `aux.routing [..., K]` holds the router's own top-k
+        experts of each token (int32).
 
         `routing [..., K]` (integer, x's leading shape) replays a routing record: each token whose row is not
         all -1 uses the recorded experts, weighted by this router's probabilities at them (`moe_block`)."""
@@ -351,9 +358,9 @@ class MoE(nnx.Module):
             transport=self.transport,
             recipe=self.recipe,
             recorded=recorded,
-            return_experts=return_experts,
+            return_routing=return_routing,
         )
-        y = out[0].reshape(*x.shape[:-1], out[0].shape[-1])
-        if return_experts:
-            return y, out[1], out[2].reshape(*x.shape[:-1], self.top_k)
-        return y, out[1]
+        y, aux = out
+        if aux.routing is not None:
+            aux = aux._replace(routing=aux.routing.reshape(*x.shape[:-1], self.top_k))
+        return y.reshape(*x.shape[:-1], y.shape[-1]), aux

@@ -163,6 +163,21 @@ def test_the_model_replays_other_experts_layer_by_layer():
     assert float(jnp.abs(got - plain).max()) > 1e-3
 
 
+def test_the_forward_returns_the_routers_own_choices_replayed_or_not():
+    """`return_routing`: each sparse layer's own top-k, what prefill records; under a replay of other experts the
+    router's choices, not the replayed experts (the trainer's side of a sampler/trainer comparison): the first
+    sparse layer's inputs are unchanged by the replay, so its choices are too."""
+    model = make_model()
+    own = own_routing(model, IDS)
+    _, aux = model(IDS, return_routing=True)
+    assert aux.routing.dtype == own.dtype
+    np.testing.assert_array_equal(np.asarray(aux.routing), np.asarray(own))
+    other = (own + 1) % CONFIG.num_experts
+    _, replayed = model(IDS, routing=other, return_routing=True)
+    np.testing.assert_array_equal(np.asarray(replayed.routing[:, :, 0]), np.asarray(own[:, :, 0]))
+    assert model(IDS)[1].routing is None
+
+
 def test_the_models_record_is_checked_at_trace_time():
     model = make_model()
     for bad, match in (

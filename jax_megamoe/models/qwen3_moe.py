@@ -209,21 +209,24 @@ class DecoderLayer(nnx.Module):
         routing: jax.Array | None = None,
         *,
         prefill: bool = False,
+        return_routing: bool = False,
     ) -> tuple[jax.Array, MoEAux | None, KVCache | None]:
         """`(x, aux, cache)`: the block over `x [B, T, H]` (arguments as `Attention`'s). `aux` is the sparse MLP's
-        `MoEAux` without a cache, else None (inference has no use for it, so nothing builds it). `routing
-        [B, T, K]` replays a routing record in the sparse MLP (`jax_megamoe.nn.MoE`); a cache that keeps a routing
-        record gets the experts the sparse MLP used, at the tokens' slots."""
+        `MoEAux` without a cache, else None (inference has no use for it, so nothing builds it); with
+        `return_routing` it holds the router's own top-k (`MoEAux.routing`). `routing [B, T, K]` replays a routing
+        record in the sparse MLP (`jax_megamoe.nn.MoE`); a cache that keeps a routing record gets the router's
+        choices at the tokens' slots."""
         attended, cache = self.self_attn(
             _recomputed_norm(self.input_layernorm, x), cos, sin, key_mask, cache, index, prefill=prefill
         )
         x = x + attended
         h = _recomputed_norm(self.post_attention_layernorm, x)
         if isinstance(self.mlp, MoE):
-            if cache is not None and cache.routing is not None:
-                y, _, experts = self.mlp(h, routing, return_experts=True)
-                return x + y, None, cache.record(index, experts)
-            y, aux = self.mlp(h, routing)
+            recording = cache is not None and cache.routing is not None
+            y, aux = self.mlp(h, routing, return_routing=return_routing or recording)
+            if recording:
+                assert cache is not None and aux.routing is not None
+                cache = cache.record(index, aux.routing)
             return x + y, (aux if cache is None else None), cache
         return x + self.mlp(h), None, cache
 
@@ -241,6 +244,7 @@ def combine_aux(layer_aux: list[MoEAux], num_experts: int) -> MoEAux:
         jnp.mean(stacked.router_z_loss),
         stacked.expert_counts,
         jnp.sum(stacked.dropped_pairs),
+        stacked.routing,
     )
 
 
@@ -413,6 +417,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
         *,
         attention_mask: jax.Array | None = None,
         routing: jax.Array | None = None,
+        return_routing: bool = False,
     ) -> tuple[jax.Array, MoEAux]:
         """`input_ids [B, S]` -> `(logits [B, S, vocab] in the compute dtype, MoEAux)`.
 
@@ -427,8 +432,13 @@ class Qwen3MoeForCausalLM(nnx.Module):
         router probabilities at them (`jax_megamoe.route`), so the router still gets gradients; a token whose
         record in a layer is all -1 routes itself there. The aux losses count the experts used, the replayed ones
         where there is a record. Replay is dropless (a `capacity_factor` is refused with it).
+        `return_routing`: `aux.routing [B, S, L_moe, K]` holds each sparse layer's own top-k experts of every token
+        (under replay, what the router would have chosen), in a record's dtype: compared with a sampler's record it
+        measures how often sampler and trainer route apart.
         """
-        x, aux = self.hidden_states(input_ids, positions, attention_mask=attention_mask, routing=routing)
+        x, aux = self.hidden_states(
+            input_ids, positions, attention_mask=attention_mask, routing=routing, return_routing=return_routing
+        )
         return self.logits(x), aux
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -454,13 +464,16 @@ class Qwen3MoeForCausalLM(nnx.Module):
         *,
         attention_mask: jax.Array | None = None,
         routing: jax.Array | None = None,
+        return_routing: bool = False,
     ) -> tuple[jax.Array, MoEAux]:
         """`(final normed hidden states [B, S, H], MoEAux)`: the model without its LM head (arguments as
         `__call__`'s)."""
         if positions is None:
             positions = jnp.arange(input_ids.shape[-1])
         key_mask = None if attention_mask is None else attention_mask.astype(bool)
-        hidden, aux, _ = self._forward(input_ids, positions, key_mask=key_mask, routing=routing)
+        hidden, aux, _ = self._forward(
+            input_ids, positions, key_mask=key_mask, routing=routing, return_routing=return_routing
+        )
         return hidden, typing.cast(MoEAux, aux)
 
     def check_routing(self, routing, tokens_shape: tuple[int, ...]) -> None:
@@ -485,6 +498,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
         cache: KVCache | None = None,
         prefill: bool = False,
         routing: jax.Array | None = None,
+        return_routing: bool = False,
     ) -> tuple[jax.Array, MoEAux | None, KVCache | None]:
         """The model's one forward, for training and for generation: `(final normed hidden states, MoEAux without a
         cache else None, the cache)` of `input_ids [B, T]` at `positions` (`[T]` or `[B, T]`); `routing
@@ -502,7 +516,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
         def apply(layer, x, cache, index, routing, cos, sin, key_mask):
             layer = gathered(layer, dtype, expert_axis)
-            return layer(x, cos, sin, key_mask, cache, index, routing, prefill=prefill)
+            return layer(x, cos, sin, key_mask, cache, index, routing, prefill=prefill, return_routing=return_routing)
 
         if self.remat and cache is None:
             apply = nnx.remat(apply, policy=self.remat_policy)
@@ -549,7 +563,12 @@ class Qwen3MoeForCausalLM(nnx.Module):
                 x, aux, cache = apply(decoder_layer, x, cache, layer_index, layer_routing, *consts)
                 if aux is not None:
                     layer_aux.append(jax.tree.map(lambda a: a[None], aux))
-        aux = None if cache is not None else combine_aux(layer_aux, self.config.num_experts)
+        aux = None
+        if cache is None:
+            aux = combine_aux(layer_aux, self.config.num_experts)
+            if aux.routing is not None:  # [L_moe, B * T, K] -> [B, T, L_moe, K], narrowed like a record
+                own = jnp.moveaxis(aux.routing.reshape(-1, *input_ids.shape, aux.routing.shape[-1]), 0, 2)
+                aux = aux._replace(routing=own.astype(routing_dtype(self.config.num_experts)))
         return _recomputed_norm(self.norm, x), aux, cache
 
     def compute_form(self) -> Qwen3MoeForCausalLM:
