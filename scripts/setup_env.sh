@@ -101,6 +101,20 @@ while wanted:
 print("\n".join(out))
 PYEOF
   "$py" -m pip install --quiet -r "$state/requirements.txt"
+  # pip keeps a package that nothing requires any more: `kernels`, which newer transformers require, breaks the
+  # import of the older transformers that tunix's safetensors<0.8 admits, in a .venv made before the tunix extra.
+  if "$py" - <<'PYEOF'
+import importlib.metadata as md, sys
+try:
+    md.version("kernels")
+    needed = any(r.startswith("kernels") and "extra ==" not in r for r in md.requires("transformers") or [])
+except md.PackageNotFoundError:  # no kernels, or no transformers
+    sys.exit(1)
+sys.exit(needed)
+PYEOF
+  then
+    "$py" -m pip uninstall --quiet --yes kernels
+  fi
   echo "$deps_key" > "$deps_stamp"
 fi
 
