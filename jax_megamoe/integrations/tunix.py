@@ -48,7 +48,7 @@ try:
     from tunix.generate import tokenizer_adapter
     from tunix.rl import common
     from tunix.rl.rollout import base_rollout
-except ImportError as error:  # pragma: no cover - the message is the point
+except ImportError as error:  # without the extra
     raise ImportError(
         f"jax_megamoe.integrations.tunix needs tunix: pip install 'jax_megamoe[tunix]' ({error})"
     ) from error
@@ -340,7 +340,7 @@ class MegaMoeRollout(base_rollout.BaseRollout):
                 yield
 
     def _prompt_ids(self, prompts: Sequence[str]) -> list[list[int]]:
-        if isinstance(prompts, str) or not prompts:
+        if isinstance(prompts, str) or len(prompts) == 0:
             raise ValueError(f"prompts must be a non-empty list of strings, got {prompts!r}")
         bos = self._tokenizer.bos_id()
         rows = []
