@@ -10,8 +10,8 @@ import os
 
 from moe_training import cli
 
-# The share of each GPU's memory JAX's allocator may use (its own default is 0.75): the memory plan's default budget
-# is 90% of an H200's 141 GB, and a 10-layer 30B-width step planned at 118.6 GB ran out of memory at 0.75.
+# The share of each GPU's memory JAX's allocator may use (its own default is 0.75): above the memory plan's default
+# budget (90% of an H200's memory), so a step the plan says fits is not refused memory by JAX's smaller share.
 GPU_MEMORY_FRACTION = "0.92"
 
 
