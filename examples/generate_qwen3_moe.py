@@ -28,7 +28,10 @@ def parse_args(argv=None):
     parser = cli.Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="config.json + safetensors (save_pretrained's layout)")
     parser.add_argument(
-        "--prompt", action="append", help="a prompt (repeat for several); default: a few Python openings"
+        "--prompt",
+        action="append",
+        help="a prompt, tokenized as typed (no escapes: let the shell type a newline, as bash's $'a\\nb' does); "
+        "repeat for several; default: a few Python openings",
     )
     parser.add_argument("--samples", type=int, default=1, help="continuations per prompt (default: 1)")
     parser.add_argument("--batch", type=int, default=16, help="sequences generated together (default: 16)")
@@ -46,6 +49,11 @@ def parse_args(argv=None):
         help="MoE expert kernels (default: auto)",
     )
     args = parser.parse_args(argv)
+    for prompt in args.prompt or ():
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that were not UTF-8 on the command line
+            parser.error(f"--prompt {prompt!r} is not UTF-8 text")
     for flag, value, least in (("--samples", args.samples, 1), ("--batch", args.batch, 1)):
         if value < least:
             parser.error(f"{flag} must be at least {least}, got {value}")
@@ -71,7 +79,7 @@ def main(argv=None) -> None:
     )
     config = model.config
     text = Text(args.model_dir, config.vocab_size)
-    prompts = [p.encode().decode("unicode_escape") for p in args.prompt] if args.prompt else list(DEFAULT_PROMPTS)
+    prompts = args.prompt or list(DEFAULT_PROMPTS)
     encoded = [text.encode(p) for p in prompts for _ in range(args.samples)]
     if any(not ids for ids in encoded):
         raise cli.UsageError("--prompt: a prompt encodes to no tokens; pass some text")

@@ -1,8 +1,13 @@
 """Generation on the Qwen3-MoE model: greedy tokens and log-probs against transformers' `generate`, incremental
 decoding against the full forward, log-probs against the training forward, the sampling filters' distributions,
-bucketing, meshes, and the argument checks."""
+bucketing, meshes, and the argument checks; the command line, examples/generate_qwen3_moe.py, run as users run it
+(a subprocess on CPU)."""
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +17,7 @@ import torch
 from flax import nnx
 from generation_cases import PROMPT_LENGTHS, generated_and_trained_logprobs, prompts_of
 from hf_models import HF_CONFIG, tiny_hf_model
+from job_cli import assert_usage_error
 from moe_cases import seeded_rng
 from scipy import stats
 
@@ -297,3 +303,51 @@ def test_generate_on_a_mesh_matches_one_device(eight_expert_checkpoint, shape, m
     assert gathers and all("while" not in name or name.endswith("/top_k") for name in gathers), gathers
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="divisible by 8"):
         qwen3_moe.generate(model, prompts[:4], **settings)
+
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "generate_qwen3_moe.py"
+PROG = SCRIPT.name
+
+
+def generate_cli(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Directories of one random tiny byte-level model (float32): `bytes` as the training job saves it (text as
+    UTF-8 bytes), `tokenizer` with a byte-level BPE tokenizer.json whose ids are not the bytes'."""
+    tokenizers = pytest.importorskip("tokenizers")
+    model = qwen3_moe.Qwen3MoeForCausalLM(qwen3_moe.tiny(), implementation="cpu", rngs=nnx.Rngs(7))
+    dirs = {name: tmp_path_factory.mktemp(name) for name in ("bytes", "tokenizer")}
+    for path in dirs.values():
+        qwen3_moe.save_pretrained(model, path)
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    tokenizer.save(str(dirs["tokenizer"] / "tokenizer.json"))
+    return dirs
+
+
+@pytest.mark.parametrize("vocabulary", ["bytes", "tokenizer"])
+def test_command_line_prompts_reach_the_tokenizer_as_typed(model_dirs, vocabulary):
+    """No escapes are decoded: a non-ASCII letter and a backslash come back as typed."""
+    prompts = ["héllo", "a\\x", "tab\\t"]
+    result = generate_cli(
+        str(model_dirs[vocabulary]), *(f"--prompt={p}" for p in prompts), "--temperature", "0", "--max-new-tokens", "2"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for index, prompt in enumerate(prompts):
+        assert f"--- sample {index}: {prompt!r} ->" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([b"--prompt", b"caf\xe9"], "--prompt 'caf\\udce9' is not UTF-8 text"),  # Latin-1 bytes
+    ],
+)
+def test_command_line_usage_errors_name_the_flag(model_dirs, args, message):
+    assert_usage_error(generate_cli(str(model_dirs["bytes"]), *args), PROG, message)
