@@ -18,7 +18,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_training import cli  # noqa: E402  (beside this file)
+from moe_training import cli, flags  # noqa: E402  (beside this file)
 from moe_training.text import Text  # noqa: E402
 
 DEFAULT_PROMPTS = ("def ", "import ", "class Model:\n    def __init__(self", "    return ")
@@ -49,6 +49,12 @@ def parse_args(argv=None):
         help="MoE expert kernels (default: auto)",
     )
     args = parser.parse_args(argv)
+    problem = flags.model_dir_problem(args.model_dir)
+    if problem:
+        parser.error(
+            f"MODEL_DIR: {problem}: pass a directory the training job saved (runs/train_qwen3_moe/model after bash "
+            "scripts/train.sh) or a Hugging Face Qwen3-MoE checkpoint"
+        )
     for prompt in args.prompt or ():
         try:
             prompt.encode("utf-8")
@@ -69,11 +75,6 @@ def main(argv=None) -> None:
 
     from jax_megamoe.models import qwen3_moe
 
-    if not os.path.exists(os.path.join(args.model_dir, "config.json")):
-        raise cli.UsageError(
-            f"MODEL_DIR {args.model_dir} has no config.json: pass a directory the training job saved "
-            "(runs/train_qwen3_moe/model after bash scripts/train.sh) or a Hugging Face Qwen3-MoE checkpoint"
-        )
     model = qwen3_moe.from_pretrained(
         args.model_dir, dtype=getattr(jnp, args.dtype), implementation=args.implementation
     )

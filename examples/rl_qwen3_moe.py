@@ -165,8 +165,9 @@ def parse_args(argv=None):
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.prompts * args.group % args.minibatches:
         parser.error(f"--minibatches {args.minibatches} must divide the {args.prompts * args.group} samples of a step")
-    if args.init and not os.path.isfile(os.path.join(args.init, "config.json")):
-        parser.error(f"--init: no config.json in {args.init}")
+    problem = flags.model_dir_problem(args.init) if args.init else None
+    if problem:
+        parser.error(f"--init: {problem}")
     if args.init and args.layers:
         parser.error("--layers changes the preset's model; --init's model has its own depth")
     if args.resume and not args.ckpt_dir:

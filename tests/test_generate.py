@@ -351,3 +351,9 @@ def test_command_line_prompts_reach_the_tokenizer_as_typed(model_dirs, vocabular
 )
 def test_command_line_usage_errors_name_the_flag(model_dirs, args, message):
     assert_usage_error(generate_cli(str(model_dirs["bytes"]), *args), PROG, message)
+
+
+def test_command_line_model_dir_without_weights_is_a_usage_error(model_dirs, tmp_path):
+    (tmp_path / "config.json").write_text((model_dirs["bytes"] / "config.json").read_text())
+    message = f"MODEL_DIR: no weights (model.safetensors or model.safetensors.index.json) in {tmp_path}: pass"
+    assert_usage_error(generate_cli(str(tmp_path)), PROG, message)

@@ -16,6 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from job_cli import assert_usage_error
+
+from jax_megamoe.models import qwen3_moe
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "rl_qwen3_moe.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -88,6 +91,12 @@ def test_bad_flags_exit_2_with_one_line(args, message):
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("rl_qwen3_moe.py: error: ") and message in last, result.stderr[-2000:]
+
+
+def test_init_without_weights_is_a_usage_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(qwen3_moe.tiny().to_dict()))
+    error = "--init: no weights (model.safetensors or model.safetensors.index.json) in"
+    assert_usage_error(run("--init", str(tmp_path), check=False), SCRIPT.name, error)
 
 
 def test_tasks_hold_out_their_evaluation_problems_and_score_digits_in_place():

@@ -1,6 +1,7 @@
 """What the command-line jobs share (examples/train_qwen3_moe.py, examples/rl_qwen3_moe.py): the flags of the model
 and its kernels and of the devices, their checks, what is set before JAX starts, the presets' model configs, and
-the mesh's shape. Nothing here imports JAX at module level: the jobs parse their flags before JAX starts."""
+the mesh's shape; the check of a model directory (also examples/generate_qwen3_moe.py's). Nothing here imports JAX
+at module level: the jobs parse their flags before JAX starts."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from moe_training import cli
 # The share of each GPU's memory JAX's allocator may use (its own default is 0.75): above the memory plan's default
 # budget (90% of an H200's memory), so a step the plan says fits is not refused memory by JAX's smaller share.
 GPU_MEMORY_FRACTION = "0.92"
+# A model directory's weights: one file or the index of its shards (jax_megamoe.models.hf_checkpoint's names).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -134,6 +137,16 @@ def check_arguments(parser: argparse.ArgumentParser, args, positive: tuple[str, 
         parser.error("--num-processes and --process-id go together")
     if args.process_id is not None and not 0 <= args.process_id < args.num_processes:
         parser.error(f"--process-id must be in [0, --num-processes), got {args.process_id}")
+
+
+def model_dir_problem(model_dir: str) -> str | None:
+    """What keeps `model_dir` from being a model directory (save_pretrained's layout: config.json and safetensors
+    weights), as "no ... in DIR"; None where nothing does."""
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        return f"no config.json in {model_dir}"
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in WEIGHT_FILES):
+        return f"no weights ({' or '.join(WEIGHT_FILES)}) in {model_dir}"
+    return None
 
 
 def configure_jax_environment(host_devices: int) -> None:
