@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_training import cli, flags  # noqa: E402  (beside this file)
-from moe_training.text import Text  # noqa: E402
+from moe_training.text import Text, eos_token_ids  # noqa: E402
 
 DEFAULT_PROMPTS = ("def ", "import ", "class Model:\n    def __init__(self", "    return ")
 
@@ -39,7 +39,13 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: 0.8)")
     parser.add_argument("--top-k", type=int, help="keep the k most likely tokens")
     parser.add_argument("--top-p", type=float, help="keep the smallest set of tokens of probability >= p")
-    parser.add_argument("--eos", type=int, action="append", help="a token id that ends a sequence (repeatable)")
+    parser.add_argument(
+        "--eos",
+        type=int,
+        action="append",
+        help="a token id that ends a sequence (repeatable; default: the eos_token_id of MODEL_DIR's "
+        "generation_config.json, else of its config.json; none where neither names one)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
     parser.add_argument(
@@ -85,6 +91,7 @@ def main(argv=None) -> None:
     if any(not ids for ids in encoded):
         raise cli.UsageError("--prompt: a prompt encodes to no tokens; pass some text")
     longest = max(len(ids) for ids in encoded)
+    eos = args.eos if args.eos is not None else eos_token_ids(args.model_dir)
 
     key = jax.random.key(args.seed)
     outputs = []
@@ -100,7 +107,7 @@ def main(argv=None) -> None:
                 temperature=args.temperature,
                 top_k=args.top_k,
                 top_p=args.top_p,
-                eos_token_id=args.eos,
+                eos_token_id=eos or None,
                 key=jax.random.fold_in(key, first),
             )
         except ValueError as error:

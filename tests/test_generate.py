@@ -3,8 +3,10 @@ decoding against the full forward, log-probs against the training forward, the s
 bucketing, meshes, and the argument checks; the command line, examples/generate_qwen3_moe.py, run as users run it
 (a subprocess on CPU)."""
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -351,6 +353,21 @@ def test_command_line_prompts_reach_the_tokenizer_as_typed(model_dirs, vocabular
 )
 def test_command_line_usage_errors_name_the_flag(model_dirs, args, message):
     assert_usage_error(generate_cli(str(model_dirs["bytes"]), *args), PROG, message)
+
+
+def test_command_line_stops_at_the_model_dirs_eos_token_unless_told_otherwise(model_dirs, tmp_path):
+    """The directory's generation_config.json names two eos ids, one of them the third greedy token: sampling stops
+    there by default; `--eos` replaces the directory's ids."""
+    model = qwen3_moe.from_pretrained(model_dirs["bytes"], implementation="cpu")
+    tokens = np.asarray(qwen3_moe.generate(model, [list(b"def ")], max_new_tokens=8, temperature=0).tokens[0])
+    eos, unused = int(tokens[2]), next(t for t in range(256) if t not in tokens)
+    shutil.copytree(model_dirs["bytes"], tmp_path, dirs_exist_ok=True)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [unused, eos]}))
+    greedy = [str(tmp_path), "--prompt", "def ", "--temperature", "0", "--max-new-tokens", "8"]
+    for extra, generated in (([], list(tokens).index(eos) + 1), (["--eos", str(unused)], 8)):
+        result = generate_cli(*greedy, *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.strip().splitlines()[-1].startswith(f"{generated} tokens in "), result.stdout
 
 
 def test_command_line_model_dir_without_weights_is_a_usage_error(model_dirs, tmp_path):
