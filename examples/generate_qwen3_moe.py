@@ -14,6 +14,7 @@ docs/models.md, "Generation".
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 
@@ -22,6 +23,20 @@ from moe_training import cli, flags  # noqa: E402  (beside this file)
 from moe_training.text import Text, eos_token_ids  # noqa: E402
 
 DEFAULT_PROMPTS = ("def ", "import ", "class Model:\n    def __init__(self", "    return ")
+# The flag that sets each of generate's arguments: its argument errors name the flag.
+FLAGS = {
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "eos_token_id": "--eos",
+}
+
+
+def name_flags(message: str, eos: str) -> str:
+    """`message` with each of generate's arguments named by its flag, `eos_token_id` by `eos`."""
+    flag = dict(FLAGS, eos_token_id=eos)
+    return re.sub(rf"\b({'|'.join(flag)})\b", lambda match: flag[match[1]], message)
 
 
 def parse_args(argv=None):
@@ -97,7 +112,9 @@ def main(argv=None) -> None:
     outputs = []
     generated = 0
     start = time.perf_counter()
-    for first in tqdm(range(0, len(encoded), args.batch), desc="batches", unit="batch", file=sys.stderr):
+    # The bar shows from the first batch's end (delay): an argument error of that batch is all that is printed.
+    batches = tqdm(range(0, len(encoded), args.batch), desc="batches", unit="batch", file=sys.stderr, delay=1)
+    for first in batches:
         chunk = encoded[first : first + args.batch]
         try:  # generate checks its arguments before anything runs: a ValueError is the command line's
             result = qwen3_moe.generate(
@@ -111,7 +128,8 @@ def main(argv=None) -> None:
                 key=jax.random.fold_in(key, first),
             )
         except ValueError as error:
-            raise cli.UsageError(f"{error} (--max-new-tokens, --temperature, --top-k, --top-p, --eos)") from None
+            eos_flag = "--eos" if args.eos else f"{args.model_dir}'s eos_token_id"
+            raise cli.UsageError(name_flags(str(error), eos_flag)) from None
         tokens, lengths = np.asarray(result.tokens), np.asarray(result.lengths)
         outputs += [row[:length] for row, length in zip(tokens, lengths, strict=True)]
         generated += int(lengths.sum())

@@ -349,10 +349,17 @@ def test_command_line_prompts_reach_the_tokenizer_as_typed(model_dirs, vocabular
     "args, message",
     [
         ([b"--prompt", b"caf\xe9"], "--prompt 'caf\\udce9' is not UTF-8 text"),  # Latin-1 bytes
+        (["--max-new-tokens", "0"], "error: --max-new-tokens must be an int >= 1, got 0"),
+        (["--max-new-tokens", "5000"], "plus --max-new-tokens=5000 exceeds the model's max_position_embeddings=2048"),
+        (["--temperature", "-1"], "error: --temperature must be a finite float >= 0 (0: greedy), got -1.0"),
+        (["--top-k", "0"], "error: --top-k (the sampling filter) must be None or an int >= 1, got 0"),
+        (["--top-p", "1.5"], "error: --top-p must be None or a float in (0, 1], got 1.5"),
+        (["--eos", "7", "--eos", "999"], "error: --eos [999] outside [0, vocab_size=256)"),
     ],
 )
 def test_command_line_usage_errors_name_the_flag(model_dirs, args, message):
-    assert_usage_error(generate_cli(str(model_dirs["bytes"]), *args), PROG, message)
+    error = assert_usage_error(generate_cli(str(model_dirs["bytes"]), *args), PROG, message)
+    assert not re.search("max_new_tokens|temperature=|top_k|top_p|eos_token_id", error), error
 
 
 def test_command_line_stops_at_the_model_dirs_eos_token_unless_told_otherwise(model_dirs, tmp_path):

@@ -69,7 +69,7 @@ def sample_saved_model(model_dir):
     ), missing.stderr
     bad_eos = subprocess.run([*command, "--eos", "999"], capture_output=True, text=True, env=env, timeout=300)
     assert bad_eos.returncode == 2 and bad_eos.stderr.strip().splitlines()[-1].startswith(
-        "generate_qwen3_moe.py: error: eos_token_id [999] outside [0, vocab_size=256)"
+        "generate_qwen3_moe.py: error: --eos [999] outside [0, vocab_size=256)"
     ), bad_eos.stderr
 
 
