@@ -6,6 +6,7 @@ saying what to change."""
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -37,13 +38,16 @@ def losses(out_dir):
 
 def test_trains_and_resume_reproduces_the_loss(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    run("--steps", "6", "--out-dir", str(full))
+    result = run("--steps", "6", "--out-dir", str(full))
     summary = json.loads((full / "summary.json").read_text())
     assert summary["mesh"] == {"data": 2, "expert": 4}
     assert summary["final_loss"] < summary["first_loss"]
     assert np.isfinite(summary["final_eval_loss"])
     assert (full / "loss_curve.png").stat().st_size > 0
-    sample_saved_model(full / "model")
+    [command] = re.findall(
+        rf"^model saved to {re.escape(str(full / 'model'))} \(sample from it: (.*)\)$", result.stdout, re.M
+    )
+    sample_saved_model(full / "model", shlex.split(command))
 
     ckpt = tmp_path / "ckpt"
     run("--steps", "3", "--lr-decay-steps", "6", "--ckpt-dir", str(ckpt), "--ckpt-every", "3", "--out-dir", str(part))
@@ -51,13 +55,17 @@ def test_trains_and_resume_reproduces_the_loss(tmp_path):
     assert losses(part) == losses(full)  # bitwise: same data, same state, deterministic kernels
 
 
-def sample_saved_model(model_dir):
-    """The final model the job saved is read back by examples/generate_qwen3_moe.py, which prints a continuation
-    of each prompt and its throughput line."""
+def sample_saved_model(model_dir, printed):
+    """The final model the job saved is read back by the command the job printed (examples/generate_qwen3_moe.py
+    under the job's own Python, which runs from a shell whose `python` is another), which prints a continuation of
+    each prompt and its throughput line."""
     script = SCRIPT.parent / "generate_qwen3_moe.py"
-    command = [sys.executable, str(script), str(model_dir), "--prompt", "def ", "--prompt", "x", "--temperature", "0"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    result = subprocess.run([*command, "--max-new-tokens", "5"], capture_output=True, text=True, env=env, timeout=300)
+    assert [Path(file).resolve() for file in printed[1:]] == [script, model_dir.resolve()]
+    venv = Path(sys.executable).parent
+    path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and Path(p).resolve() != venv.resolve()]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PATH=os.pathsep.join(path))
+    greedy = ["--prompt", "def ", "--prompt", "x", "--temperature", "0", "--max-new-tokens", "5"]
+    result = subprocess.run([*printed, *greedy], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("--- sample") == 2 and "--- sample 0: 'def ' ->" in result.stdout
     assert "1 program(s) compiled" in result.stdout and "tokens/s" in result.stdout
@@ -67,6 +75,7 @@ def sample_saved_model(model_dir):
     assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1].startswith(
         "generate_qwen3_moe.py: error: MODEL_DIR"
     ), missing.stderr
+    command = [sys.executable, str(script), str(model_dir), *greedy]
     bad_eos = subprocess.run([*command, "--eos", "999"], capture_output=True, text=True, env=env, timeout=300)
     assert bad_eos.returncode == 2 and bad_eos.stderr.strip().splitlines()[-1].startswith(
         "generate_qwen3_moe.py: error: --eos [999] outside [0, vocab_size=256)"
