@@ -154,12 +154,12 @@ def parse_args(argv=None):
             setattr(args, key, value)
     positive = ("steps", "prompts", "minibatches", "epochs", "eval_every", "eval_problems", "ckpt_every", "max_digits")
     positive += ("prompt_len", "prompt_width", "max_new_tokens", "lr_decay_steps", "top_k")
-    flags.check_arguments(parser, args, positive)
+    positive += ("lr", "sft_lr", "grad_clip", "clip_epsilon")
+    non_negative = ("warmup", "sft_steps", "weight_decay", "kl_coef", "aux_loss_coef", "z_loss_coef", "seed")
+    flags.check_arguments(parser, args, positive, non_negative)
     if args.group < 2:
         parser.error(f"--group must be >= 2 (GRPO compares the samples of a prompt), got {args.group}")
-    if args.sft_steps < 0 or args.kl_coef < 0:
-        parser.error("--sft-steps and --kl-coef must be >= 0")
-    if args.temperature <= 0:
+    if not args.temperature > 0:
         parser.error(f"--temperature must be > 0 (the group's samples must differ), got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")

@@ -120,9 +120,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.lr_decay_steps = args.lr_decay_steps or args.steps
-    flags.check_arguments(
-        parser, args, ("steps", "batch", "seq", "eval_every", "eval_batches", "ckpt_every", "lr_decay_steps")
-    )
+    positive = ("steps", "batch", "seq", "eval_every", "eval_batches", "ckpt_every", "lr_decay_steps", "lr")
+    positive += ("grad_clip", "corpus_bytes", "memory_budget_gb", "peak_tflops")
+    non_negative = ("warmup", "weight_decay", "aux_loss_coef", "z_loss_coef", "seed")
+    flags.check_arguments(parser, args, positive, non_negative)
     if args.data and not os.path.isfile(args.data):
         parser.error(f"--data: no such file: {args.data}")
     if args.resume and not args.ckpt_dir:

@@ -163,6 +163,15 @@ def test_token_file_expert_only_mesh_and_remat_saving_the_moe(tmp_path):
         (["--resume"], "--resume needs --ckpt-dir"),
         (["--remat-save-moe"], "--remat-save-moe needs --remat"),
         (["--steps", "0"], "--steps must be >= 1"),
+        # Numbers that only make sense positive, or not negative.
+        (["--lr", "-1"], "--lr must be > 0, got -1.0"),
+        (["--lr", "nan"], "--lr must be a finite number, got nan"),
+        (["--grad-clip", "0"], "--grad-clip must be > 0, got 0.0"),
+        (["--memory-budget-gb", "-5"], "--memory-budget-gb must be > 0, got -5.0"),
+        (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+        (["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1"),
+        (["--z-loss-coef", "-0.001"], "--z-loss-coef must be >= 0, got -0.001"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
         (["--transport", "nvlink"], "--transport nvlink"),  # no GPUs here: the nvlink transport cannot run
         (["--transport", "auto"], "invalid choice"),
         (["--implementation", "tpu"], "invalid choice"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 
 from moe_training import cli
@@ -117,13 +118,23 @@ def add_device_arguments(mesh) -> None:
     mesh.add_argument("--process-id", type=int, help="this process's index in a manual multi-process launch")
 
 
-def check_arguments(parser: argparse.ArgumentParser, args, positive: tuple[str, ...]) -> None:
-    """The checks of the shared flags, and that each flag named in `positive` (destinations) is >= 1 where given;
-    errors go through `parser.error` (a usage error)."""
+def check_arguments(
+    parser: argparse.ArgumentParser, args, positive: tuple[str, ...], non_negative: tuple[str, ...] = ()
+) -> None:
+    """The checks of the shared flags, and that each flag named (by destination) in `positive` is > 0 (an integer
+    one >= 1) and each in `non_negative` >= 0, a float one finite, where given; errors go through `parser.error`
+    (a usage error)."""
     shared = ("layers", "host_devices", "num_processes", "mesh_data", "mesh_expert")
-    for name in positive + shared:
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    checks = [(name, False) for name in positive + shared] + [(name, True) for name in non_negative]
+    for name, zero_allowed in checks:
+        value, flag = getattr(args, name), "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            parser.error(f"{flag} must be a finite number, got {value}")
+        if not (value >= 0 if zero_allowed else value > 0):
+            bound = ">= 0" if zero_allowed else ">= 1" if isinstance(value, int) else "> 0"
+            parser.error(f"{flag} must be {bound}, got {value}")
     if args.remat_save_moe and not args.remat:
         parser.error("--remat-save-moe needs --remat")
     if args.fsdp_over_expert and not args.fsdp:
