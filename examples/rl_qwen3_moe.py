@@ -172,6 +172,8 @@ def parse_args(argv=None):
         parser.error("--layers changes the preset's model; --init's model has its own depth")
     if args.resume and not args.ckpt_dir:
         parser.error("--resume needs --ckpt-dir")
+    if args.resume and not os.path.isdir(args.ckpt_dir):  # checked here: opening the checkpoints would create it
+        parser.error(f"--resume: --ckpt-dir {args.ckpt_dir} does not exist: pass the directory of the run to continue")
     args.lr_decay_steps = args.lr_decay_steps or args.steps * args.minibatches * args.epochs
     return args
 

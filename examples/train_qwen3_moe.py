@@ -128,6 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--data: no such file: {args.data}")
     if args.resume and not args.ckpt_dir:
         parser.error("--resume needs --ckpt-dir")
+    if args.resume and not os.path.isdir(args.ckpt_dir):  # checked here: opening the checkpoints would create it
+        parser.error(f"--resume: --ckpt-dir {args.ckpt_dir} does not exist: pass the directory of the run to continue")
     return args
 
 

@@ -103,6 +103,12 @@ def test_bad_flags_exit_2_with_one_line(args, message):
     assert last.startswith("rl_qwen3_moe.py: error: ") and message in last, result.stderr[-2000:]
 
 
+def test_resuming_from_a_directory_that_does_not_exist_creates_nothing(tmp_path):
+    result = run("--resume", "--ckpt-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "out"), check=False)
+    assert_usage_error(result, SCRIPT.name, f"--resume: --ckpt-dir {tmp_path / 'ckpt'} does not exist")
+    assert not list(tmp_path.iterdir())
+
+
 def test_init_without_weights_is_a_usage_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(qwen3_moe.tiny().to_dict()))
     error = "--init: no weights (model.safetensors or model.safetensors.index.json) in"

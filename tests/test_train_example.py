@@ -199,6 +199,12 @@ def assert_usage_error(result, message):
     assert error.startswith(ERROR) and message in error, error
 
 
+def test_resuming_from_a_directory_that_does_not_exist_creates_nothing(tmp_path):
+    result = run("--resume", "--ckpt-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "out"), check=False)
+    assert_usage_error(result, f"--resume: --ckpt-dir {tmp_path / 'ckpt'} does not exist")
+    assert not list(tmp_path.iterdir())
+
+
 def test_resuming_with_other_model_flags_names_the_parameter_and_the_flag(tmp_path):
     """A checkpoint of the 2-layer tiny model refuses to resume a run whose flags build another state, naming the
     first differing parameter, both shapes (or dtypes) and the flag that builds the checkpoint's state; the
