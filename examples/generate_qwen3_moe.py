@@ -62,7 +62,9 @@ def parse_args(argv=None):
         "generation_config.json, else of its config.json; none where neither names one)",
     )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (default: float32)"
+    )
     parser.add_argument(
         "--implementation",
         choices=["auto", "cpu", "cuda", "reference"],

@@ -83,8 +83,10 @@ def parse_args(argv=None):
     task.add_argument(
         "--task",
         choices=["reverse", "add", "synthetic"],
-        help="reverse: a digit string reversed; add: the sum of two numbers; synthetic: the share of digits in "
-        "the completion (any model, no warm-up); " + _preset_default("task"),
+        help="reverse: a digit string reversed; add: the sum of two numbers (both rewarded with the share of the "
+        "answer's characters in place, over the longer of answer and completion, 0 without the end token); "
+        "synthetic: rewarded with the share of digits in the completion (any model, no warm-up); "
+        + _preset_default("task"),
     )
     task.add_argument("--max-digits", type=int, default=3, help="reverse, add: longest number in digits")
     task.add_argument(
@@ -116,7 +118,9 @@ def parse_args(argv=None):
     grpo.add_argument(
         "--lr-decay-steps", type=int, help="cosine decay horizon in optimizer steps (default: all of them)"
     )
-    grpo.add_argument("--weight-decay", type=float, default=0.0)
+    grpo.add_argument(
+        "--weight-decay", type=float, default=0.0, help="AdamW's weight decay, of the matrices only, in the warm-up too"
+    )
     grpo.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
     grpo.add_argument("--clip-epsilon", type=float, default=0.2, help="the ratio's clip range, 1 +- epsilon")
     grpo.add_argument(
@@ -134,7 +138,9 @@ def parse_args(argv=None):
         help="supervised warm-up steps on the task's answers first; " + _preset_default("sft_steps"),
     )
     grpo.add_argument("--sft-lr", type=float, help="the warm-up's learning rate; " + _preset_default("sft_lr"))
-    grpo.add_argument("--seed", type=int, default=0)
+    grpo.add_argument(
+        "--seed", type=int, default=0, help="seed of the preset's initial weights, the problems drawn and the sampling"
+    )
     flags.add_device_arguments(parser.add_argument_group("devices"))
     io = parser.add_argument_group("evaluation and outputs")
     io.add_argument(

@@ -19,7 +19,7 @@ import torch
 from flax import nnx
 from generation_cases import PROMPT_LENGTHS, generated_and_trained_logprobs, prompts_of
 from hf_models import HF_CONFIG, tiny_hf_model
-from job_cli import assert_usage_error
+from job_cli import assert_usage_error, help_entries
 from moe_cases import seeded_rng
 from scipy import stats
 
@@ -375,6 +375,12 @@ def test_command_line_stops_at_the_model_dirs_eos_token_unless_told_otherwise(mo
         result = generate_cli(*greedy, *extra)
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.strip().splitlines()[-1].startswith(f"{generated} tokens in "), result.stdout
+
+
+def test_command_line_help_states_the_defaults():
+    entries = help_entries(generate_cli("--help").stdout)
+    assert all(entries.values()) and entries["--dtype"].endswith("(default: float32)"), entries
+    assert "default: the eos_token_id of MODEL_DIR's generation_config.json" in entries["--eos"]
 
 
 def test_command_line_model_dir_without_weights_is_a_usage_error(model_dirs, tmp_path):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from job_cli import assert_usage_error
+from job_cli import assert_usage_error, help_entries
 
 from jax_megamoe.models import qwen3_moe
 
@@ -101,6 +101,15 @@ def test_bad_flags_exit_2_with_one_line(args, message):
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("rl_qwen3_moe.py: error: ") and message in last, result.stderr[-2000:]
+
+
+def test_help_explains_every_flag_its_default_and_each_task_s_reward():
+    entries = help_entries(run("--help").stdout)
+    assert len(entries) > 40 and all(entries.values()), [flag for flag, text in entries.items() if not text]
+    for flag, default in (("--z-loss-coef", "0.0"), ("--seed", "0"), ("--weight-decay", "0.0"), ("--epochs", "1")):
+        assert entries[flag].endswith(f"(default: {default})"), entries[flag]
+    task = entries["--task"]
+    assert all(f"{name}:" in task for name in ("reverse", "add", "synthetic")) and task.count("rewarded with") == 2
 
 
 def test_resuming_from_a_directory_that_does_not_exist_creates_nothing(tmp_path):

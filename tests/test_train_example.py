@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from job_cli import help_entries
 from moe_cases import seeded_rng
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_qwen3_moe.py"
@@ -189,6 +190,15 @@ def test_token_file_expert_only_mesh_and_remat_saving_the_moe(tmp_path):
 def test_bad_flags_get_clear_errors(args, message):
     result = run(*args, check=False)
     assert_usage_error(result, message)
+
+
+def test_help_explains_every_flag_and_states_each_default_once():
+    entries = help_entries(run("--help").stdout)
+    assert len(entries) > 40 and all(entries.values()), [flag for flag, text in entries.items() if not text]
+    defaults = {"--z-loss-coef": "0.0", "--seed": "0", "--weight-decay": "0.1", "--dtype": "bfloat16"}
+    for flag, default in defaults.items():
+        assert entries[flag].endswith(f"(default: {default})"), entries[flag]
+    assert entries["--memory-budget-gb"].count("(default:") == 1, entries["--memory-budget-gb"]
 
 
 def assert_usage_error(result, message):

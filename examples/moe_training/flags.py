@@ -25,7 +25,8 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+        hidden = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not hidden and "%(default)" not in text:  # by identity: a default of 0 or 0.0 is stated too
             text += " (default: %(default)s)"
         return text
 
