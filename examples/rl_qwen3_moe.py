@@ -83,8 +83,10 @@ def parse_args(argv=None):
     task.add_argument(
         "--task",
         choices=["reverse", "add", "synthetic"],
-        help="reverse: a digit string reversed; add: the sum of two numbers; synthetic: the share of digits in "
-        "the completion (any model, no warm-up); " + _preset_default("task"),
+        help="reverse: a digit string reversed; add: the sum of two numbers (both rewarded with the share of the "
+        "answer's characters in place, over the longer of answer and completion, 0 without the end token); "
+        "synthetic: rewarded with the share of digits in the completion (any model, no warm-up); "
+        + _preset_default("task"),
     )
     task.add_argument("--max-digits", type=int, default=3, help="reverse, add: longest number in digits")
     task.add_argument(
@@ -116,7 +118,9 @@ def parse_args(argv=None):
     grpo.add_argument(
         "--lr-decay-steps", type=int, help="cosine decay horizon in optimizer steps (default: all of them)"
     )
-    grpo.add_argument("--weight-decay", type=float, default=0.0)
+    grpo.add_argument(
+        "--weight-decay", type=float, default=0.0, help="AdamW's weight decay, of the matrices only, in the warm-up too"
+    )
     grpo.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
     grpo.add_argument("--clip-epsilon", type=float, default=0.2, help="the ratio's clip range, 1 +- epsilon")
     grpo.add_argument(
@@ -134,7 +138,9 @@ def parse_args(argv=None):
         help="supervised warm-up steps on the task's answers first; " + _preset_default("sft_steps"),
     )
     grpo.add_argument("--sft-lr", type=float, help="the warm-up's learning rate; " + _preset_default("sft_lr"))
-    grpo.add_argument("--seed", type=int, default=0)
+    grpo.add_argument(
+        "--seed", type=int, default=0, help="seed of the preset's initial weights, the problems drawn and the sampling"
+    )
     flags.add_device_arguments(parser.add_argument_group("devices"))
     io = parser.add_argument_group("evaluation and outputs")
     io.add_argument(
@@ -154,23 +160,26 @@ def parse_args(argv=None):
             setattr(args, key, value)
     positive = ("steps", "prompts", "minibatches", "epochs", "eval_every", "eval_problems", "ckpt_every", "max_digits")
     positive += ("prompt_len", "prompt_width", "max_new_tokens", "lr_decay_steps", "top_k")
-    flags.check_arguments(parser, args, positive)
+    positive += ("lr", "sft_lr", "grad_clip", "clip_epsilon")
+    non_negative = ("warmup", "sft_steps", "weight_decay", "kl_coef", "aux_loss_coef", "z_loss_coef", "seed")
+    flags.check_arguments(parser, args, positive, non_negative)
     if args.group < 2:
         parser.error(f"--group must be >= 2 (GRPO compares the samples of a prompt), got {args.group}")
-    if args.sft_steps < 0 or args.kl_coef < 0:
-        parser.error("--sft-steps and --kl-coef must be >= 0")
-    if args.temperature <= 0:
+    if not args.temperature > 0:
         parser.error(f"--temperature must be > 0 (the group's samples must differ), got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.prompts * args.group % args.minibatches:
         parser.error(f"--minibatches {args.minibatches} must divide the {args.prompts * args.group} samples of a step")
-    if args.init and not os.path.isfile(os.path.join(args.init, "config.json")):
-        parser.error(f"--init: no config.json in {args.init}")
+    problem = flags.model_dir_problem(args.init) if args.init else None
+    if problem:
+        parser.error(f"--init: {problem}")
     if args.init and args.layers:
         parser.error("--layers changes the preset's model; --init's model has its own depth")
     if args.resume and not args.ckpt_dir:
         parser.error("--resume needs --ckpt-dir")
+    if args.resume and not os.path.isdir(args.ckpt_dir):  # checked here: opening the checkpoints would create it
+        parser.error(f"--resume: --ckpt-dir {args.ckpt_dir} does not exist: pass the directory of the run to continue")
     args.lr_decay_steps = args.lr_decay_steps or args.steps * args.minibatches * args.epochs
     return args
 

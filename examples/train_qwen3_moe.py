@@ -72,16 +72,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--lr", type=float, help="peak learning rate; " + _preset_default("lr"))
     run.add_argument("--warmup", type=int, help="linear warm-up steps; " + _preset_default("warmup"))
     run.add_argument("--lr-decay-steps", type=int, help="cosine decay horizon (default: --steps)")
-    run.add_argument("--weight-decay", type=float, default=0.1)
+    run.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's weight decay, of the matrices only")
     run.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
     run.add_argument(
         "--aux-loss-coef", type=float, help="load-balancing loss weight (default: the config's router_aux_loss_coef)"
     )
     run.add_argument("--z-loss-coef", type=float, default=0.0, help="router z-loss weight")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batches drawn")
     mesh = parser.add_argument_group("devices")
     flags.add_device_arguments(mesh)
-    mesh.add_argument("--peak-tflops", type=float, help="per-device peak for MFU (default: known for H200)")
+    mesh.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="per-device peak in TFLOP/s, the denominator of MFU (default: the bf16 matmul rate measured on an H100 "
+        "or an H200; on other devices no MFU)",
+    )
     io = parser.add_argument_group("data and outputs")
     io.add_argument("--data", help="token file (.npy, or raw .bin of --bin-dtype); default: stdlib bytes")
     io.add_argument("--bin-dtype", default="uint16", help="dtype of a raw .bin token file")
@@ -112,7 +117,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--memory-budget-gb",
         type=float,
         default=0.9 * 141,
-        help="per-device memory the plan must fit in, GB (default: 90%% of an H200's 141 GB)",
+        help="per-device memory the plan must fit in, GB; the default is 90%% of an H200's 141 GB: for another GPU "
+        "pass about 90%% of its memory",
     )
     args = parser.parse_args(argv)
 
@@ -120,13 +126,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.lr_decay_steps = args.lr_decay_steps or args.steps
-    flags.check_arguments(
-        parser, args, ("steps", "batch", "seq", "eval_every", "eval_batches", "ckpt_every", "lr_decay_steps")
-    )
+    positive = ("steps", "batch", "seq", "eval_every", "eval_batches", "ckpt_every", "lr_decay_steps", "lr")
+    positive += ("grad_clip", "corpus_bytes", "memory_budget_gb", "peak_tflops")
+    non_negative = ("warmup", "weight_decay", "aux_loss_coef", "z_loss_coef", "seed")
+    flags.check_arguments(parser, args, positive, non_negative)
     if args.data and not os.path.isfile(args.data):
         parser.error(f"--data: no such file: {args.data}")
     if args.resume and not args.ckpt_dir:
         parser.error("--resume needs --ckpt-dir")
+    if args.resume and not os.path.isdir(args.ckpt_dir):  # checked here: opening the checkpoints would create it
+        parser.error(f"--resume: --ckpt-dir {args.ckpt_dir} does not exist: pass the directory of the run to continue")
     return args
 
 

@@ -1,8 +1,15 @@
 """Generation on the Qwen3-MoE model: greedy tokens and log-probs against transformers' `generate`, incremental
 decoding against the full forward, log-probs against the training forward, the sampling filters' distributions,
-bucketing, meshes, and the argument checks."""
+bucketing, meshes, and the argument checks; the command line, examples/generate_qwen3_moe.py, run as users run it
+(a subprocess on CPU)."""
 
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +19,7 @@ import torch
 from flax import nnx
 from generation_cases import PROMPT_LENGTHS, generated_and_trained_logprobs, prompts_of
 from hf_models import HF_CONFIG, tiny_hf_model
+from job_cli import assert_usage_error, help_entries
 from moe_cases import seeded_rng
 from scipy import stats
 
@@ -298,3 +306,85 @@ def test_generate_on_a_mesh_matches_one_device(eight_expert_checkpoint, shape, m
     assert gathers and all("while" not in name or name.endswith("/top_k") for name in gathers), gathers
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="divisible by 8"):
         qwen3_moe.generate(model, prompts[:4], **settings)
+
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "generate_qwen3_moe.py"
+PROG = SCRIPT.name
+
+
+def generate_cli(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Directories of one random tiny byte-level model (float32): `bytes` as the training job saves it (text as
+    UTF-8 bytes), `tokenizer` with a byte-level BPE tokenizer.json whose ids are not the bytes'."""
+    tokenizers = pytest.importorskip("tokenizers")
+    model = qwen3_moe.Qwen3MoeForCausalLM(qwen3_moe.tiny(), implementation="cpu", rngs=nnx.Rngs(7))
+    dirs = {name: tmp_path_factory.mktemp(name) for name in ("bytes", "tokenizer")}
+    for path in dirs.values():
+        qwen3_moe.save_pretrained(model, path)
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    tokenizer.save(str(dirs["tokenizer"] / "tokenizer.json"))
+    return dirs
+
+
+@pytest.mark.parametrize("vocabulary", ["bytes", "tokenizer"])
+def test_command_line_prompts_reach_the_tokenizer_as_typed(model_dirs, vocabulary):
+    """No escapes are decoded: a non-ASCII letter and a backslash come back as typed."""
+    prompts = ["héllo", "a\\x", "tab\\t"]
+    result = generate_cli(
+        str(model_dirs[vocabulary]), *(f"--prompt={p}" for p in prompts), "--temperature", "0", "--max-new-tokens", "2"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for index, prompt in enumerate(prompts):
+        assert f"--- sample {index}: {prompt!r} ->" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([b"--prompt", b"caf\xe9"], "--prompt 'caf\\udce9' is not UTF-8 text"),  # Latin-1 bytes
+        (["--max-new-tokens", "0"], "error: --max-new-tokens must be an int >= 1, got 0"),
+        (["--max-new-tokens", "5000"], "plus --max-new-tokens=5000 exceeds the model's max_position_embeddings=2048"),
+        (["--temperature", "-1"], "error: --temperature must be a finite float >= 0 (0: greedy), got -1.0"),
+        (["--top-k", "0"], "error: --top-k (the sampling filter) must be None or an int >= 1, got 0"),
+        (["--top-p", "1.5"], "error: --top-p must be None or a float in (0, 1], got 1.5"),
+        (["--eos", "7", "--eos", "999"], "error: --eos [999] outside [0, vocab_size=256)"),
+    ],
+)
+def test_command_line_usage_errors_name_the_flag(model_dirs, args, message):
+    error = assert_usage_error(generate_cli(str(model_dirs["bytes"]), *args), PROG, message)
+    assert not re.search("max_new_tokens|temperature=|top_k|top_p|eos_token_id", error), error
+
+
+def test_command_line_stops_at_the_model_dirs_eos_token_unless_told_otherwise(model_dirs, tmp_path):
+    """The directory's generation_config.json names two eos ids, one of them the third greedy token: sampling stops
+    there by default; `--eos` replaces the directory's ids."""
+    model = qwen3_moe.from_pretrained(model_dirs["bytes"], implementation="cpu")
+    tokens = np.asarray(qwen3_moe.generate(model, [list(b"def ")], max_new_tokens=8, temperature=0).tokens[0])
+    eos, unused = int(tokens[2]), next(t for t in range(256) if t not in tokens)
+    shutil.copytree(model_dirs["bytes"], tmp_path, dirs_exist_ok=True)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [unused, eos]}))
+    greedy = [str(tmp_path), "--prompt", "def ", "--temperature", "0", "--max-new-tokens", "8"]
+    for extra, generated in (([], list(tokens).index(eos) + 1), (["--eos", str(unused)], 8)):
+        result = generate_cli(*greedy, *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.strip().splitlines()[-1].startswith(f"{generated} tokens in "), result.stdout
+
+
+def test_command_line_help_states_the_defaults():
+    entries = help_entries(generate_cli("--help").stdout)
+    assert all(entries.values()) and entries["--dtype"].endswith("(default: float32)"), entries
+    assert "default: the eos_token_id of MODEL_DIR's generation_config.json" in entries["--eos"]
+
+
+def test_command_line_model_dir_without_weights_is_a_usage_error(model_dirs, tmp_path):
+    (tmp_path / "config.json").write_text((model_dirs["bytes"] / "config.json").read_text())
+    message = f"MODEL_DIR: no weights (model.safetensors or model.safetensors.index.json) in {tmp_path}: pass"
+    assert_usage_error(generate_cli(str(tmp_path)), PROG, message)

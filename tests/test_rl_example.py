@@ -16,6 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from job_cli import assert_usage_error, help_entries
+
+from jax_megamoe.models import qwen3_moe
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "rl_qwen3_moe.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -77,6 +80,16 @@ def test_grpo_raises_the_reward_the_sampler_agrees_and_resume_reproduces(tmp_pat
         (["--group", "1"], "--group must be >= 2"),
         (["--prompts", "3", "--group", "3"], "--minibatches 4 must divide the 9 samples"),
         (["--temperature", "0"], "--temperature must be > 0"),
+        (["--temperature", "nan"], "--temperature must be > 0"),
+        # Numbers that only make sense positive, or not negative.
+        (["--lr", "-1"], "--lr must be > 0, got -1.0"),
+        (["--sft-lr", "0"], "--sft-lr must be > 0, got 0.0"),
+        (["--clip-epsilon", "0"], "--clip-epsilon must be > 0, got 0.0"),
+        (["--grad-clip", "inf"], "--grad-clip must be a finite number, got inf"),
+        (["--kl-coef", "-0.01"], "--kl-coef must be >= 0, got -0.01"),
+        (["--sft-steps", "-1"], "--sft-steps must be >= 0, got -1"),
+        (["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
         (["--resume"], "--resume needs --ckpt-dir"),
         (["--init", "/no/such/dir"], "--init: no config.json"),
         (["--task", "synthetic", "--sft-steps", "3"], "--task synthetic has no answers to warm up on"),
@@ -88,6 +101,27 @@ def test_bad_flags_exit_2_with_one_line(args, message):
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("rl_qwen3_moe.py: error: ") and message in last, result.stderr[-2000:]
+
+
+def test_help_explains_every_flag_its_default_and_each_task_s_reward():
+    entries = help_entries(run("--help").stdout)
+    assert len(entries) > 40 and all(entries.values()), [flag for flag, text in entries.items() if not text]
+    for flag, default in (("--z-loss-coef", "0.0"), ("--seed", "0"), ("--weight-decay", "0.0"), ("--epochs", "1")):
+        assert entries[flag].endswith(f"(default: {default})"), entries[flag]
+    task = entries["--task"]
+    assert all(f"{name}:" in task for name in ("reverse", "add", "synthetic")) and task.count("rewarded with") == 2
+
+
+def test_resuming_from_a_directory_that_does_not_exist_creates_nothing(tmp_path):
+    result = run("--resume", "--ckpt-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "out"), check=False)
+    assert_usage_error(result, SCRIPT.name, f"--resume: --ckpt-dir {tmp_path / 'ckpt'} does not exist")
+    assert not list(tmp_path.iterdir())
+
+
+def test_init_without_weights_is_a_usage_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(qwen3_moe.tiny().to_dict()))
+    error = "--init: no weights (model.safetensors or model.safetensors.index.json) in"
+    assert_usage_error(run("--init", str(tmp_path), check=False), SCRIPT.name, error)
 
 
 def test_tasks_hold_out_their_evaluation_problems_and_score_digits_in_place():

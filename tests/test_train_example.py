@@ -6,12 +6,14 @@ saying what to change."""
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from job_cli import help_entries
 from moe_cases import seeded_rng
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_qwen3_moe.py"
@@ -37,13 +39,16 @@ def losses(out_dir):
 
 def test_trains_and_resume_reproduces_the_loss(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    run("--steps", "6", "--out-dir", str(full))
+    result = run("--steps", "6", "--out-dir", str(full))
     summary = json.loads((full / "summary.json").read_text())
     assert summary["mesh"] == {"data": 2, "expert": 4}
     assert summary["final_loss"] < summary["first_loss"]
     assert np.isfinite(summary["final_eval_loss"])
     assert (full / "loss_curve.png").stat().st_size > 0
-    sample_saved_model(full / "model")
+    [command] = re.findall(
+        rf"^model saved to {re.escape(str(full / 'model'))} \(sample from it: (.*)\)$", result.stdout, re.M
+    )
+    sample_saved_model(full / "model", shlex.split(command))
 
     ckpt = tmp_path / "ckpt"
     run("--steps", "3", "--lr-decay-steps", "6", "--ckpt-dir", str(ckpt), "--ckpt-every", "3", "--out-dir", str(part))
@@ -51,13 +56,17 @@ def test_trains_and_resume_reproduces_the_loss(tmp_path):
     assert losses(part) == losses(full)  # bitwise: same data, same state, deterministic kernels
 
 
-def sample_saved_model(model_dir):
-    """The final model the job saved is read back by examples/generate_qwen3_moe.py, which prints a continuation
-    of each prompt and its throughput line."""
+def sample_saved_model(model_dir, printed):
+    """The final model the job saved is read back by the command the job printed (examples/generate_qwen3_moe.py
+    under the job's own Python, which runs from a shell whose `python` is another), which prints a continuation of
+    each prompt and its throughput line."""
     script = SCRIPT.parent / "generate_qwen3_moe.py"
-    command = [sys.executable, str(script), str(model_dir), "--prompt", "def ", "--prompt", "x", "--temperature", "0"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    result = subprocess.run([*command, "--max-new-tokens", "5"], capture_output=True, text=True, env=env, timeout=300)
+    assert [Path(file).resolve() for file in printed[1:]] == [script, model_dir.resolve()]
+    venv = Path(sys.executable).parent
+    path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and Path(p).resolve() != venv.resolve()]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PATH=os.pathsep.join(path))
+    greedy = ["--prompt", "def ", "--prompt", "x", "--temperature", "0", "--max-new-tokens", "5"]
+    result = subprocess.run([*printed, *greedy], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("--- sample") == 2 and "--- sample 0: 'def ' ->" in result.stdout
     assert "1 program(s) compiled" in result.stdout and "tokens/s" in result.stdout
@@ -67,9 +76,10 @@ def sample_saved_model(model_dir):
     assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1].startswith(
         "generate_qwen3_moe.py: error: MODEL_DIR"
     ), missing.stderr
+    command = [sys.executable, str(script), str(model_dir), *greedy]
     bad_eos = subprocess.run([*command, "--eos", "999"], capture_output=True, text=True, env=env, timeout=300)
     assert bad_eos.returncode == 2 and bad_eos.stderr.strip().splitlines()[-1].startswith(
-        "generate_qwen3_moe.py: error: eos_token_id [999] outside [0, vocab_size=256)"
+        "generate_qwen3_moe.py: error: --eos [999] outside [0, vocab_size=256)"
     ), bad_eos.stderr
 
 
@@ -154,6 +164,15 @@ def test_token_file_expert_only_mesh_and_remat_saving_the_moe(tmp_path):
         (["--resume"], "--resume needs --ckpt-dir"),
         (["--remat-save-moe"], "--remat-save-moe needs --remat"),
         (["--steps", "0"], "--steps must be >= 1"),
+        # Numbers that only make sense positive, or not negative.
+        (["--lr", "-1"], "--lr must be > 0, got -1.0"),
+        (["--lr", "nan"], "--lr must be a finite number, got nan"),
+        (["--grad-clip", "0"], "--grad-clip must be > 0, got 0.0"),
+        (["--memory-budget-gb", "-5"], "--memory-budget-gb must be > 0, got -5.0"),
+        (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+        (["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1"),
+        (["--z-loss-coef", "-0.001"], "--z-loss-coef must be >= 0, got -0.001"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
         (["--transport", "nvlink"], "--transport nvlink"),  # no GPUs here: the nvlink transport cannot run
         (["--transport", "auto"], "invalid choice"),
         (["--implementation", "tpu"], "invalid choice"),
@@ -173,12 +192,27 @@ def test_bad_flags_get_clear_errors(args, message):
     assert_usage_error(result, message)
 
 
+def test_help_explains_every_flag_and_states_each_default_once():
+    entries = help_entries(run("--help").stdout)
+    assert len(entries) > 40 and all(entries.values()), [flag for flag, text in entries.items() if not text]
+    defaults = {"--z-loss-coef": "0.0", "--seed": "0", "--weight-decay": "0.1", "--dtype": "bfloat16"}
+    for flag, default in defaults.items():
+        assert entries[flag].endswith(f"(default: {default})"), entries[flag]
+    assert entries["--memory-budget-gb"].count("(default:") == 1, entries["--memory-budget-gb"]
+
+
 def assert_usage_error(result, message):
     """Exit status 2, and on stderr the short usage line and one error line holding `message`, nothing else."""
     assert result.returncode == 2, result.stderr[-3000:]
     usage, error = result.stderr.strip().splitlines()
     assert usage == USAGE
     assert error.startswith(ERROR) and message in error, error
+
+
+def test_resuming_from_a_directory_that_does_not_exist_creates_nothing(tmp_path):
+    result = run("--resume", "--ckpt-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "out"), check=False)
+    assert_usage_error(result, f"--resume: --ckpt-dir {tmp_path / 'ckpt'} does not exist")
+    assert not list(tmp_path.iterdir())
 
 
 def test_resuming_with_other_model_flags_names_the_parameter_and_the_flag(tmp_path):

@@ -1,18 +1,22 @@
 """What the command-line jobs share (examples/train_qwen3_moe.py, examples/rl_qwen3_moe.py): the flags of the model
 and its kernels and of the devices, their checks, what is set before JAX starts, the presets' model configs, and
-the mesh's shape. Nothing here imports JAX at module level: the jobs parse their flags before JAX starts."""
+the mesh's shape; the check of a model directory (also examples/generate_qwen3_moe.py's). Nothing here imports JAX
+at module level: the jobs parse their flags before JAX starts."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 
 from moe_training import cli
 
-# The share of each GPU's memory JAX's allocator may use (its own default is 0.75): the memory plan's default budget
-# is 90% of an H200's 141 GB, and a 10-layer 30B-width step planned at 118.6 GB ran out of memory at 0.75.
+# The share of each GPU's memory JAX's allocator may use (its own default is 0.75): above the memory plan's default
+# budget (90% of an H200's memory), so a step the plan says fits is not refused memory by JAX's smaller share.
 GPU_MEMORY_FRACTION = "0.92"
+# A model directory's weights: one file or the index of its shards (jax_megamoe.models.hf_checkpoint's names).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -21,7 +25,8 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+        hidden = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not hidden and "%(default)" not in text:  # by identity: a default of 0 or 0.0 is stated too
             text += " (default: %(default)s)"
         return text
 
@@ -114,13 +119,23 @@ def add_device_arguments(mesh) -> None:
     mesh.add_argument("--process-id", type=int, help="this process's index in a manual multi-process launch")
 
 
-def check_arguments(parser: argparse.ArgumentParser, args, positive: tuple[str, ...]) -> None:
-    """The checks of the shared flags, and that each flag named in `positive` (destinations) is >= 1 where given;
-    errors go through `parser.error` (a usage error)."""
+def check_arguments(
+    parser: argparse.ArgumentParser, args, positive: tuple[str, ...], non_negative: tuple[str, ...] = ()
+) -> None:
+    """The checks of the shared flags, and that each flag named (by destination) in `positive` is > 0 (an integer
+    one >= 1) and each in `non_negative` >= 0, a float one finite, where given; errors go through `parser.error`
+    (a usage error)."""
     shared = ("layers", "host_devices", "num_processes", "mesh_data", "mesh_expert")
-    for name in positive + shared:
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    checks = [(name, False) for name in positive + shared] + [(name, True) for name in non_negative]
+    for name, zero_allowed in checks:
+        value, flag = getattr(args, name), "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            parser.error(f"{flag} must be a finite number, got {value}")
+        if not (value >= 0 if zero_allowed else value > 0):
+            bound = ">= 0" if zero_allowed else ">= 1" if isinstance(value, int) else "> 0"
+            parser.error(f"{flag} must be {bound}, got {value}")
     if args.remat_save_moe and not args.remat:
         parser.error("--remat-save-moe needs --remat")
     if args.fsdp_over_expert and not args.fsdp:
@@ -134,6 +149,16 @@ def check_arguments(parser: argparse.ArgumentParser, args, positive: tuple[str, 
         parser.error("--num-processes and --process-id go together")
     if args.process_id is not None and not 0 <= args.process_id < args.num_processes:
         parser.error(f"--process-id must be in [0, --num-processes), got {args.process_id}")
+
+
+def model_dir_problem(model_dir: str) -> str | None:
+    """What keeps `model_dir` from being a model directory (save_pretrained's layout: config.json and safetensors
+    weights), as "no ... in DIR"; None where nothing does."""
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        return f"no config.json in {model_dir}"
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in WEIGHT_FILES):
+        return f"no weights ({' or '.join(WEIGHT_FILES)}) in {model_dir}"
+    return None
 
 
 def configure_jax_environment(host_devices: int) -> None:

@@ -54,13 +54,22 @@ class Text:
         return self.tokenizer.decode([int(i) for i in ids])
 
 
-def _eos_token_id(model_dir: str) -> int:
-    """The first `eos_token_id` of the directory's generation_config.json, else of its config.json."""
+def eos_token_ids(model_dir: str) -> list[int]:
+    """The `eos_token_id` (an id or a list) of the directory's generation_config.json, else of its config.json, as
+    a list; empty where neither names one."""
     for name in ("generation_config.json", "config.json"):
         path = os.path.join(model_dir, name)
         if os.path.exists(path):
             with open(path) as f:
                 eos = json.load(f).get("eos_token_id")
             if eos is not None:
-                return int(eos[0] if isinstance(eos, list) else eos)
-    raise cli.UsageError(f"{model_dir} names no eos_token_id (generation_config.json or config.json)")
+                return [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+    return []
+
+
+def _eos_token_id(model_dir: str) -> int:
+    """The first of the directory's `eos_token_ids`."""
+    ids = eos_token_ids(model_dir)
+    if not ids:
+        raise cli.UsageError(f"{model_dir} names no eos_token_id (generation_config.json or config.json)")
+    return ids[0]

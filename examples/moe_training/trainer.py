@@ -10,6 +10,8 @@ import dataclasses
 import json
 import math
 import os
+import shlex
+import sys
 import time
 
 import jax
@@ -33,6 +35,7 @@ from moe_training.baseline import ragged_dot_ffn
 
 BATCH_AXES = ("data", "expert")  # the batch is split over the whole mesh; experts over "expert"
 MODEL_DIR = "model"  # the final model's directory under --out-dir
+GENERATE_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "generate_qwen3_moe.py")
 FINAL_WINDOW = 10  # summary.json's final_loss: mean LM loss of the last steps (single steps are noisy)
 
 
@@ -466,7 +469,20 @@ def save_model(graphdef, params, path: str) -> None:
     examples/generate_qwen3_moe.py, `qwen3_moe.from_pretrained` and transformers read."""
     qwen3_moe.save_pretrained(nnx.merge(graphdef, params), path, dtype=jnp.bfloat16)
     if jax.process_index() == 0:
-        print(f"model saved to {path} (sample from it: python examples/generate_qwen3_moe.py {path})", flush=True)
+        print(f"model saved to {path} (sample from it: {sample_command(path)})", flush=True)
+
+
+def sample_command(path: str) -> str:
+    """The command line that samples from the model at `path`: this job's Python interpreter (the one that has
+    jax_megamoe; a bare `python` may not) running examples/generate_qwen3_moe.py, each path relative to the working
+    directory where it lies under it."""
+
+    def shown(file: str) -> str:
+        relative = os.path.relpath(file)
+        outside = relative == os.pardir or relative.startswith(os.pardir + os.sep)
+        return shlex.quote(os.path.abspath(file) if outside else relative)
+
+    return " ".join(shown(file) for file in (sys.executable, GENERATE_SCRIPT, path))
 
 
 def progress_fields(record: dict, last_eval: float | None) -> dict:

@@ -158,11 +158,6 @@ def read_param(reader: SafetensorsReader, key: tuple, config, index: tuple | Non
     )
 
 
-def load_param(reader: SafetensorsReader, key: tuple, config) -> np.ndarray:
-    """Our whole parameter `key` built from the checkpoint."""
-    return read_param(reader, key, config)
-
-
 def load_sharded(reader: SafetensorsReader, key: tuple, config, shape: tuple, sharding, dtype) -> jax.Array:
     """Parameter `key` as one global array with `sharding`, each local device's shard read straight from the
     files (`read_param` with the shard's index), so no process holds more of the tensor than its devices do;

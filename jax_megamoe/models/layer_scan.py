@@ -1,8 +1,8 @@
 """A scan over stacked layers whose backward keeps each layer's residuals without zero-filling their stacks.
 
 `jax.lax.scan` under `jax.grad` writes every value the backward needs into a stacked buffer, and XLA first
-fills each stack with zeros (JAX's scan initialises its stacked outputs with a broadcast zero): at Qwen3-30B-A3B
-width, 16384 tokens and four layers, about 17 GB of writes per training step that nothing reads. `scan` below
+fills each stack with zeros (JAX's scan initialises its stacked outputs with a broadcast zero): as many bytes of
+writes per training step as every layer's stacked residuals hold, which nothing reads. `scan` below
 computes the same thing under a `jax.custom_vjp`: its forward runs each layer under `jax.vjp` and writes the
 residuals of that vjp (the leaves of the VJP pytree) into stacks made by `jax.lax.empty` (uninitialised
 memory on GPUs), and its backward runs the layers' vjps in reverse from slices of those stacks. A residual
