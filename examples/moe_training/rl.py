@@ -94,7 +94,9 @@ def make_setup(args, config, mesh, tx, warmup_tx, workspace) -> tuple[Setup, obj
         trainer.jit_train_step(warmup_loss, warmup_tx, shardings, rows),
         logprobs,
     )
-    reference = jax.eval_shape(lambda p: qwen3_moe.compute_dtype(p, np.dtype(args.dtype)), train_state.params)
+    reference = jax.eval_shape(
+        lambda p: qwen3_moe.compute_form(p, np.dtype(args.dtype), gather=False), train_state.params
+    )
     abstract = RLState(
         train_state.params,
         train_state.opt_state,
@@ -320,7 +322,8 @@ def new_rl_state(args, setup: Setup, params, tx) -> RLState:
     reference = None
     if args.kl_coef:
         reference = jax.jit(
-            lambda p: qwen3_moe.compute_dtype(p, np.dtype(args.dtype)), out_shardings=setup.shardings.params
+            lambda p: qwen3_moe.compute_form(p, np.dtype(args.dtype), gather=False),
+            out_shardings=setup.shardings.params,
         )(params)
     return RLState(state.params, state.opt_state, reference, jax.random.key_data(jax.random.key(args.seed)))
 

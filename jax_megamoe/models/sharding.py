@@ -13,7 +13,7 @@ One rule, by parameter name and shape (docs/models.md has it as a table):
 The optimizer state follows the parameters: optax's moments sit under the same names with the same shapes,
 so the rule applied to their paths gives them their parameter's sharding; step counts are scalars.
 Inside the step each layer is gathered back to its compute sharding (`compute_spec`: the experts over
-`expert`, the rest whole), one layer at a time (`jax_megamoe.models.qwen3_moe.gathered`).
+`expert`, the rest whole), one layer at a time (`jax_megamoe.models.compute_form`).
 """
 
 from __future__ import annotations
