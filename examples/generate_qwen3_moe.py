@@ -17,9 +17,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_training import cli  # noqa: E402  (beside this file)
-from moe_training.text import Text  # noqa: E402
+from jax_megamoe import cli
+from moe_training.text import Text  # the recipes beside this script
 
 DEFAULT_PROMPTS = ("def ", "import ", "class Model:\n    def __init__(self", "    return ")
 

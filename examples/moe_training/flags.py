@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import os
 
-from moe_training import cli
+from jax_megamoe import cli
 
 # The share of each GPU's memory JAX's allocator may use (its own default is 0.75): the memory plan's default budget
 # is 90% of an H200's 141 GB, and a 10-layer 30B-width step planned at 118.6 GB ran out of memory at 0.75.
