@@ -22,7 +22,7 @@ quantised, over nvlink by its plain exchange instead of the fused calls.
 `NvlinkWorkspace.emulated`), against `moe_ffn` on all R·T tokens: the cost of the protocol itself
 (`--config q30s --emulate 8` has q30's total work).
 
-Usage: python benchmarks/bench_ep.py OUT.json [--config q30] [--ep 1 | --emulate R]
+Usage: python -m benchmarks.bench_ep OUT.json [--config q30] [--ep 1 | --emulate R]
                                       [--transport xla[,ragged,nvlink]] [--routing uniform,zipf]
                                       [--recipe fp8_blockwise] [--samples 15] [--calls 10]
 """
@@ -36,9 +36,7 @@ import functools
 import json
 import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_megamoe as jmm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from moe_training import cli  # noqa: E402  (the command-line jobs' exit-code rule; path set above)
+from jax_megamoe import cli  # the command-line jobs' exit-code rule
 
 CONFIGS = {  # name: (T per device, H, I, E, K)
     "q30": (16384, 2048, 768, 128, 8),

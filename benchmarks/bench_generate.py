@@ -21,7 +21,7 @@ cache with `torch.compile` of the forward where that works, else its default cac
 eos token, so the budgets make the tail) through R rows for each `--batches` value R: static batches of R prompts one
 after another, each running until its longest budget, against one `generate(..., rows=R)` call; tokens/s of each.
 
-Usage: python benchmarks/bench_generate.py [--models q30-4layer,q30] [--batches 1,16,64,256]
+Usage: python -m benchmarks.bench_generate [--models q30-4layer,q30] [--batches 1,16,64,256]
                                           [--frameworks ours,transformers] [--prompt 512] [--new 256] [--json F]
                                           [--workload batch|long-tail] [--prompts 64]
 """
@@ -32,13 +32,11 @@ import argparse
 import dataclasses
 import json
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from moe_training import cli  # noqa: E402  (the command-line jobs' exit-code rule; path set above)
+import benchmarks
+from jax_megamoe import cli  # the command-line jobs' exit-code rule
 
 MODELS = ("tiny", "q30-4layer", "q30")
 FRAMEWORKS = ("ours", "transformers")
@@ -224,7 +222,7 @@ def run_transformers(model_name, batch, args):
 def child(args):
     """One row, printed as JSON for the driver."""
     if args.child == BANDWIDTH_ROW:
-        import bench_moe
+        from benchmarks import bench_moe
 
         row = bench_moe.run_read_bandwidth()
     else:
@@ -245,14 +243,10 @@ def child(args):
 
 
 def run_child(name, args):
-    cmd = [sys.executable, __file__, "--child", name, "--prompt", str(args.prompt), "--new", str(args.new)]
-    cmd += ["--samples", str(args.samples), "--prompts", str(args.prompts)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = [line for line in proc.stdout.splitlines() if line.startswith("JMM_BENCH_ROW ")]
-    if found:
-        return json.loads(found[-1][len("JMM_BENCH_ROW ") :])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return dict(child=name, status=f"crashed rc={proc.returncode}: " + " | ".join(tail)[:300])
+    child_args = ["--child", name, "--prompt", str(args.prompt), "--new", str(args.new), "--samples", str(args.samples)]
+    child_args += ["--prompts", str(args.prompts)]
+    row, crash = benchmarks.run_child("benchmarks.bench_generate", child_args, "JMM_BENCH_ROW ")
+    return row if row is not None else dict(child=name, status=crash)
 
 
 def with_rates(row, args, bandwidth_gbs):

@@ -4,8 +4,8 @@ Implementations: `ours` (jax_megamoe.moe_ffn, implementation="cuda"), `torch_gro
 stable sort + torch._grouped_mm + index_add scatter), `ragged_dot` (sort + jax.lax.ragged_dot),
 `gshard` (capacity-factor-1.0 dispatch/combine einsums), `tokamax` (tokamax.ragged_dot with its Mosaic GPU
 kernel, pinned so that no silent fallback to XLA is timed; only if importable: packages missing from the
-image can be put in the folder named by JMM_PEER_SITE, which is appended to sys.path so the image's own
-packages win),
+image can be put in the folder named by JMM_PEER_SITE, a site directory after the environment's own, so the
+image's own packages win),
 `ours_tiles_<spec>`: `ours` with an explicit `jmm.GemmConfig` passed as `moe_ffn(..., gemm_config=...)`: <spec>
 is one `jax_megamoe.GemmTiles` member name for every row-grouped GEMM (`ours_tiles_coop_128x256`), or
 `<gemm>=<member>` pairs joined by '+' (`ours_tiles_fwd_down=coop_128x256+bwd_down=coop_128x256`; <gemm>: fwd_gate_up,
@@ -38,7 +38,7 @@ completes, so a peak read after them counts two sets of weight gradients for JAX
 row (implementation, config, routing) runs in its own subprocess, so its peak is its own; `peak_by_call`
 says whether the call set it (False: input creation or compilation went higher, and `peak_gib` is that;
 None: no memory statistics, e.g. on a CPU).
-Usage: python benchmarks/bench_moe.py [--configs q30s,q30,q235 | q30-t8,q30-t64,...] [--impls ...]
+Usage: python -m benchmarks.bench_moe [--configs q30s,q30,q235 | q30-t8,q30-t64,...] [--impls ...]
                                      [--variants plain,router,remat] [--json F] [--png F]
 """
 
@@ -49,13 +49,11 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from moe_training import cli  # noqa: E402  (the command-line jobs' exit-code rule; path set above)
+import benchmarks
+from jax_megamoe import cli  # the command-line jobs' exit-code rule
 
 DECODE_TOKENS = (8, 64, 256, 512)  # one decode step's batch
 CONFIGS = {  # name: (T, H, I, E, K), in ascending memory order
@@ -280,8 +278,7 @@ def run_jax(name, cname, routing, variant, samples, inner):
 
     row = dict(impl=name, config=cname, routing=routing, variant=variant)
     if name == "tokamax":
-        if os.environ.get("JMM_PEER_SITE"):
-            sys.path.append(os.environ["JMM_PEER_SITE"])
+        benchmarks.add_peer_site(os.environ.get("JMM_PEER_SITE"))
         # tokamax's absl flags parse sys.argv and refuse this child's own (already parsed) arguments.
         sys.argv = sys.argv[:1]
         try:
@@ -561,34 +558,10 @@ def child_env(impl):
 
 def run_child(impl, cname="all", routing="all", variant="all", samples=0, inner=0):
     """`child` in a subprocess of its own: its row, or a row saying how it crashed."""
-    cmd = [
-        sys.executable,
-        __file__,
-        "--child",
-        impl,
-        "--configs",
-        cname,
-        "--routings",
-        routing,
-        "--variants",
-        variant,
-        "--samples",
-        str(samples),
-        "--inner",
-        str(inner),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(impl))
-    found = [line for line in proc.stdout.splitlines() if line.startswith("JMM_BENCH_ROW ")]
-    if found:
-        return json.loads(found[-1][len("JMM_BENCH_ROW ") :])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return dict(
-        impl=impl,
-        config=cname,
-        routing=routing,
-        variant=variant,
-        status=f"crashed rc={proc.returncode}: " + " | ".join(tail)[:300],
-    )
+    args = ["--child", impl, "--configs", cname, "--routings", routing, "--variants", variant]
+    args += ["--samples", str(samples), "--inner", str(inner)]
+    row, crash = benchmarks.run_child("benchmarks.bench_moe", args, "JMM_BENCH_ROW ", env=child_env(impl))
+    return row if row is not None else dict(impl=impl, config=cname, routing=routing, variant=variant, status=crash)
 
 
 def table(rows, matmul_tfs, bandwidth_gbs=float("nan")):

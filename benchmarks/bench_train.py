@@ -19,7 +19,7 @@ and their next-token labels), one subprocess each, so each one's peak memory is 
   tokamax          the same JAX model and step (optax head, bf16 parameters) with the experts as a pure-JAX
                    sort + `tokamax.ragged_dot` (its Mosaic GPU kernel, pinned so that no silent fallback to XLA
                    is timed) passed as `implementation=`. GPU only. Its packages may sit in `--peer-site`
-                   (appended to sys.path in that child only, so the environment's own packages win).
+                   (a site directory after the environment's own, in that child only).
   ragged_dot       the same with `jax.lax.ragged_dot` instead (not run by default: XLA's lowering expands the
                    groups densely on GPUs; on a CPU it checks the peer's code path).
   torch            Hugging Face transformers' `Qwen3MoeForCausalLM` (bf16 parameters, sdpa attention, its
@@ -43,7 +43,7 @@ DIR/<stack>/, for Perfetto) and its row gets `profile`: the device's events per 
 `PROFILE_TOP`), and the last step's streams: each stream's busy time and the busiest one's idle gaps (where the
 step waits, and for what).
 
-Usage: python benchmarks/bench_train.py [--preset qwen3-30b-a3b-4layer|tiny] [--layers L] [--batch B]
+Usage: python -m benchmarks.bench_train [--preset qwen3-30b-a3b-4layer|tiny] [--layers L] [--batch B]
            [--seq S] [--steps N] [--warmup W] [--param-dtype float32|bfloat16] [--stacks ours,ours_lce,...]
            [--breakdown ours,ours_lce] [--profile DIR] [--peer-site DIR] [--json F] [--png F]
 """
@@ -56,17 +56,14 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 
-from train_bench.children import child, run_child
-from train_bench.common import BETAS, LEARNING_RATE, WEIGHT_DECAY, model_config
-from train_bench.plot import plot
-from train_bench.rates import train_flops_per_step, with_rates
-from train_bench.report import table
-from train_bench.stacks import DEFAULT_BREAKDOWN, DEFAULT_STACKS, STACKS, stack_label
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from moe_training import cli  # noqa: E402  (the command-line jobs' exit-code rule; path set above)
+from benchmarks.train_bench.children import child, run_child
+from benchmarks.train_bench.common import BETAS, LEARNING_RATE, WEIGHT_DECAY, model_config
+from benchmarks.train_bench.plot import plot
+from benchmarks.train_bench.rates import train_flops_per_step, with_rates
+from benchmarks.train_bench.report import table
+from benchmarks.train_bench.stacks import DEFAULT_BREAKDOWN, DEFAULT_STACKS, STACKS, stack_label
+from jax_megamoe import cli  # the command-line jobs' exit-code rule
 
 # Per preset: (layers, batch, seq, steps, warmup); the flags override each.
 PRESETS = {"qwen3-30b-a3b-4layer": (4, 4, 4096, 10, 3), "tiny": (2, 2, 32, 3, 1)}
@@ -107,7 +104,7 @@ def main(argv=None) -> dict | None:
     parser.add_argument(
         "--peer-site",
         default=os.environ.get("JMM_PEER_SITE"),
-        help="folder of tokamax's packages, appended to sys.path in the tokamax child only",
+        help="folder of tokamax's packages, a site directory after the environment's own in the tokamax child only",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--matmul-size", type=int, help="the matmul rate's size (8192 on GPUs, 512 on CPUs)")
@@ -130,7 +127,8 @@ def main(argv=None) -> dict | None:
     stacks = parse_list(args.stacks, STACKS, "--stacks")
     args.breakdown = parse_list(args.breakdown, [s for s in STACKS if s.startswith("ours")], "--breakdown")
     if args.child:
-        return child(args)
+        child(args)
+        return None
 
     config = model_config(args.preset, args.layers)
     tokens_per_step = args.batch * args.seq

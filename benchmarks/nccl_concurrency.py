@@ -19,10 +19,10 @@ NCCL settings are read when JAX starts, so this script sets them before importin
 sets NCCL_MAX_CTAS (left as in the environment otherwise), and NCCL_NVLS_ENABLE=0 always (NVLink multicast
 stays off). The JSON records the NCCL_* environment actually used.
 
-Usage: python benchmarks/nccl_concurrency.py OUT.json [--transport nvlink|xla|ragged] [--iters 1000]
+Usage: python -m benchmarks.nccl_concurrency OUT.json [--transport nvlink|xla|ragged] [--iters 1000]
          [--collective-mib 1024] [--hang-seconds 60] [--nccl-max-ctas N] [--config q30]
 CPU smoke: JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
-         python benchmarks/nccl_concurrency.py out.json --transport xla --iters 3 --collective-mib 1 --config tiny
+         python -m benchmarks.nccl_concurrency out.json --transport xla --iters 3 --collective-mib 1 --config tiny
 """
 
 from __future__ import annotations
@@ -36,10 +36,8 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from moe_training import cli  # noqa: E402  (the command-line jobs' exit-code rule; path set above)
+from jax_megamoe import cli  # the command-line jobs' exit-code rule
 
 EXIT_HANG = 3
 
@@ -94,7 +92,7 @@ class Watchdog:
     def __init__(self, limit_s: float, on_hang):
         self.limit_s, self.on_hang = limit_s, on_hang
         self._lock = threading.Lock()
-        self._armed = None  # (iteration, start time)
+        self._armed: tuple[int, float] | None = None  # (iteration, start time)
         threading.Thread(target=self._watch, daemon=True).start()
 
     def arm(self, iteration: int) -> None:
@@ -160,9 +158,7 @@ def main(argv=None) -> int:
     from jax.sharding import PartitionSpec as P
 
     import jax_megamoe as jmm
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_ep import CONFIGS, ep_options, git_commit, make_inputs
+    from benchmarks.bench_ep import CONFIGS, ep_options, git_commit, make_inputs
 
     if opts.config not in CONFIGS:
         raise cli.UsageError(f"--config must be one of {sorted(CONFIGS)}, got {opts.config!r}")

@@ -9,7 +9,7 @@ residual adds, layer norms, the loop's bookkeeping). Only kernels of the decode 
 totals are divided by the loop's iterations (`--new` - 1), so they are one step's. XLA's command buffers are off
 here, so each kernel is its own event; the sum of kernel times is the step's device time without launch gaps.
 
-Usage: python benchmarks/profile_decode.py [--model q30-4layer] [--batch 64] [--prompt 512] [--new 32] [--json F]
+Usage: python -m benchmarks.profile_decode [--model q30-4layer] [--batch 64] [--prompt 512] [--new 32] [--json F]
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import os
 import re
 import sys
 import tempfile
-from pathlib import Path
 
 PARTS = ("attention", "moe", "lm_head", "sampling")
 DUMP = tempfile.mkdtemp(prefix="jmm_profile_decode_hlo_")
@@ -34,7 +33,9 @@ def hlo_scopes(dump_dir: str) -> dict[tuple[str, str], str]:
     scopes: dict[tuple[str, str], str] = {}
     for path in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")):
         module = re.sub(r"^module_\d+\.", "", os.path.basename(path)).split(".")[0]
-        op_names, calls, roots = {}, {}, {}
+        op_names: dict[str, str] = {}
+        calls: dict[str, str] = {}
+        roots: dict[str, str] = {}
         computation = ""
         with open(path) as f:
             for line in f:
@@ -46,8 +47,8 @@ def hlo_scopes(dump_dir: str) -> dict[tuple[str, str], str]:
                 if head is None:
                     continue
                 name = head.group(2)
-                op_name = re.search(r'op_name="([^"]*)"', line)
-                op_names[name] = op_name.group(1) if op_name else ""
+                found = re.search(r'op_name="([^"]*)"', line)
+                op_names[name] = found.group(1) if found else ""
                 if called := re.search(r"calls=%?([\w.\-]+)", line):
                     calls[name] = called.group(1)
                 if head.group(1):
@@ -82,10 +83,8 @@ def main() -> None:
     from flax import nnx
     from jax._src.lib import _profile_data
 
+    from benchmarks.bench_generate import model_config
     from jax_megamoe.models import qwen3_moe
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_generate import model_config
 
     config = model_config(args.model)
     model = nnx.jit(

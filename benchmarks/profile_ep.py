@@ -11,7 +11,7 @@ duration), which shows what runs beside what and what waits: the sums alone do n
 Prints the top kernels and the last step per device and writes OUT_DIR/profile_ep.json; the trace itself
 stays in OUT_DIR for Perfetto.
 
-Usage: python benchmarks/profile_ep.py OUT_DIR [--config q30] [--ep 2 | --emulate R] [--transport xla]
+Usage: python -m benchmarks.profile_ep OUT_DIR [--config q30] [--ep 2 | --emulate R] [--transport xla]
                                        [--iters 5] [--top 25] [--process REGEX]
 """
 
@@ -22,11 +22,9 @@ import functools
 import gzip
 import json
 import re
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from moe_training import cli  # noqa: E402  (the command-line jobs' exit-code rule; path set above)
+from jax_megamoe import cli  # the command-line jobs' exit-code rule
 
 DEVICE_PROCESS = r"^/device:GPU:\d+"  # the profiler's process names for GPU activity
 
@@ -134,9 +132,7 @@ def main(argv=None):
     import jax
 
     import jax_megamoe as jmm
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_ep import CONFIGS, ep_options, ep_problem, forward_backward
+    from benchmarks.bench_ep import CONFIGS, ep_options, ep_problem, forward_backward
 
     if opts.config not in CONFIGS:
         parser.error(f"--config must be one of {sorted(CONFIGS)}, got {opts.config!r}")

@@ -3,7 +3,7 @@ trained twice from the same seed on the same data, once with jax_megamoe's CUDA 
 a pure-JAX baseline: `--baseline ragged_dot` (sort + `jax.lax.ragged_dot`, the default) or
 `--baseline reference` (the per-expert dense reference implementation, exact but E times the expert FLOPs).
 
-    python benchmarks/train_record.py OUT_DIR [--steps 150 --batch 2 --seq 1024]
+    python -m benchmarks.train_record OUT_DIR [--steps 150 --batch 2 --seq 1024]
 
 Runs examples/train_qwen3_moe.py once per implementation (a fresh process each, so peak memory is per run) and
 writes OUT_DIR/{cuda,BASELINE}/ (metrics.jsonl, loss_curve.png, summary.json), OUT_DIR/loss_curves.png
@@ -25,10 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-
-from moe_training import cli, metrics  # noqa: E402  (the example's helpers; path set above)
+from benchmarks import ROOT
+from jax_megamoe import cli, training
 
 BASELINES = ("ragged_dot", "reference")
 
@@ -147,8 +145,8 @@ def main() -> None:
         }
         summaries = {name: future.result() for name, future in futures.items()}
     done = [b for b in implementations if not summaries[b].get("failed")]
-    record = {"runs": summaries, "final_loss_mean_last_10_steps": {b: summaries[b]["final_loss"] for b in done}}
-    curves = {b: metrics.read_metrics(str(args.out_dir / b / "metrics.jsonl")) for b in done}
+    record: dict = {"runs": summaries, "final_loss_mean_last_10_steps": {b: summaries[b]["final_loss"] for b in done}}
+    curves = {b: training.read_metrics(str(args.out_dir / b / "metrics.jsonl")) for b in done}
     if len(done) == len(implementations):
         finals = record["final_loss_mean_last_10_steps"]
         gap = abs(finals["cuda"] - finals[args.baseline]) / finals[args.baseline]
@@ -160,7 +158,7 @@ def main() -> None:
         )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "summary.json").write_text(json.dumps(record, indent=2))
-    metrics.plot_loss_curves(curves, str(args.out_dir / "loss_curves.png"))
+    training.plot_loss_curves(curves, str(args.out_dir / "loss_curves.png"))
 
     print("| implementation | tokens/s | MFU | step ms | peak GiB | final loss |")
     print("|---|---|---|---|---|---|")

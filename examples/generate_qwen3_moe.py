@@ -13,14 +13,13 @@ docs/models.md, "Generation".
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_training import cli, flags  # noqa: E402  (beside this file)
-from moe_training.text import Text, eos_token_ids  # noqa: E402
+from jax_megamoe import cli
+from moe_training import flags  # the recipes beside this script
+from moe_training.text import Text, eos_token_ids
 
 DEFAULT_PROMPTS = ("def ", "import ", "class Model:\n    def __init__(self", "    return ")
 # The flag that sets each of generate's arguments: its argument errors name the flag.

@@ -11,17 +11,16 @@ to the starting policy, no value model) until its held-out accuracy is high:
 
 Writes metrics.jsonl, rl_curve.png, summary.json and the final model (model/, Hugging Face layout) to --out-dir;
 --ckpt-dir/--resume checkpoint with orbax (the policy, its optimizer state, the KL reference and the sampler's
-key). A command line that cannot run exits with status 2, a run that fails with 1 (moe_training/cli.py).
+key). A command line that cannot run exits with status 2, a run that fails with 1 (jax_megamoe/cli.py).
 `--help` lists every flag. Docs: docs/models.md.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_training import cli, flags  # noqa: E402  (the example's helpers; path set above; JAX is imported later)
+from jax_megamoe import cli
+from moe_training import flags  # the recipes beside this script (JAX is imported later)
 
 PRESETS = {  # name -> defaults of the flags below; the model configs are built after JAX starts
     "tiny": dict(
@@ -158,6 +157,7 @@ def parse_args(argv=None):
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    positive: tuple[str, ...]
     positive = ("steps", "prompts", "minibatches", "epochs", "eval_every", "eval_problems", "ckpt_every", "max_digits")
     positive += ("prompt_len", "prompt_width", "max_new_tokens", "lr_decay_steps", "top_k")
     positive += ("lr", "sft_lr", "grad_clip", "clip_epsilon")
@@ -184,35 +184,17 @@ def parse_args(argv=None):
     return args
 
 
-def make_task(args):
-    from moe_training import tasks
-
-    task = {
-        "reverse": lambda: tasks.reverse_digits(args.max_digits),
-        "add": lambda: tasks.add_numbers(args.max_digits),
-        "synthetic": lambda: tasks.digit_share(args.prompt_len),
-    }[args.task]()
-    if args.sft_steps and not task.demonstrations:
-        raise cli.UsageError(f"--task {task.name} has no answers to warm up on: pass --sft-steps 0")
-    args.prompt_width = args.prompt_width or task.prompt_chars
-    if args.max_new_tokens is None:
-        if task.answer_chars is None:
-            raise cli.UsageError(f"--task {task.name} has no longest answer: pass --max-new-tokens")
-        args.max_new_tokens = task.answer_chars + 1
-    return task
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     jax = flags.start_jax(args)
     from jax_megamoe.models import qwen3_moe
-    from moe_training import rl, trainer
+    from moe_training import rl, rollouts, trainer
     from moe_training.text import Text
 
     config = (
         qwen3_moe.Qwen3MoeConfig.from_json(args.init) if args.init else flags.model_config(args.preset, args.layers)
     )
-    task = make_task(args)
+    task = rollouts.make_task(args)
     text = Text(args.init, config.vocab_size)
     if args.prompt_width + args.max_new_tokens > config.max_position_embeddings:
         raise cli.UsageError(

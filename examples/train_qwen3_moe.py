@@ -16,19 +16,19 @@ machine host devices stand in for the GPUs and the figures are estimates):
 Writes metrics.jsonl, loss_curve.png and summary.json to --out-dir; --ckpt-dir/--resume checkpoint with
 orbax. Under SLURM / Open MPI / JAX_COORDINATOR_ADDRESS it calls `jax.distributed.initialize()` first.
 `--help` lists every flag. A command line that cannot run exits with status 2, a run that fails with 1
-(moe_training/cli.py). Docs: docs/models.md.
+(jax_megamoe/cli.py). Docs: docs/models.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
+from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_training import cli, flags  # noqa: E402  (the example's helpers; path set above; JAX is imported later)
+from jax_megamoe import cli
+from moe_training import flags  # the recipes beside this script (JAX is imported later)
 
+PRESETS: dict[str, dict[str, Any]]
 PRESETS = {  # name -> training defaults; the model configs are built after JAX starts (flags.model_config)
     "tiny": dict(batch=16, seq=128, steps=300, lr=3e-3, warmup=20, eval_every=50, eval_batches=4, save_model=True),
     "qwen3-30b-a3b-4layer": dict(
@@ -126,6 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.lr_decay_steps = args.lr_decay_steps or args.steps
+    positive: tuple[str, ...]
     positive = ("steps", "batch", "seq", "eval_every", "eval_batches", "ckpt_every", "lr_decay_steps", "lr")
     positive += ("grad_clip", "corpus_bytes", "memory_budget_gb", "peak_tflops")
     non_negative = ("warmup", "weight_decay", "aux_loss_coef", "z_loss_coef", "seed")
@@ -165,14 +166,7 @@ def main(argv=None) -> None:
     if args.aux_loss_coef is None:
         args.aux_loss_coef = config.router_aux_loss_coef
     if args.dry_run:
-        if args.attention_impl is None and jax.default_backend() == "cpu":
-            args.attention_impl = "chunked"  # XLA:CPU's attention holds [S, S] scores; GPUs run flash attention
-        plan = trainer.memory_plan(args, config)
-        if jax.process_index() == 0:
-            os.makedirs(args.out_dir, exist_ok=True)
-            with open(os.path.join(args.out_dir, "memory_plan.json"), "w") as f:
-                json.dump(plan, f, indent=2)
-            print(trainer.format_memory_plan(plan), flush=True)
+        trainer.dry_run(args, config)
         return
     if args.data:
         try:

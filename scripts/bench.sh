@@ -47,24 +47,24 @@ source scripts/steps.sh
   gpu_record
 } | tee "$OUTDIR/gpu.txt"
 
-want moe && step bench-moe bench_moe.log $PY benchmarks/bench_moe.py --json "$OUTDIR/bench_moe.json" \
+want moe && step bench-moe bench_moe.log $PY -m benchmarks.bench_moe --json "$OUTDIR/bench_moe.json" \
   --png "$OUTDIR/bench_moe.png" ${MOE_ARGS:---configs q30s,q30,q235 --routings uniform,zipf}
 
 decode_configs=q30-t8,q30-t64,q30-t256,q30-t512,q235-t8,q235-t64,q235-t256,q235-t512
-want decode && step bench-moe-decode bench_moe_decode.log $PY benchmarks/bench_moe.py \
+want decode && step bench-moe-decode bench_moe_decode.log $PY -m benchmarks.bench_moe \
   --json "$OUTDIR/bench_moe_decode.json" --png "$OUTDIR/bench_moe_decode.png" \
   ${DECODE_ARGS:---configs $decode_configs --impls ours,torch_grouped_mm,tokamax}
 
-want generate && step bench-generate bench_generate.log $PY benchmarks/bench_generate.py \
+want generate && step bench-generate bench_generate.log $PY -m benchmarks.bench_generate \
   --json "$OUTDIR/bench_generate.json" ${GENERATE_ARGS:-}
 
-want profile-decode && step profile-decode profile_decode.log $PY benchmarks/profile_decode.py \
+want profile-decode && step profile-decode profile_decode.log $PY -m benchmarks.profile_decode \
   --json "$OUTDIR/profile_decode.json" ${PROFILE_DECODE_ARGS:-}
 
-want ep && step bench-ep bench_ep.log $PY benchmarks/bench_ep.py "$OUTDIR/bench_ep.json" --ep "$gpus" \
+want ep && step bench-ep bench_ep.log $PY -m benchmarks.bench_ep "$OUTDIR/bench_ep.json" --ep "$gpus" \
   ${EP_ARGS:---config q30}
 
-want emulated && step bench-ep-emulated bench_ep_emulated.log $PY benchmarks/bench_ep.py \
+want emulated && step bench-ep-emulated bench_ep_emulated.log $PY -m benchmarks.bench_ep \
   "$OUTDIR/bench_ep_emulated.json" ${EMULATED_ARGS:---config q30s --emulate 8}
 
 e2e() {
@@ -78,7 +78,7 @@ want e2e && step e2e e2e.log e2e
 record() {
   local rc=0
   rm -rf /tmp/jmm_train_record
-  $PY benchmarks/train_record.py /tmp/jmm_train_record ${RECORD_ARGS:-} || rc=1
+  $PY -m benchmarks.train_record /tmp/jmm_train_record ${RECORD_ARGS:-} || rc=1
   cp /tmp/jmm_train_record/summary.json "$OUTDIR/train_record.json" 2>/dev/null || rc=1
   cp /tmp/jmm_train_record/loss_curves.png "$OUTDIR/train_record.png" 2>/dev/null || rc=1
   return $rc
@@ -86,12 +86,12 @@ record() {
 want record && step train-record train_record.log record
 
 # NCCL's settings are read when JAX starts; NVLink multicast stays off.
-want concurrency && step concurrency concurrency.log env NCCL_NVLS_ENABLE=0 $PY benchmarks/nccl_concurrency.py \
+want concurrency && step concurrency concurrency.log env NCCL_NVLS_ENABLE=0 $PY -m benchmarks.nccl_concurrency \
   "$OUTDIR/concurrency.json" ${CONCURRENCY_ARGS:-}
 
 profile_ep() {
   rm -rf /tmp/jmm_profile_ep
-  $PY benchmarks/profile_ep.py /tmp/jmm_profile_ep --ep "$gpus" ${PROFILE_EP_ARGS:---config q30} &&
+  $PY -m benchmarks.profile_ep /tmp/jmm_profile_ep --ep "$gpus" ${PROFILE_EP_ARGS:---config q30} &&
     cp /tmp/jmm_profile_ep/profile_ep.json "$OUTDIR/profile_ep.json"
 }
 want profile-ep && step profile-ep profile_ep.log profile_ep

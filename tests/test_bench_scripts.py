@@ -7,15 +7,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import bench_ep  # noqa: E402  (benchmarks/ is not a package)
-import bench_moe  # noqa: E402
+from benchmarks import ROOT, bench_ep, bench_moe
 
 
 def cpu_env(devices: int) -> dict[str, str]:
@@ -25,9 +20,10 @@ def cpu_env(devices: int) -> dict[str, str]:
 
 
 def run_script(name: str, *args: str, devices: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
-    """benchmarks/`name` with `args` in a fresh process on `devices` host devices; its output captured."""
-    command = [sys.executable, str(BENCHMARKS / name), *args]
-    return subprocess.run(command, env=cpu_env(devices), capture_output=True, text=True, timeout=timeout)
+    """benchmarks/`name` with `args` in a fresh process on `devices` host devices, run as the module
+    `benchmarks.NAME` from the repository root; its output captured."""
+    command = [sys.executable, "-m", f"benchmarks.{name.removesuffix('.py')}", *args]
+    return subprocess.run(command, cwd=ROOT, env=cpu_env(devices), capture_output=True, text=True, timeout=timeout)
 
 
 def test_nccl_concurrency_runs_moe_and_collectives_on_two_cpu_devices(tmp_path):
@@ -60,12 +56,12 @@ def test_nccl_concurrency_runs_moe_and_collectives_on_two_cpu_devices(tmp_path):
 def test_nccl_concurrency_watchdog_aborts_a_stuck_iteration():
     # The watchdog alone (no JAX): an iteration armed and never disarmed must end the process with exit 3.
     code = (
-        "import time, nccl_concurrency as n\n"
+        "import time\nfrom benchmarks import nccl_concurrency as n\n"
         "watchdog = n.Watchdog(0.2, lambda iteration, start: print('hung at', iteration, flush=True))\n"
         "watchdog.arm(7)\n"
         "time.sleep(30)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=BENCHMARKS, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "hung at 7"
 
@@ -212,7 +208,7 @@ def test_bench_ep_emulate_refuses_a_mesh():
 
 
 def test_profile_ep_sums_complete_events_per_device_process():
-    import profile_ep
+    from benchmarks import profile_ep
 
     trace = {
         "traceEvents": [
@@ -236,7 +232,7 @@ def test_profile_ep_sums_complete_events_per_device_process():
 
 
 def test_profile_ep_lays_out_the_last_step_in_time():
-    import profile_ep
+    from benchmarks import profile_ep
 
     # Three steps on GPU 0, told apart by the two longest idle gaps; within the last, a gap shorter than those and an
     # event on a second stream that overlaps the first.
@@ -291,7 +287,7 @@ def test_profile_ep_runs_on_two_cpu_devices(tmp_path):
 
 
 def test_train_record_agreement_compares_eval_losses_and_window_means():
-    import train_record
+    from benchmarks import train_record
 
     cuda = [{"step": s, "loss": 2.0 + (0.1 if s % 2 else -0.1)} for s in range(1, 8)] + [
         {"step": 4, "eval_loss": 1.5},
@@ -535,8 +531,7 @@ def test_bench_generate_runs_both_frameworks_on_the_tiny_model(tmp_path):
 
 
 def test_bench_generate_step_floor_counts_the_touched_experts():
-    import bench_generate
-
+    from benchmarks import bench_generate
     from jax_megamoe.models import qwen3_moe
 
     config = qwen3_moe.tiny()

@@ -2,24 +2,20 @@
 loaded onto an FSDP x expert mesh slice by slice, saved back for transformers; an orbax train state saved on one
 mesh restores on another and continues with the same loss."""
 
-import sys
-from pathlib import Path
-
 import hf_models
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 import torch
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_megamoe.models import hf_checkpoint, qwen3_moe
+from jax_megamoe import training
+from jax_megamoe.models import hf_checkpoint, qwen3_moe, sharding
 
 transformers = pytest.importorskip("transformers")
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 # Four layers with a dense one (layer 1): stacks [0], [1], [2, 3].
 HF_CONFIG = hf_models.HF_CONFIG | dict(num_hidden_layers=4, num_experts=8)
@@ -84,73 +80,50 @@ def test_scanned_model_saves_per_layer_for_transformers(hf, tmp_path):
     np.testing.assert_allclose(unrolled(jnp.asarray(ids))[0], want, atol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def example():
-    sys.path.insert(0, str(EXAMPLES))
-    import train_qwen3_moe
-
-    from moe_training import trainer
-
-    return train_qwen3_moe, trainer
-
-
-def test_orbax_checkpoint_restores_on_another_mesh_with_the_same_loss(example, tmp_path):
-    script, trainer = example
+def test_orbax_checkpoint_restores_on_another_mesh_with_the_same_loss(tmp_path):
+    """A train state (`jax_megamoe.training`: FSDP x expert shardings, AdamW, the sharded cross-entropy) saved
+    with `Checkpoints` on a 2 x 4 mesh restores into a 4 x 2 mesh's shardings and continues with the same loss."""
     config = qwen3_moe.Qwen3MoeConfig.from_dict(HF_CONFIG | {"num_hidden_layers": 2, "mlp_only_layers": []})
     tokens = np.random.default_rng(1).integers(0, config.vocab_size, (3, 8, 17)).astype(np.int32)
 
-    def setup(shape):
-        args = script.parse_args(
-            [
-                "--fsdp",
-                "--dtype",
-                "float32",
-                "--implementation",
-                "cpu",
-                "--mesh-data",
-                str(shape[0]),
-                "--mesh-expert",
-                str(shape[1]),
-                "--batch",
-                "8",
-                "--seq",
-                "16",
-                "--lr",
-                "1e-2",
-                "--warmup",
-                "1",
-                "--steps",
-                "3",
-            ]
+    def create():
+        return qwen3_moe.Qwen3MoeForCausalLM(
+            config, dtype=jnp.float32, implementation="cpu", expert_axis="expert", rngs=nnx.Rngs(0)
         )
-        args.aux_loss_coef = 0.01
-        mesh = trainer.make_mesh(*shape)
-        tx = trainer.make_optimizer(args)
-        graphdef, create, _, shardings = trainer.abstract_state(config, args, mesh, tx)
-        batch_sharding = NamedSharding(mesh, P(trainer.BATCH_AXES))
-        with jax.set_mesh(mesh):
-            step, _ = trainer.make_steps(graphdef, tx, args.aux_loss_coef, 0.0, shardings, batch_sharding)
+
+    def setup(shape):
+        mesh = training.make_mesh(*shape)
+        tx = training.adamw(1e-2, warmup_steps=1, decay_steps=3, weight_decay=0.1, grad_clip=1.0)
+        graphdef, abstract = training.abstract_state(create, tx)
+        shardings = sharding.tree_shardings(abstract, mesh, fsdp=True, expert_axis="expert")
+        rows = training.batch_sharding(mesh)
+
+        def loss_fn(params, batch):
+            model = nnx.merge(graphdef, params)
+            hidden, aux = model.hidden_states(batch[:, :-1])
+            lm = training.cross_entropy(hidden, model.lm_head_kernel(), batch[:, 1:], mesh)
+            return lm + 0.01 * aux.load_balancing_loss, {}
+
+        step = training.make_train_step(loss_fn, tx, state_shardings=shardings, batch_sharding=rows)
 
         def run(state, i):
             with jax.set_mesh(mesh):
-                return step(state, trainer.global_batch(tokens[i], batch_sharding))
+                return step(state, training.global_batch(tokens[i], rows))
 
-        return create, tx, shardings, run
+        return tx, abstract, shardings, run
 
-    create, tx, shardings, run = setup((2, 4))
-    state = trainer.init_state(create, tx, shardings)
+    tx, abstract, shardings, run = setup((2, 4))
+    state = training.init_state(create, tx, shardings)
     state, _ = run(state, 0)
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        manager.save(1, args=ocp.args.StandardSave(state))
-        manager.wait_until_finished()
+    saved = training.Checkpoints(tmp_path / "ckpt")
+    saved.save(1, state)
+    saved.wait_until_finished()
     state, stats = run(state, 1)
     state, stats_a = run(state, 2)
 
     # Restored into the other mesh's shardings: data 4 x expert 2, every array resharded on the way in.
     _, _, shardings_b, run_b = setup((4, 2))
-    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings_b)
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        restored = manager.restore(1, args=ocp.args.StandardRestore(target))
+    restored = training.Checkpoints(tmp_path / "ckpt").restore(1, abstract, shardings_b)
     spec = restored.params["layer_runs"][0]["mlp"]["w_gate_up"].get_value().sharding.spec
     assert spec == P(None, "expert", "data", None)
     assert restored.params["layer_runs"][0]["mlp"]["w_gate_up"].get_value().sharding.mesh.shape["data"] == 4

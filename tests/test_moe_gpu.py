@@ -65,11 +65,11 @@ def test_cpu_kernels_on_gpu_arrays_fail_with_our_message():
 
 
 # Runs forward+backward (bf16 tensor-core path and float32 SIMT path) on two inputs each, in a fresh process
-# whose XLA_FLAGS are given (XLA reads them when its GPU client starts), and saves every output.
+# whose XLA_FLAGS are given (XLA reads them when its GPU client starts), and saves every output. It runs in tests/,
+# where `python -c` finds the tests' helpers.
 _GRAPH_SCRIPT = """
 import sys
 import numpy as np, jax, jax.numpy as jnp
-sys.path.insert(0, sys.argv[2])
 import functools
 import jax_megamoe as jmm
 from moe_cases import Case, make_problem, value_and_grads
@@ -89,7 +89,8 @@ def _run_graph_script(tmp_path, name, xla_flags):
     out, dump = tmp_path / f"{name}.npz", tmp_path / f"{name}_dump"
     env = dict(os.environ, XLA_FLAGS=f"{xla_flags} --xla_dump_to={dump} --xla_dump_hlo_as_text")
     proc = subprocess.run(
-        [sys.executable, "-c", _GRAPH_SCRIPT, str(out), str(Path(__file__).parent)],
+        [sys.executable, "-c", _GRAPH_SCRIPT, str(out)],
+        cwd=Path(__file__).parent,
         env=env,
         capture_output=True,
         text=True,

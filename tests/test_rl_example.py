@@ -1,7 +1,7 @@
 """The RL job, examples/rl_qwen3_moe.py: run as users run it (a subprocess on 8 host CPU devices), GRPO raises a
 learnable reward while the sampler's log-probs are the trainer's at the first update of every batch, and resuming
-from a checkpoint reproduces the uninterrupted run; its parts (tasks, rollouts, the GRPO loss) on small cases; bad
-flags get one-line errors."""
+from a checkpoint reproduces the uninterrupted run; its recipes (tasks, the text side of the rollouts) on small
+cases; bad flags get one-line errors. The library's part (`jax_megamoe.rl`) has its own tests: tests/test_rl.py."""
 
 from __future__ import annotations
 
@@ -12,17 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from job_cli import assert_usage_error, help_entries
+from recipes import EXAMPLES, run_in_examples
 
 from jax_megamoe.models import qwen3_moe
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "rl_qwen3_moe.py"
-sys.path.insert(0, str(SCRIPT.parent))
-from moe_training import grpo, rollouts, tasks  # noqa: E402  (the example's package; path set above)
+SCRIPT = EXAMPLES / "rl_qwen3_moe.py"
 
 # A reward a random tiny model learns in a few steps: the share of digits in its completions (about 4% at random).
 LEARNABLE = [
@@ -125,116 +122,53 @@ def test_init_without_weights_is_a_usage_error(tmp_path):
 
 
 def test_tasks_hold_out_their_evaluation_problems_and_score_digits_in_place():
-    task = tasks.reverse_digits(3)
-    held_out = tasks.draw_problems(task, np.random.default_rng(0), 64, evaluation=True)
-    training = tasks.draw_problems(task, np.random.default_rng(1), 2000)
-    assert len(set(held_out)) == 64 and not set(held_out) & set(training)
-    assert all(p.answer == p.prompt[:-1][::-1] for p in training)
-    add = tasks.draw_problems(tasks.add_numbers(2), np.random.default_rng(2), 50)
-    assert all(int(p.answer) == sum(map(int, p.prompt[:-1].split("+"))) for p in add)
+    run_in_examples(
+        """
+        import numpy as np
+        from moe_training import tasks
 
-    problem = tasks.Problem("123=", "321")
-    score = task.reward
-    assert score(problem, "321", True) == 1.0
-    assert score(problem, "321", False) == 0.0  # no end token within the budget
-    assert score(problem, "324", True) == pytest.approx(2 / 3)
-    assert score(problem, "3210", True) == pytest.approx(3 / 4)
-    assert score(problem, "", True) == 0.0
+        task = tasks.reverse_digits(3)
+        held_out = tasks.draw_problems(task, np.random.default_rng(0), 64, evaluation=True)
+        training = tasks.draw_problems(task, np.random.default_rng(1), 2000)
+        assert len(set(held_out)) == 64 and not set(held_out) & set(training)
+        assert all(p.answer == p.prompt[:-1][::-1] for p in training)
+        add = tasks.draw_problems(tasks.add_numbers(2), np.random.default_rng(2), 50)
+        assert all(int(p.answer) == sum(map(int, p.prompt[:-1].split("+"))) for p in add)
 
-
-class Bytes:
-    end_id = ord("\n")
-
-    def encode(self, text):
-        return list(text.encode())
-
-    def decode(self, ids):
-        return bytes(int(i) for i in ids).decode()
-
-
-def test_pack_puts_each_completion_behind_its_prompt_at_the_sampled_positions():
-    prompt_ids, prompt_lengths = rollouts.encode_prompts(
-        [tasks.Problem("ab", ""), tasks.Problem("cde", "")], Bytes(), width=4
-    )
-    tokens = np.array([[1, 2, 3], [4, 5, 0]], np.int32)  # row 1 stopped after two tokens (padding after)
-    lengths = np.array([3, 2], np.int32)
-    logprobs = np.array([[-0.1, -0.2, -0.3], [-0.4, -0.5, 0.0]], np.float32)
-    packed = rollouts.pack(prompt_ids, prompt_lengths, tokens, lengths, logprobs, np.array([1.0, -1.0]))
-    a, b, c, d, e = (ord(x) for x in "abcde")
-    np.testing.assert_array_equal(packed.tokens, [[a, b, 1, 2, 3, 0, 0], [c, d, e, 4, 5, 0, 0]])
-    # targets are tokens[:, 1:]: the completion's first token is predicted from the prompt's last
-    np.testing.assert_array_equal(packed.mask, [[0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0]])
-    np.testing.assert_allclose(packed.sampler_logprobs, [[0, -0.1, -0.2, -0.3, 0, 0], [0, 0, -0.4, -0.5, 0, 0]])
-    np.testing.assert_array_equal(packed.advantages, [1.0, -1.0])
-
-    texts = rollouts.completions(np.array([[52, 50, 10, 0], [52, 50, 51, 53]]), np.array([3, 4]), Bytes())
-    assert texts == [("42", True), ("4235", False)]
-    demos = rollouts.demonstrations([tasks.Problem("12=", "21")], Bytes(), width=3, new_tokens=4)
-    np.testing.assert_array_equal(demos.tokens[0], [ord(x) for x in "12=21\n"] + [0])
-    np.testing.assert_array_equal(demos.mask[0], [0, 0, 1, 1, 1, 0])
-
-
-def test_group_advantages_are_normalised_within_each_group():
-    rewards = np.array([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [0.0, 0.2, 0.4, 0.6]], np.float32)
-    advantages = rollouts.group_advantages(rewards).reshape(3, 4)
-    np.testing.assert_allclose(advantages.mean(axis=1), 0, atol=1e-6)
-    np.testing.assert_allclose(advantages[0], [1, -1, -1, 1], atol=1e-3)
-    np.testing.assert_array_equal(advantages[1], 0)  # nothing to learn from a group that scores alike
-    np.testing.assert_allclose(advantages[2].std(), 1, atol=1e-3)
-
-
-def batch(logprobs, advantages, mask, reference=None):
-    return rollouts.Rollouts(
-        tokens=np.zeros(mask.shape, np.int32),
-        mask=mask,
-        sampler_logprobs=logprobs,
-        advantages=advantages,
-        reference_logprobs=reference,
+        problem = tasks.Problem("123=", "321")
+        score = task.reward
+        assert score(problem, "321", True) == 1.0
+        assert score(problem, "321", False) == 0.0  # no end token within the budget
+        assert abs(score(problem, "324", True) - 2 / 3) < 1e-12
+        assert abs(score(problem, "3210", True) - 3 / 4) < 1e-12
+        assert score(problem, "", True) == 0.0
+        """
     )
 
 
-def test_grpo_loss_clips_the_ratio_and_penalises_the_kl():
-    sampled = np.array([[-1.0, -2.0, -3.0], [-1.5, -0.5, -9.0]], np.float32)
-    mask = np.array([[1, 1, 0], [1, 1, 1]], np.float32)
-    advantages = np.array([2.0, -1.0], np.float32)
-    loss = lambda lp, b: grpo.grpo_loss(lp, b, clip_epsilon=0.2, kl_coef=0.1)  # noqa: E731
+def test_prompts_completions_and_demonstrations_as_text():
+    """The job's text side of the rollouts (moe_training/rollouts.py) over `jax_megamoe.rl`: prompts encoded and
+    padded, completions decoded up to the end token, and the warm-up's answers packed behind their prompts."""
+    run_in_examples(
+        """
+        import numpy as np
+        from jax_megamoe import cli
+        from moe_training import rollouts, tasks
+        from moe_training.text import Text
 
-    # At the sampler's log-probs: ratio 1, the loss is minus the token-mean advantage, nothing clipped.
-    value, stats = loss(jnp.asarray(sampled), batch(sampled, advantages, mask))
-    assert float(value) == pytest.approx(-(2 * 2 - 1 * 3) / 5)
-    assert float(stats["clip_fraction"]) == 0 and float(stats["log_ratio_max"]) == 0
+        text = Text(None, 256)  # bytes, the end token a newline
+        ids, lengths = rollouts.encode_prompts([tasks.Problem("ab", ""), tasks.Problem("cde", "")], text, 4, repeat=2)
+        assert ids.tolist() == [[97, 98, 0, 0]] * 2 + [[99, 100, 101, 0]] * 2 and lengths.tolist() == [2, 2, 3, 3]
+        try:
+            rollouts.encode_prompts([tasks.Problem("abcde", "")], text, 4)
+            raise AssertionError("a prompt past --prompt-width")
+        except cli.UsageError as error:
+            assert "exceeds --prompt-width 4: pass 5 or more" in str(error)
 
-    # Off the mask anything goes (the sampler writes 0 there): no overflow into the loss.
-    moved = sampled.copy()
-    moved[0, 2] = -1e4
-    moved[0, 0] += 0.5  # ratio e^0.5 > 1.2 with a positive advantage: clipped, no gradient
-    moved[1, 0] += 0.5  # the same ratio with a negative advantage: not clipped
-    value, stats = loss(jnp.asarray(moved), batch(sampled, advantages, mask))
-    assert np.isfinite(float(value)) and float(stats["clip_fraction"]) == pytest.approx(1 / 5)
-    assert float(stats["log_ratio_max"]) == pytest.approx(0.5)
-    grad = jax.grad(lambda lp: loss(lp, batch(sampled, advantages, mask))[0])(jnp.asarray(moved))
-    assert float(grad[0, 0]) == 0 and float(grad[0, 2]) == 0
-    assert float(grad[0, 1]) == pytest.approx(-2 / 5) and float(grad[1, 0]) == pytest.approx(np.exp(0.5) / 5)
-
-    # The KL term: zero at the reference, k3's exp(d) - d - 1 per token otherwise.
-    _, stats = loss(jnp.asarray(sampled), batch(sampled, advantages, mask, reference=sampled))
-    assert float(stats["kl"]) == 0
-    reference = sampled - 0.3
-    _, stats = loss(jnp.asarray(sampled), batch(sampled, advantages, mask, reference=reference))
-    assert float(stats["kl"]) == pytest.approx(np.exp(-0.3) + 0.3 - 1, rel=1e-5)
-
-
-def test_target_logprobs_in_blocks_equal_the_full_log_softmax(monkeypatch):
-    monkeypatch.setattr(grpo, "LOGIT_BLOCK", 4)  # 10 positions: two full blocks and a padded one
-    rng = np.random.default_rng(0)
-    hidden = jnp.asarray(rng.normal(size=(3, 10, 8)), jnp.float32)
-    kernel = jnp.asarray(rng.normal(size=(8, 50)), jnp.float32)
-    targets = jnp.asarray(rng.integers(0, 50, (3, 10)), jnp.int32)
-    want = _full(hidden, kernel, targets)
-    np.testing.assert_allclose(grpo.target_logprobs(hidden, kernel, targets), want, rtol=1e-6, atol=1e-6)
-    grads = [jax.grad(lambda k, f=f: f(hidden, k, targets).sum())(kernel) for f in (grpo.target_logprobs, _full)]
-    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5)
-
-
-def _full(hidden, kernel, targets):
-    return jnp.take_along_axis(jax.nn.log_softmax(hidden @ kernel), targets[..., None], axis=-1)[..., 0]
+        texts = rollouts.completions(np.array([[52, 50, 10, 0], [52, 50, 51, 53]]), np.array([3, 4]), text)
+        assert texts == [("42", True), ("4235", False)]
+        demos = rollouts.demonstrations([tasks.Problem("12=", "21")], text, width=3, new_tokens=4)
+        assert demos.tokens[0].tolist() == [ord(x) for x in "12=21\\n"] + [0]
+        assert demos.mask[0].tolist() == [0, 0, 1, 1, 1, 0]
+        """
+    )

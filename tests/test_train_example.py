@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from job_cli import help_entries
 from moe_cases import seeded_rng
+from recipes import EXAMPLES, run_in_examples
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_qwen3_moe.py"
+SCRIPT = EXAMPLES / "train_qwen3_moe.py"
 SMALL = ["--batch", "8", "--seq", "32", "--eval-every", "3", "--eval-batches", "1", "--corpus-bytes", "200000"]
 USAGE = "usage: train_qwen3_moe.py [options]  (--help lists them)"
 ERROR = "train_qwen3_moe.py: error: "
@@ -286,16 +287,21 @@ def test_bf16_parameters_and_the_fp8_recipe(tmp_path):
     assert bf16 != fp8 and abs(fp8 - bf16) / bf16 < 1e-2, (bf16, fp8)
 
 
-def test_jax_gpu_allocator_share_is_raised_unless_the_user_set_it(monkeypatch):
+def test_jax_gpu_allocator_share_is_raised_unless_the_user_set_it():
     """JAX's allocator takes 75% of a GPU's memory by default, less than the memory plan's budget."""
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    from moe_training import flags
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+    run_in_examples(
+        """
+        import os
+        from moe_training import flags
 
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/dev/null")
-    flags.configure_jax_environment(8)
-    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == flags.GPU_MEMORY_FRACTION
-    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/dev/null --xla_force_host_platform_device_count=8"
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
-    flags.configure_jax_environment(8)
-    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+        os.environ["XLA_FLAGS"] = "--xla_dump_to=/dev/null"
+        flags.configure_jax_environment(8)
+        assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == flags.GPU_MEMORY_FRACTION
+        assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/dev/null --xla_force_host_platform_device_count=8"
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.5"
+        flags.configure_jax_environment(8)
+        assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+        """,
+        env=env,
+    )

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
+
+import benchmarks
 
 from .jax_stack import run_jax
 from .matmul import run_matmul
 from .torch_stack import run_torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench_train.py"
 ROW_TAG = "JMM_TRAIN_ROW "
 
 
@@ -28,10 +27,10 @@ def child(args) -> None:
     print(ROW_TAG + json.dumps(row), flush=True)
 
 
-def child_command(args, name: str) -> list[str]:
+def child_arguments(args, name: str) -> list[str]:
+    """The command line of `name`'s child, `python -m benchmarks.bench_train ARGS` (run from the repository root,
+    so its paths are absolute)."""
     cmd = [
-        sys.executable,
-        str(SCRIPT),
         "--child",
         name,
         "--preset",
@@ -54,7 +53,7 @@ def child_command(args, name: str) -> list[str]:
         ",".join(args.breakdown) or "none",
     ]
     if args.peer_site:
-        cmd += ["--peer-site", args.peer_site]
+        cmd += ["--peer-site", os.path.abspath(args.peer_site)]
     if args.profile:
         cmd += ["--profile", os.path.abspath(args.profile)]
     if args.matmul_size:
@@ -73,13 +72,14 @@ def child_env() -> dict:
 def run_child(args, name: str, timeout: float) -> dict:
     """`child` in a subprocess of its own: its row, or a row saying how it ended."""
     try:
-        proc = subprocess.run(
-            child_command(args, name), capture_output=True, text=True, env=child_env(), timeout=timeout, check=False
+        row, crash = benchmarks.run_child(
+            "benchmarks.bench_train",
+            child_arguments(args, name),
+            ROW_TAG,
+            env=child_env(),
+            timeout=timeout,
+            tail_chars=400,
         )
     except subprocess.TimeoutExpired:
         return dict(status=f"timed out after {timeout:.0f} s")
-    found = [line for line in proc.stdout.splitlines() if line.startswith(ROW_TAG)]
-    if found:
-        return json.loads(found[-1][len(ROW_TAG) :])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return dict(status=f"crashed rc={proc.returncode}: " + " | ".join(tail)[:400])
+    return row if row is not None else dict(status=crash)

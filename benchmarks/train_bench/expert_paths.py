@@ -1,10 +1,13 @@
 """The experts of each JAX stack: ours (`implementation="auto"`), or a peer's grouped matmul (tokamax's or
-`jax.lax.ragged_dot`) behind moe_ffn's signature."""
+`jax.lax.ragged_dot`) in `jax_megamoe.baselines.ragged_dot_moe_ffn`, behind moe_ffn's signature."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
+
+import benchmarks
 
 
 class Skip(Exception):
@@ -12,27 +15,11 @@ class Skip(Exception):
 
 
 def sorted_ragged_ffn(ragged_dot):
-    """A pure-JAX expert path with moe_ffn's positional signature: sort the (token, k) pairs by expert, two
-    grouped matmuls `ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])`, weighted scatter-add back."""
-    import jax
-    import jax.numpy as jnp
+    """`ragged_dot_moe_ffn` (sort the (token, k) pairs by expert, two grouped matmuls, weighted scatter-add back)
+    over `ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])`, with moe_ffn's positional signature."""
+    from jax_megamoe.baselines import ragged_dot_moe_ffn
 
-    def ffn(x, weights, experts, w_gate_up, w_down):
-        top_k, num_experts = experts.shape[1], w_gate_up.shape[0]
-        flat = experts.reshape(-1)
-        valid = (flat >= 0) & (flat < num_experts)
-        order = jnp.argsort(jnp.where(valid, flat, num_experts), stable=True)  # dropped pairs sort last
-        token_of_row = order // top_k
-        sizes = jnp.bincount(jnp.where(valid, flat, 0), weights=valid.astype(jnp.int32), length=num_experts).astype(
-            jnp.int32
-        )
-        gate, up = jnp.split(ragged_dot(x[token_of_row], w_gate_up, sizes), 2, axis=-1)
-        rows = ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)
-        row_weights = jnp.where(valid, weights.reshape(-1), 0)[order].astype(jnp.float32)
-        y = jnp.zeros(x.shape, jnp.float32).at[token_of_row].add(rows.astype(jnp.float32) * row_weights[:, None])
-        return y.astype(x.dtype)
-
-    return ffn
+    return functools.partial(ragged_dot_moe_ffn, ragged_dot=ragged_dot)
 
 
 def stub_xprof() -> bool:
@@ -46,13 +33,13 @@ def stub_xprof() -> bool:
     modules = {name: types.ModuleType(name) for name in ("xprof", "xprof.cli", "xprof.cli.tools")}
     for module in modules.values():
         module.__path__ = []  # packages, so that submodule imports resolve to the stubs
-    modules["xprof"].cli = modules["xprof.cli"]
-    modules["xprof.cli"].tools = modules["xprof.cli.tools"]
+    setattr(modules["xprof"], "cli", modules["xprof.cli"])  # noqa: B010  (a module's attribute, set by name)
+    setattr(modules["xprof.cli"], "tools", modules["xprof.cli.tools"])  # noqa: B010
 
     def get_kernel_stats_tool(*args, **kwargs):
         raise RuntimeError("xprof is a stub in bench_train.py's tokamax child: no profiler-based timing")
 
-    modules["xprof.cli.tools"].get_kernel_stats_tool = get_kernel_stats_tool
+    setattr(modules["xprof.cli.tools"], "get_kernel_stats_tool", get_kernel_stats_tool)  # noqa: B010
     sys.modules.update(modules)
     return True
 
@@ -76,8 +63,7 @@ def expert_path(name: str, args, row: dict):
         raise Skip(
             f"skipped: tokamax's ragged_dot kernel (Mosaic GPU) needs a GPU; platform is {jax.default_backend()}"
         )
-    if args.peer_site:
-        sys.path.append(args.peer_site)
+    benchmarks.add_peer_site(args.peer_site)
     sys.argv = sys.argv[:1]  # tokamax's absl flags parse sys.argv and refuse this child's own arguments
     row["xprof_stub"] = stub_xprof()
     try:

@@ -40,9 +40,9 @@ def run_matmul(args) -> dict:
         on_gpu = jax.default_backend() == "gpu"
         size = args.matmul_size or (8192 if on_gpu else 512)  # bf16 on a CPU: 8192^3 would take minutes
         keys = jax.random.split(jax.random.PRNGKey(0))
-        a = jax.random.normal(keys[0], (size, size), jnp.bfloat16)
-        b = jax.random.normal(keys[1], (size, size), jnp.bfloat16)
+        x = jax.random.normal(keys[0], (size, size), jnp.bfloat16)
+        y = jax.random.normal(keys[1], (size, size), jnp.bfloat16)
         mm = jax.jit(jnp.dot)
-        ms = median_call_ms(lambda: mm(a, b), jax.block_until_ready)
+        ms = median_call_ms(lambda: mm(x, y), jax.block_until_ready)
         library, device = "jax", jax.devices()[0].device_kind
     return dict(status="ok", size=size, library=library, device=device, ms=ms, tflops=2 * size**3 / ms / 1e9)

@@ -14,7 +14,7 @@ def stream_summary(events: list[dict]) -> dict:
         busy[event["stream"]] = busy.get(event["stream"], 0.0) + event["dur_us"] / 1e3
     if not events:
         return dict(streams={})
-    main = max(busy, key=busy.get)
+    main = max(busy, key=busy.__getitem__)
     gaps, end, previous = [], None, None
     for event in (e for e in events if e["stream"] == main):
         if end is not None and event["start_us"] > end:
@@ -37,7 +37,8 @@ def profile_steps(run_step, sync, out_dir: str, on_gpu: bool) -> dict:
     from pathlib import Path
 
     import jax
-    import profile_ep  # benchmarks/, on the path beside bench_train.py
+
+    from benchmarks import profile_ep
 
     with jax.profiler.trace(out_dir, create_perfetto_trace=True):
         for _ in range(PROFILE_STEPS):

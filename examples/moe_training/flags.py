@@ -10,7 +10,7 @@ import dataclasses
 import math
 import os
 
-from moe_training import cli
+from jax_megamoe import cli
 
 # The share of each GPU's memory JAX's allocator may use (its own default is 0.75): above the memory plan's default
 # budget (90% of an H200's memory), so a step the plan says fits is not refused memory by JAX's smaller share.

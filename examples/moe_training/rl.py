@@ -2,9 +2,9 @@
 
 Each step draws `--prompts` problems, samples `--group` completions of each with `qwen3_moe.generate`, scores them
 with the task's reward, and takes `--minibatches` x `--epochs` optimizer steps on GRPO's loss over the packed
-rollouts (grpo.py, rollouts.py). Before the first step an optional supervised warm-up trains on the task's answers;
-the policy it leaves is the KL reference. The mesh, sharding, optimizer and checkpoints are the training job's
-(trainer.py, checkpoints.py).
+rollouts (`jax_megamoe.rl`; the text side in rollouts.py). Before the first step an optional supervised warm-up
+trains on the task's answers; the policy it leaves is the KL reference. The mesh, sharding, optimizer and
+checkpoints are the training job's (`jax_megamoe.training`, trainer.py, checkpoints.py).
 """
 
 from __future__ import annotations
@@ -16,21 +16,22 @@ import math
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
+from jax_megamoe import cli, rl, training
 from jax_megamoe.models import qwen3_moe
 from jax_megamoe.models.generation import prompt_bucket
-from moe_training import checkpoints, cli, grpo, metrics, rollouts, tasks, trainer
-from moe_training.trainer import TrainState
+from jax_megamoe.training import TrainState
+from moe_training import checkpoints, metrics, rollouts, tasks, trainer
 
 FINAL_WINDOW = 5  # summary.json's final_reward: mean reward of the last steps
 
@@ -44,7 +45,7 @@ class RLState:
     params: nnx.State
     opt_state: optax.OptState
     reference: nnx.State | None
-    rng: jax.Array
+    rng: Any  # key data (its sharding in a tree of shardings)
 
 
 @dataclasses.dataclass
@@ -59,30 +60,31 @@ class Setup:
     warmup_step: Callable  # the same for the supervised warm-up
     logprobs: Callable  # (params, tokens [R, S]) -> [R, S-1] log-probs of tokens[:, 1:]
 
-    def put(self, batch: rollouts.Rollouts) -> rollouts.Rollouts:
-        return jax.tree.map(lambda x: trainer.global_batch(x, self.rows), batch)
+    def put(self, batch: rl.Rollouts) -> rl.Rollouts:
+        return jax.tree.map(lambda x: training.global_batch(x, self.rows), batch)
 
 
 def make_setup(args, config, mesh, tx, warmup_tx, workspace) -> tuple[Setup, object, RLState, RLState]:
     """`(Setup, create, the RLState's shapes, its shardings)`: `create()` builds the model the flags describe."""
     graphdef, create, train_state, shardings = trainer.abstract_state(config, args, mesh, tx, workspace)
-    rows = NamedSharding(mesh, P(trainer.BATCH_AXES))
+    rows = training.batch_sharding(mesh)
+    grpo = rl.GRPOConfig(clip_epsilon=args.clip_epsilon, kl_coef=args.kl_coef)
 
     def with_router_losses(loss, aux):
         return loss + args.aux_loss_coef * aux.load_balancing_loss + args.z_loss_coef * aux.router_z_loss
 
     def policy_loss(params, batch):
-        logprobs, aux = grpo.sequence_logprobs(nnx.merge(graphdef, params), batch.tokens)
-        loss, stats = grpo.grpo_loss(logprobs, batch, clip_epsilon=args.clip_epsilon, kl_coef=args.kl_coef)
+        logprobs, aux = rl.sequence_logprobs(nnx.merge(graphdef, params), batch.tokens)
+        loss, stats = rl.grpo_loss(logprobs, batch, grpo)
         return with_router_losses(loss, aux), {"policy_loss": loss, **stats}
 
     def warmup_loss(params, batch):
-        logprobs, aux = grpo.sequence_logprobs(nnx.merge(graphdef, params), batch.tokens)
-        nll = -grpo.masked_mean(logprobs, batch.mask)
+        logprobs, aux = rl.sequence_logprobs(nnx.merge(graphdef, params), batch.tokens)
+        nll = -rl.masked_mean(logprobs, batch.mask)
         return with_router_losses(nll, aux), {"nll": nll}
 
     logprobs = jax.jit(
-        lambda params, tokens: grpo.sequence_logprobs(nnx.merge(graphdef, params), tokens)[0],
+        lambda params, tokens: rl.sequence_logprobs(nnx.merge(graphdef, params), tokens)[0],
         in_shardings=(shardings.params, rows),
     )
     setup = Setup(
@@ -90,8 +92,8 @@ def make_setup(args, config, mesh, tx, warmup_tx, workspace) -> tuple[Setup, obj
         rows,
         graphdef,
         shardings,
-        trainer.jit_train_step(policy_loss, tx, shardings, rows),
-        trainer.jit_train_step(warmup_loss, warmup_tx, shardings, rows),
+        training.make_train_step(policy_loss, tx, state_shardings=shardings, batch_sharding=rows),
+        training.make_train_step(warmup_loss, warmup_tx, state_shardings=shardings, batch_sharding=rows),
         logprobs,
     )
     reference = jax.eval_shape(
@@ -121,10 +123,6 @@ def initial_params(args, setup: Setup, create, workspace):
         )
         return jax.device_put(nnx.state(model, nnx.Param), setup.shardings.params)
     return jax.jit(lambda: nnx.state(create(), nnx.Param), out_shardings=setup.shardings.params)()
-
-
-def fresh_state(params, tx, setup: Setup) -> TrainState:
-    return TrainState(params, jax.jit(tx.init, out_shardings=setup.shardings.opt_state)(params))
 
 
 def to_host(tree):
@@ -160,7 +158,7 @@ class Sampler:
         """Greedy completions of the held-out problems: the share judged correct, and the mean reward."""
         problems, prompt_ids, prompt_lengths = self.held_out
         tokens, _, lengths = self.generate(params, prompt_ids, prompt_lengths, temperature=0.0)
-        scores = rollouts.rewards(self.task, problems, rollouts.completions(tokens, lengths, self.text), 1)
+        scores = rl.group_rewards(self.task.reward, problems, rollouts.completions(tokens, lengths, self.text), 1)
         return {"accuracy": float(np.mean(scores >= self.task.accuracy_threshold)), "eval_reward": float(scores.mean())}
 
 
@@ -168,7 +166,7 @@ def warm_up(args, setup: Setup, task, text, params, warmup_tx) -> tuple[nnx.Stat
     """`--sft-steps` supervised steps on the task's answers (the loss on the answer and end tokens only)."""
     if not args.sft_steps:
         return params, None
-    state = fresh_state(params, warmup_tx, setup)
+    state = TrainState.create(params, warmup_tx, setup.shardings.opt_state)
     rows = args.prompts * args.group // args.minibatches  # the policy step's batch shape
     for step in tqdm(range(1, args.sft_steps + 1), desc="warm-up", disable=jax.process_index() != 0):
         problems = tasks.draw_problems(task, np.random.default_rng([args.seed, 0, step]), rows)
@@ -177,7 +175,7 @@ def warm_up(args, setup: Setup, task, text, params, warmup_tx) -> tuple[nnx.Stat
     return state.params, float(stats["nll"])
 
 
-def policy_update(args, setup: Setup, state: RLState, batch: rollouts.Rollouts) -> tuple[RLState, dict]:
+def policy_update(args, setup: Setup, state: RLState, batch: rl.Rollouts) -> tuple[RLState, dict]:
     """`--epochs` passes over `--minibatches` slices of the step's rollouts, one optimizer step each. The
     statistics: means over the updates, and |log ratio| at the first update (the policy still the sampler's)."""
     size = len(batch.tokens) // args.minibatches
@@ -185,7 +183,8 @@ def policy_update(args, setup: Setup, state: RLState, batch: rollouts.Rollouts) 
     for i in range(args.minibatches):
         minibatch = setup.put(batch.rows(slice(i * size, (i + 1) * size)))
         if state.reference is not None:
-            minibatch.reference_logprobs = setup.logprobs(state.reference, minibatch.tokens)
+            reference = setup.logprobs(state.reference, minibatch.tokens)
+            minibatch = dataclasses.replace(minibatch, reference_logprobs=reference)
         minibatches.append(minibatch)
     train_state, updates = TrainState(state.params, state.opt_state), []
     for _ in range(args.epochs):
@@ -209,8 +208,8 @@ def rl_step(args, setup: Setup, sampler: Sampler, state: RLState, step: int) -> 
     )
     sampled = time.perf_counter()
     texts = rollouts.completions(tokens, lengths, sampler.text)
-    scores = rollouts.rewards(sampler.task, problems, texts, args.group)
-    batch = rollouts.pack(prompt_ids, prompt_lengths, tokens, lengths, logprobs, rollouts.group_advantages(scores))
+    scores = rl.group_rewards(sampler.task.reward, problems, texts, args.group)
+    batch = rl.pack(prompt_ids, prompt_lengths, tokens, lengths, logprobs, rl.group_advantages(scores))
     scored = time.perf_counter()
     state, stats = policy_update(args, setup, state, batch)
     trained = time.perf_counter()
@@ -250,7 +249,7 @@ def describe_run(args, config, mesh, params, task, reference_bytes: int | None, 
 def train(args, config, task: tasks.Task, text) -> dict:
     """Runs the warm-up and the GRPO steps; writes metrics.jsonl, rl_curve.png, summary.json and the final model
     (`model/`, Hugging Face layout) to `args.out_dir`. Returns the summary (empty on processes other than 0)."""
-    mesh = trainer.make_mesh(args.mesh_data, args.mesh_expert)
+    mesh = training.make_mesh(args.mesh_data, args.mesh_expert)
     # The model's largest calls: prefill of the prompts (padded to generate's bucket), a minibatch's forward.
     rollouts_per_step, bucket = args.prompts * args.group, prompt_bucket(args.prompt_width)
     tokens_per_call = max(
@@ -258,20 +257,20 @@ def train(args, config, task: tasks.Task, text) -> dict:
         rollouts_per_step // args.minibatches * (args.prompt_width + args.max_new_tokens),
     )
     workspace = trainer.open_workspace(args, config, mesh, tokens_per_call)
-    tx = trainer.adamw(args.lr, args.warmup, args.lr_decay_steps, args.weight_decay, args.grad_clip)
-    warmup_tx = trainer.adamw(args.sft_lr, 0, max(args.sft_steps, 1), args.weight_decay, args.grad_clip)
+    tx = trainer.adamw(args, args.lr, args.warmup, args.lr_decay_steps)
+    warmup_tx = trainer.adamw(args, args.sft_lr, 0, max(args.sft_steps, 1))
     is_main = jax.process_index() == 0
     with jax.set_mesh(mesh), workspace or contextlib.nullcontext():  # the workspace is closed at the end
         setup, create, abstract, shardings = make_setup(args, config, mesh, tx, warmup_tx, workspace)
         sampler = Sampler(args, setup, task, text)
-        manager = checkpoints.open_manager(args)
-        start = checkpoints.resume_step(manager, abstract, args.resume)
-        reference_bytes = trainer.shard_bytes(abstract.reference, shardings.reference) if args.kl_coef else None
+        saved = checkpoints.open_checkpoints(args)
+        start = checkpoints.resume_step(saved, abstract, args.resume)
+        reference_bytes = training.shard_bytes(abstract.reference, shardings.reference) if args.kl_coef else None
         if is_main:
             print(describe_run(args, config, mesh, abstract.params, task, reference_bytes, start), flush=True)
-        log = metrics.MetricsLog(args.out_dir, fresh=start == 0) if is_main else None
-        if start:
-            state = checkpoints.restore(manager, start, abstract, shardings)
+        log = training.MetricsLog(args.out_dir, fresh=start == 0) if is_main else None
+        if saved and start:
+            state = saved.restore(start, abstract, shardings)
         else:
             params, warmup_nll = warm_up(
                 args, setup, task, text, initial_params(args, setup, create, workspace), warmup_tx
@@ -280,7 +279,7 @@ def train(args, config, task: tasks.Task, text) -> dict:
             record = {"step": 0, **sampler.evaluate(state.params)}
             if warmup_nll is not None:
                 record["warmup_nll"] = warmup_nll
-            if is_main:
+            if log:
                 log.write(record)
                 print(f"starting policy: held-out accuracy {record['accuracy']:.1%}", flush=True)
 
@@ -292,21 +291,21 @@ def train(args, config, task: tasks.Task, text) -> dict:
                 record.update(sampler.evaluate(state.params))
             if not math.isfinite(record["loss"]):
                 raise cli.RunError(f"the loss became {record['loss']} at step {step}: lower --lr (now {args.lr})")
-            if manager:
-                manager.save(step, args=ocp.args.StandardSave(state), force=step == args.steps)
+            if saved:
+                saved.save(step, state, force=step == args.steps)
             step_records.append(record)
-            if is_main:
+            if log:
                 log.write(record)
                 bar.set_postfix(progress_fields(record), refresh=False)
-        if manager:
-            manager.wait_until_finished()
+        if saved:
+            saved.wait_until_finished()
         model_dir = os.path.join(args.out_dir, trainer.MODEL_DIR)
         trainer.save_model(setup.graphdef, state.params, model_dir)
 
-    if not is_main:
+    if log is None:  # processes other than 0
         return {}
     log.close()
-    records = metrics.read_metrics(log.path)
+    records = training.read_metrics(log.path)
     metrics.plot_rl_curves(records, os.path.join(args.out_dir, "rl_curve.png"))
     model = nnx.merge(setup.graphdef, abstract.params)
     summary = summarize(args, config, task, model, records, step_records, reference_bytes, model_dir)
@@ -318,7 +317,7 @@ def train(args, config, task: tasks.Task, text) -> dict:
 def new_rl_state(args, setup: Setup, params, tx) -> RLState:
     """The GRPO state from the starting policy: a fresh optimizer, the reference a copy of the policy in the
     compute dtype where the loss has a KL term, the sampler's key from `--seed`."""
-    state = fresh_state(params, tx, setup)
+    state = TrainState.create(params, tx, setup.shardings.opt_state)
     reference = None
     if args.kl_coef:
         reference = jax.jit(
@@ -386,7 +385,7 @@ def summarize(args, config, task, model, records, step_records, reference_bytes,
         "final_reward": float(np.mean([r["reward"] for r in steps[-FINAL_WINDOW:]])) if steps else None,
         "max_log_ratio_at_first_update": max((r["log_ratio_max"] for r in steps), default=None),
         **{f"median_{key}": value for key, value in median.items()},
-        "peak_memory_bytes": trainer.peak_memory_bytes(),
+        "peak_memory_bytes": training.peak_memory_bytes(),
         "generate_programs": qwen3_moe.compiled_programs(),
         "kv_cache_bytes": qwen3_moe.generation_plan(
             model, args.prompts * args.group, args.prompt_width, args.max_new_tokens

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from moe_training import cli
+from jax_megamoe import cli
 
 BYTE_VOCAB = 256
 
@@ -39,7 +39,7 @@ class Text:
 
     @property
     def end_id(self) -> int:
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.model_dir is None:
             return ord("\n")
         return _eos_token_id(self.model_dir)
 

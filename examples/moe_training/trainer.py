@@ -1,12 +1,11 @@
-"""The training loop: a `data` x `expert` mesh, sharded Qwen3-MoE parameters (experts over `expert`; with
-`--fsdp` everything over `data` too), a jitted AdamW step, periodic eval, orbax checkpoints, metrics; and the
-memory plan (`--dry-run`: the step compiled for the mesh, nothing allocated). Called by
-examples/train_qwen3_moe.py after JAX is configured."""
+"""The training loop over jax_megamoe.training: a `data` x `expert` mesh, sharded Qwen3-MoE parameters (experts over
+`expert`; with `--fsdp` everything over `data` too), a jitted AdamW step, periodic eval, orbax checkpoints, metrics;
+and the memory plan (`--dry-run`: the step compiled for the mesh, nothing allocated). Also the model the flags
+describe, which the RL job builds too. Called by examples/train_qwen3_moe.py after JAX is configured."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -17,38 +16,21 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from jax_megamoe import NvlinkTransport, NvlinkWorkspace
-from jax_megamoe.losses import linear_cross_entropy
+from jax_megamoe import NvlinkTransport, NvlinkWorkspace, cli, training
+from jax_megamoe.baselines import ragged_dot_moe_ffn
 from jax_megamoe.models import qwen3_moe, sharding
 from jax_megamoe.models.qwen3_moe import Qwen3MoeForCausalLM
 from jax_megamoe.ops.moe import GATE_UP_NAME, LAYOUT_NAME, resolve_implementation
 from jax_megamoe.parallel.transport import resolve_transport
-from moe_training import checkpoints, cli, data, metrics
-from moe_training.baseline import ragged_dot_ffn
+from moe_training import checkpoints, data
 
-BATCH_AXES = ("data", "expert")  # the batch is split over the whole mesh; experts over "expert"
 MODEL_DIR = "model"  # the final model's directory under --out-dir
 GENERATE_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "generate_qwen3_moe.py")
 FINAL_WINDOW = 10  # summary.json's final_loss: mean LM loss of the last steps (single steps are noisy)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class TrainState:
-    params: nnx.State
-    opt_state: optax.OptState
-
-
-def make_mesh(data_size: int, expert_size: int) -> jax.sharding.Mesh:
-    """A `data` x `expert` mesh over all devices (Auto axes: jit propagates the shardings)."""
-    return jax.make_mesh((data_size, expert_size), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+GB = 1e9
 
 
 def check_platform(args) -> None:
@@ -92,7 +74,7 @@ def remat_policy(args):
 def model_options(args, workspace: NvlinkWorkspace | None = None) -> dict:
     """The model's keyword arguments for the model flags (`workspace`: the nvlink transport's), the same for a
     fresh model and for `qwen3_moe.from_pretrained`."""
-    implementation = ragged_dot_ffn if args.implementation == "ragged_dot" else args.implementation
+    implementation = ragged_dot_moe_ffn if args.implementation == "ragged_dot" else args.implementation
     return dict(
         dtype=jnp.dtype(args.dtype),
         param_dtype=jnp.dtype(args.param_dtype),
@@ -122,64 +104,18 @@ def abstract_state(config, args, mesh, tx, workspace: NvlinkWorkspace | None = N
     are `jax_megamoe.models.sharding`'s rules (FSDP over `data` with `--fsdp`) for the parameters and,
     through the same names, for AdamW's moments."""
     create, expert_axis = create_model_fn(config, args, workspace)
-    graphdef, params = nnx.split(nnx.eval_shape(create))
-    state = TrainState(params, jax.eval_shape(tx.init, params))
+    graphdef, state = training.abstract_state(create, tx)
     shardings = sharding.tree_shardings(
         state, mesh, fsdp=args.fsdp, expert_axis=expert_axis, fsdp_over_expert=args.fsdp_over_expert
     )
     return graphdef, create, state, shardings
 
 
-def init_state(create, tx, shardings: TrainState) -> TrainState:
-    """The model and optimizer state, each array born in its shards (one jit with the rules' out_shardings;
-    created outside `jax.set_mesh`, so no layer constrains its own parameters on the way)."""
-    params = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings.params)()
-    return TrainState(params, jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
-
-
-def make_optimizer(args) -> optax.GradientTransformation:
-    """`adamw` with the flags' learning rate, schedule, weight decay and clip."""
-    return adamw(args.lr, args.warmup, args.lr_decay_steps, args.weight_decay, args.grad_clip)
-
-
-def adamw(lr: float, warmup: int, decay_steps: int, weight_decay: float, grad_clip: float):
-    """AdamW (weight decay on matrices only) after global-norm clipping; linear warmup over `warmup` steps, then
-    cosine decay to a tenth of `lr` at step `decay_steps`."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(decay_steps, warmup + 1), end_value=lr * 0.1)
-
-    def decay_mask(params):  # a scanned stack's leading layer axis does not make a norm scale a matrix
-        return jax.tree_util.tree_map_with_path(
-            lambda path, p: p.ndim - (sharding.STACKED in sharding.path_names(path)) >= 2, params
-        )
-
-    return optax.chain(
-        optax.clip_by_global_norm(grad_clip),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask),
+def adamw(args, lr: float, warmup: int, decay_steps: int):
+    """`training.adamw` with `lr`, its schedule and the flags' weight decay and clip."""
+    return training.adamw(
+        lr, warmup_steps=warmup, decay_steps=decay_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip
     )
-
-
-def cross_entropy(hidden, kernel, labels, mesh) -> jax.Array:
-    """Mean LM cross-entropy of `hidden [B, S, H] @ kernel [H, V]` against `labels [B, S]`, never forming the
-    `[B, S, V]` logits (`linear_cross_entropy`); under a multi-device mesh each device takes its own tokens
-    (shard_map over the batch axes) with the whole LM head, and the sums meet in one psum."""
-    count = labels.size
-
-    def local_sum(hidden, kernel, labels):
-        return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), kernel, labels.reshape(-1), reduction="sum")
-
-    if mesh.size == 1:
-        return local_sum(hidden, kernel, labels) / count
-
-    def shard_sum(hidden, kernel, labels):
-        return jax.lax.psum(local_sum(hidden, kernel, labels), BATCH_AXES)
-
-    batch = P(BATCH_AXES)
-    # check_vma=False: linear_cross_entropy's scan starts its sums from fresh (device-invariant) zeros; the
-    # transpose then psums the LM head's gradient over the mesh, as an unmapped input's must be.
-    total = jax.shard_map(shard_sum, mesh=mesh, in_specs=(batch, P(), batch), out_specs=P(), check_vma=False)(
-        hidden, kernel, labels
-    )
-    return total / count
 
 
 def make_steps(graphdef, tx, aux_coef: float, z_coef: float, state_shardings, batch_sharding):
@@ -190,7 +126,7 @@ def make_steps(graphdef, tx, aux_coef: float, z_coef: float, state_shardings, ba
     def lm_loss(params, tokens):
         model = nnx.merge(graphdef, params)
         hidden, aux = model.hidden_states(tokens[:, :-1])
-        return cross_entropy(hidden, model.lm_head_kernel(), tokens[:, 1:], mesh), aux
+        return training.cross_entropy(hidden, model.lm_head_kernel(), tokens[:, 1:], mesh), aux
 
     def loss_fn(params, tokens):
         lm, aux = lm_loss(params, tokens)
@@ -205,74 +141,31 @@ def make_steps(graphdef, tx, aux_coef: float, z_coef: float, state_shardings, ba
     eval_step = jax.jit(
         lambda params, tokens: lm_loss(params, tokens)[0], in_shardings=(state_shardings.params, batch_sharding)
     )
-    return jit_train_step(loss_fn, tx, state_shardings, batch_sharding), eval_step
-
-
-def jit_train_step(loss_fn, tx, state_shardings: TrainState, batch_sharding):
-    """The jitted optimizer step of `loss_fn(params, batch) -> (loss, stats)`: `(state, batch) -> (state, {"loss",
-    **stats, "grad_norm"})`, the state donated and kept in its shardings, so one compilation serves the run."""
-
-    def train_step(state: TrainState, batch):
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        stats = {"loss": loss, **stats, "grad_norm": optax.tree.norm(grads)}
-        return TrainState(optax.apply_updates(state.params, updates), opt_state), stats
-
-    return jax.jit(
-        train_step,
-        in_shardings=(state_shardings, batch_sharding),
-        out_shardings=(state_shardings, None),
-        donate_argnums=0,
-    )
-
-
-def global_batch(tokens: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """The host batch as one global array split over the mesh (each process supplies its own shards)."""
-    return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
+    train_step = training.make_train_step(loss_fn, tx, state_shardings=state_shardings, batch_sharding=batch_sharding)
+    return train_step, eval_step
 
 
 def evaluate(eval_step, params, eval_tokens, args, sharding) -> float:
     """Mean LM loss over `--eval-batches` fixed batches of the held-out split."""
     losses = [
-        eval_step(params, global_batch(data.batch_at(eval_tokens, i, args.batch, args.seq, args.seed + 1), sharding))
+        eval_step(
+            params, training.global_batch(data.batch_at(eval_tokens, i, args.batch, args.seq, args.seed + 1), sharding)
+        )
         for i in range(args.eval_batches)
     ]
     return float(np.mean(jax.device_get(losses)))
 
 
-def peak_memory_bytes() -> int | None:
-    """Peak bytes in use on the first local device, where the platform reports it (GPUs do)."""
-    stats = jax.local_devices()[0].memory_stats()
-    return stats.get("peak_bytes_in_use") if stats else None
-
-
-GB = 1e9
-
-
-def shard_bytes(abstract, shardings) -> int:
-    """Bytes one device holds of the arrays `abstract` (shapes and dtypes) laid out by `shardings`."""
-
-    def nbytes(x, s):
-        return math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
-
-    return sum(jax.tree.leaves(jax.tree.map(nbytes, abstract, shardings)))
-
-
-def memory_analysis(compiled) -> dict:
-    """XLA's per-device memory analysis of a compiled step, in bytes, with the total the device must hold:
-    arguments + outputs - aliased (donated state reused for the outputs) + temporaries + generated code."""
-    analysis = compiled.memory_analysis()
-    fields = {
-        "arguments": analysis.argument_size_in_bytes,
-        "outputs": analysis.output_size_in_bytes,
-        "aliased": analysis.alias_size_in_bytes,
-        "temporaries": analysis.temp_size_in_bytes,
-        "generated_code": analysis.generated_code_size_in_bytes,
-    }
-    fields["total"] = (
-        fields["arguments"] + fields["outputs"] - fields["aliased"] + fields["temporaries"] + fields["generated_code"]
-    )
-    return fields
+def dry_run(args, config) -> None:
+    """`--dry-run`: the memory plan, written to OUT_DIR/memory_plan.json and printed."""
+    if args.attention_impl is None and jax.default_backend() == "cpu":
+        args.attention_impl = "chunked"  # XLA:CPU's attention holds [S, S] scores; GPUs run flash attention
+    plan = memory_plan(args, config)
+    if jax.process_index() == 0:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "memory_plan.json"), "w") as f:
+            json.dump(plan, f, indent=2)
+        print(format_memory_plan(plan), flush=True)
 
 
 def memory_plan(args, config) -> dict:
@@ -280,25 +173,17 @@ def memory_plan(args, config) -> dict:
     `ShapeDtypeStruct`s carrying the rules' shardings, `jit(...).lower(...).compile()`), nothing allocated, and
     returns XLA's per-device memory analysis with the parameter and optimizer-state shares. The figures are
     the compiler's for this platform: on host CPU devices standing in for GPUs they are estimates."""
-    mesh = make_mesh(args.mesh_data, args.mesh_expert)
-    batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
+    mesh = training.make_mesh(args.mesh_data, args.mesh_expert)
+    batch_sharding = training.batch_sharding(mesh)
     workspace = open_workspace(args, config, mesh, args.batch * args.seq)
-    tx = make_optimizer(args)
+    tx = adamw(args, args.lr, args.warmup, args.lr_decay_steps)
     graphdef, _, state, shardings = abstract_state(config, args, mesh, tx, workspace)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
     tokens = jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32, sharding=batch_sharding)
     with jax.set_mesh(mesh), workspace or contextlib.nullcontext():
         train_step, _ = make_steps(graphdef, tx, args.aux_loss_coef, args.z_loss_coef, shardings, batch_sharding)
-        began = time.perf_counter()
-        lowered = train_step.lower(abstract, tokens)
-        lowered_s = time.perf_counter() - began
-        compiled = lowered.compile()
-        compile_s = time.perf_counter() - began - lowered_s
-    fields = memory_analysis(compiled)
-    total = fields.pop("total")
+        plan, _ = training.plan_memory(train_step, abstract, tokens, program_bytes=True)
     device = jax.devices()[0]
-    # what the platform's allocator will hand out (GPUs report it; XLA_PYTHON_CLIENT_MEM_FRACTION sets it)
-    limit = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
     return {
         "preset": args.preset,
         "layers": config.num_hidden_layers,
@@ -322,17 +207,16 @@ def memory_plan(args, config) -> dict:
         "estimate": device.platform == "cpu",
         "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
         "per_device_bytes": {
-            **fields,
-            "total": total,
-            "params": shard_bytes(state.params, shardings.params),
-            "optimizer_state": shard_bytes(state.opt_state, shardings.opt_state),
+            **plan.bytes,
+            "params": training.shard_bytes(state.params, shardings.params),
+            "optimizer_state": training.shard_bytes(state.opt_state, shardings.opt_state),
         },
         "budget_bytes": args.memory_budget_gb * GB,
-        "allocator_limit_bytes": limit,
-        "fits": total <= args.memory_budget_gb * GB and (limit is None or total <= limit),
-        "lower_s": lowered_s,
-        "compile_s": compile_s,
-        "program_bytes": len(lowered.as_text()),
+        "allocator_limit_bytes": plan.allocator_limit_bytes,
+        "fits": plan.fits(args.memory_budget_gb * GB),
+        "lower_s": plan.lower_s,
+        "compile_s": plan.compile_s,
+        "program_bytes": plan.program_bytes,
     }
 
 
@@ -378,28 +262,28 @@ def format_memory_plan(plan: dict) -> str:
 
 def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> dict:
     """Runs the training; writes metrics.jsonl, loss_curve.png and summary.json to `args.out_dir`."""
-    mesh = make_mesh(args.mesh_data, args.mesh_expert)
-    batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
+    mesh = training.make_mesh(args.mesh_data, args.mesh_expert)
+    batch_sharding = training.batch_sharding(mesh)
     workspace = open_workspace(args, config, mesh, args.batch * args.seq)
-    tx = make_optimizer(args)
+    tx = adamw(args, args.lr, args.warmup, args.lr_decay_steps)
     graphdef, create, abstract, state_shardings = abstract_state(config, args, mesh, tx, workspace)
-    manager = checkpoints.open_manager(args)
-    start = checkpoints.resume_step(manager, abstract, args.resume)
-    if start:
-        state = checkpoints.restore(manager, start, abstract, state_shardings)
+    saved = checkpoints.open_checkpoints(args)
+    start = checkpoints.resume_step(saved, abstract, args.resume)
+    if saved and start:
+        state = saved.restore(start, abstract, state_shardings)
     else:
-        state = init_state(create, tx, state_shardings)
+        state = training.init_state(create, tx, state_shardings)
     with jax.set_mesh(mesh), workspace or contextlib.nullcontext():  # the workspace is closed at the end
         train_step, eval_step = make_steps(
             graphdef, tx, args.aux_loss_coef, args.z_loss_coef, state_shardings, batch_sharding
         )
 
         tokens_per_step = args.batch * args.seq
-        flops_per_step = metrics.train_flops_per_token(config, args.seq) * tokens_per_step
-        peak = metrics.peak_flops(jax.devices()[0].device_kind, args.peak_tflops)
+        flops_per_step = training.train_flops_per_token(config, args.seq) * tokens_per_step
+        peak = training.peak_flops(jax.devices()[0].device_kind, args.peak_tflops)
         peak = peak * jax.device_count() if peak else None
         is_main = jax.process_index() == 0
-        log = metrics.MetricsLog(args.out_dir, fresh=start == 0) if is_main else None
+        log = training.MetricsLog(args.out_dir, fresh=start == 0) if is_main else None
         if is_main:
             print(
                 describe_run(config, args, mesh, abstract.params, flops_per_step / tokens_per_step, start), flush=True
@@ -407,11 +291,9 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
 
         # Compiled ahead of the loop: its time and XLA's memory plan go into summary.json, beside the measured
         # step times and peak memory.
-        began = time.perf_counter()
-        first = global_batch(data.batch_at(train_tokens, start + 1, args.batch, args.seq, args.seed), batch_sharding)
-        train_step = train_step.lower(state, first).compile()
-        compile_s = time.perf_counter() - began
-        planned = memory_analysis(train_step)
+        first = data.batch_at(train_tokens, start + 1, args.batch, args.seq, args.seed)
+        plan, train_step = training.plan_memory(train_step, state, training.global_batch(first, batch_sharding))
+        compile_s, planned = plan.lower_s + plan.compile_s, plan.bytes
         if is_main:
             print(
                 f"train step compiled in {compile_s:.1f} s; XLA's memory plan: {planned['total'] / GB:.2f} GB per "
@@ -424,7 +306,8 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
             range(start + 1, args.steps + 1), initial=start, total=args.steps, disable=not is_main, dynamic_ncols=True
         )
         for step in bar:
-            batch = global_batch(data.batch_at(train_tokens, step, args.batch, args.seq, args.seed), batch_sharding)
+            tokens = data.batch_at(train_tokens, step, args.batch, args.seq, args.seed)
+            batch = training.global_batch(tokens, batch_sharding)
             began = time.perf_counter()
             state, stats = train_step(state, batch)
             stats = {k: v.item() for k, v in jax.device_get(stats).items()}
@@ -441,23 +324,23 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
                 )
             if step % args.eval_every == 0 or step == args.steps:
                 last_eval = record["eval_loss"] = evaluate(eval_step, state.params, eval_tokens, args, batch_sharding)
-            if manager:
-                manager.save(step, args=ocp.args.StandardSave(state), force=step == args.steps)
-            if is_main:
+            if saved:
+                saved.save(step, state, force=step == args.steps)
+            if log:
                 log.write(record)
                 bar.set_postfix(progress_fields(record, last_eval), refresh=False)
-        if manager:
-            manager.wait_until_finished()
+        if saved:
+            saved.wait_until_finished()
         if args.save_model:
             save_model(graphdef, state.params, os.path.join(args.out_dir, MODEL_DIR))
 
-    if not is_main:
+    if log is None:  # processes other than 0
         return {}
     log.close()
     summary = summarize(args, config, log.path, step_times, tokens_per_step, flops_per_step, peak)
     summary.update(compile_s=compile_s, planned_memory_bytes=planned)
-    metrics.plot_loss_curves(
-        {implementation_label(args): metrics.read_metrics(log.path)}, os.path.join(args.out_dir, "loss_curve.png")
+    training.plot_loss_curves(
+        {implementation_label(args): training.read_metrics(log.path)}, os.path.join(args.out_dir, "loss_curve.png")
     )
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -515,7 +398,7 @@ def describe_run(config, args, mesh, params, flops_per_token: float, start: int)
 
 
 def summarize(args, config, metrics_path, step_times, tokens_per_step, flops_per_step, peak) -> dict:
-    records = metrics.read_metrics(metrics_path)
+    records = training.read_metrics(metrics_path)
     median = float(np.median(step_times)) if step_times else None
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     return {
@@ -539,7 +422,7 @@ def summarize(args, config, metrics_path, step_times, tokens_per_step, flops_per
         "median_step_time_s": median,
         "tokens_per_s": tokens_per_step / median if median else None,
         "mfu": flops_per_step / median / peak if (median and peak) else None,
-        "peak_memory_bytes": peak_memory_bytes(),
+        "peak_memory_bytes": training.peak_memory_bytes(),
         "first_loss": records[0]["lm_loss"] if records else None,
         "final_loss": float(np.mean([r["lm_loss"] for r in records[-FINAL_WINDOW:]])) if records else None,
         "final_eval_loss": evals[-1] if evals else None,

@@ -1,9 +1,6 @@
-"""The training example's pure-JAX baseline (sort + jax.lax.ragged_dot) computes moe_ffn's function."""
+"""The pure-JAX peer (`jax_megamoe.baselines`: sort + grouped matmuls) computes moe_ffn's function."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -11,9 +8,7 @@ import pytest
 from moe_cases import Case, make_problem, rel_error
 
 from jax_megamoe import reference
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from moe_training.baseline import ragged_dot_ffn  # noqa: E402  (the example's package; path set above)
+from jax_megamoe.baselines import ragged_dot_moe_ffn
 
 
 @pytest.mark.parametrize("case", [Case(24, 16, 8, 6, 2, "zipf"), Case(10, 16, 8, 6, 2, "out_of_range")], ids=str)
@@ -24,7 +19,7 @@ def test_matches_reference_forward_and_gradients(case):
         return jnp.sum(fn(x, weights, experts, w_gate_up, w_down) * cotangent)
 
     args = (x, weights, w_gate_up, w_down)
-    got = jax.value_and_grad(lambda *a: loss(ragged_dot_ffn, *a), argnums=(0, 1, 2, 3))(*args)
+    got = jax.value_and_grad(lambda *a: loss(ragged_dot_moe_ffn, *a), argnums=(0, 1, 2, 3))(*args)
     want = jax.value_and_grad(lambda *a: loss(reference.moe_ffn, *a), argnums=(0, 1, 2, 3))(*args)
     assert rel_error(got[0], want[0]) <= 1e-5
     for name, g, w in zip(("x", "weights", "w_gate_up", "w_down"), got[1], want[1], strict=True):

@@ -1,5 +1,8 @@
-"""How the command-line jobs end on an error: exit status 2 for a command line that cannot run, after the short
-usage line; 1 for a run that fails; each ends in one `PROG: error: ...` line that says what to change.
+"""How a command-line job ends on an error: exit status 2 for a command line that cannot run, after the short
+usage line; 1 for a run that fails; each ends in one `PROG: error: ...` line that says what to change. The example
+jobs (examples/) and the benchmark scripts (benchmarks/) follow it; so can a user's own script:
+
+    from jax_megamoe import cli
 
     def main(argv=None):
         parser = cli.Parser(description=...)
