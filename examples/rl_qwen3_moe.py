@@ -9,10 +9,10 @@ to the starting policy, no value model) until its held-out accuracy is high:
     python examples/rl_qwen3_moe.py --init runs/train_qwen3_moe/model --task add      # a saved model
     python examples/rl_qwen3_moe.py --preset qwen3-30b-a3b-4layer                     # one GPU: 30B width, timing
 
-Writes metrics.jsonl, rl_curve.png, summary.json and the final model (model/, Hugging Face layout) to --out-dir;
---ckpt-dir/--resume checkpoint with orbax (the policy, its optimizer state, the KL reference and the sampler's
-key). A command line that cannot run exits with status 2, a run that fails with 1 (jax_megamoe/cli.py).
-`--help` lists every flag. Docs: docs/models.md.
+Writes metrics.jsonl, rl_curve.png, mismatch_curve.png, summary.json and the final model (model/, Hugging Face
+layout) to --out-dir; --ckpt-dir/--resume checkpoint with orbax (the policy, its optimizer state, the KL reference
+and the sampler's key). A command line that cannot run exits with status 2, a run that fails with 1
+(jax_megamoe/cli.py). `--help` lists every flag. Docs: docs/models.md.
 """
 
 from __future__ import annotations
@@ -123,6 +123,31 @@ def parse_args(argv=None):
     grpo.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
     grpo.add_argument("--clip-epsilon", type=float, default=0.2, help="the ratio's clip range, 1 +- epsilon")
     grpo.add_argument(
+        "--routing-replay",
+        action="store_true",
+        help="the training forward's sparse layers use the experts the sampler chose for each token (weighted by "
+        "the trainer's router), so sampler and trainer cannot route apart",
+    )
+    grpo.add_argument(
+        "--behaviour",
+        choices=["sampler", "trainer"],
+        default="sampler",
+        help="the policy the ratio divides by: the sampler's log-probs, or the trainer's own recomputed before the "
+        "first update, each token weighted by min(pi_trainer / pi_sampler, --tis-cap) (truncated importance "
+        "sampling; one more forward per minibatch; needs --temperature 1 without --top-k/--top-p, whose "
+        "distribution the sampler's log-probs are)",
+    )
+    grpo.add_argument(
+        "--tis-cap", type=float, default=2.0, help="--behaviour trainer: the importance weight's truncation"
+    )
+    grpo.add_argument(
+        "--mask-band",
+        type=float,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        help="--behaviour trainer: mask out the tokens whose pi_trainer / pi_sampler lies outside [LOW, HIGH]",
+    )
+    grpo.add_argument(
         "--kl-coef",
         type=float,
         help="weight of the KL term to the starting policy (0: no reference held); " + _preset_default("kl_coef"),
@@ -148,7 +173,11 @@ def parse_args(argv=None):
     io.add_argument(
         "--eval-problems", type=int, help="held-out problems, answered greedily; " + _preset_default("eval_problems")
     )
-    io.add_argument("--out-dir", default="runs/rl_qwen3_moe", help="metrics.jsonl, rl_curve.png, summary.json, model/")
+    io.add_argument(
+        "--out-dir",
+        default="runs/rl_qwen3_moe",
+        help="metrics.jsonl, rl_curve.png, mismatch_curve.png, summary.json, model/",
+    )
     io.add_argument("--ckpt-dir", help="orbax checkpoint directory (no checkpoints without it)")
     io.add_argument("--ckpt-every", type=int, default=20, help="steps between checkpoints (the last always)")
     io.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
@@ -169,6 +198,17 @@ def parse_args(argv=None):
         parser.error(f"--temperature must be > 0 (the group's samples must differ), got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.behaviour == "trainer" and (args.temperature != 1 or args.top_k is not None or args.top_p is not None):
+        parser.error(
+            "--behaviour trainer weighs by pi_trainer / pi_sampler, and the sampler's log-probs are of the "
+            "temperature-1 distribution without filters: use --temperature 1 and no --top-k/--top-p"
+        )
+    if args.behaviour != "trainer" and args.mask_band:
+        parser.error("--mask-band masks by pi_trainer / pi_sampler: it needs --behaviour trainer")
+    if args.mask_band and not 0 <= args.mask_band[0] < 1 < args.mask_band[1]:
+        parser.error(f"--mask-band must be LOW HIGH with 0 <= LOW < 1 < HIGH, got {args.mask_band}")
+    if not args.tis_cap >= 1:
+        parser.error(f"--tis-cap must be >= 1, got {args.tis_cap}")
     if args.prompts * args.group % args.minibatches:
         parser.error(f"--minibatches {args.minibatches} must divide the {args.prompts * args.group} samples of a step")
     problem = flags.model_dir_problem(args.init) if args.init else None

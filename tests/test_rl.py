@@ -127,12 +127,47 @@ def test_grpo_normalisations_weigh_tokens_or_sequences_alike():
     assert float(sequence) == pytest.approx(-(2 - 1) / 2)
 
 
+def test_the_trainer_as_behaviour_policy_with_truncated_importance_weights_and_a_mask_band():
+    """behaviour="trainer": the ratio divides by the trainer's log-probs before the update, each token weighted by
+    min(pi_trainer / pi_sampler, C); the band masks tokens by that weight. Hand-computed on five tokens."""
+    trainer = SAMPLED + np.array([[1.0, -0.1, 0.0], [0.3, 0.0, 5.0]], np.float32)  # weights e^1, e^-0.1, e^0.3, 1
+    rows = dataclasses.replace(batch(SAMPLED, ADVANTAGES, MASK), trainer_logprobs=trainer)
+    config = rl.GRPOConfig(behaviour="trainer", tis_cap=2.0)
+    value, stats = rl.grpo_loss(jnp.asarray(trainer), rows, config)  # on the trainer's policy: ratio 1
+    weights = [min(np.exp(1.0), 2.0), np.exp(-0.1), np.exp(0.3), 1.0]
+    want = -(2 * weights[0] + 2 * weights[1] - weights[2] - weights[3] - 1.0 * min(np.exp(5.0), 2.0)) / 5
+    assert float(value) == pytest.approx(want, rel=1e-5)
+    assert float(stats["tis_truncated"]) == pytest.approx(2 / 5)  # e^1 and e^5 above the cap
+    assert float(stats["clip_fraction"]) == 0
+    # The mismatch statistics are of pi / pi_sampler whatever the behaviour: here log ratios 1, -0.1, 0.3, 0, 5.
+    assert float(stats["log_ratio_max"]) == pytest.approx(5.0)
+    d = np.array([1.0, -0.1, 0.3, 0.0, 5.0])
+    assert float(stats["sampler_kl"]) == pytest.approx(np.mean(np.exp(d) - 1 - d), rel=1e-5)
+    banded = rl.GRPOConfig(behaviour="trainer", tis_cap=2.0, mask_band=(0.5, 2.0))
+    value, stats = rl.grpo_loss(jnp.asarray(trainer), rows, banded)  # e^1 and e^5 out of the band
+    kept = [(2, weights[1]), (-1, weights[2]), (-1, weights[3])]
+    assert float(value) == pytest.approx(-sum(a * w for a, w in kept) / 3, rel=1e-5)
+    assert float(stats["band_masked"]) == pytest.approx(2 / 5)
+    with pytest.raises(ValueError, match="needs the batch's trainer_logprobs"):
+        rl.grpo_loss(jnp.asarray(trainer), batch(SAMPLED, ADVANTAGES, MASK), config)
+
+
+def test_routing_mismatch_counts_the_recorded_experts_the_trainer_did_not_choose():
+    recorded = np.array([[[[0, 1]], [[2, 3]], [[-1, -1]]]], np.int8)  # [R=1, S=3, L=1, K=2]; the last unfed
+    chosen = np.array([[[[1, 0]], [[2, 5]], [[4, 4]]]], np.int32)  # same set; one of two differs; not counted
+    assert float(rl.routing_mismatch(jnp.asarray(recorded), jnp.asarray(chosen))) == pytest.approx(0.25)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
         (dict(clip_epsilon=0.0), "clip_epsilon must be in"),
         (dict(kl_coef=-1.0), "kl_coef must be >= 0"),
         (dict(normalization="batch"), "normalization must be one of"),
+        (dict(behaviour="reference"), "behaviour must be one of"),
+        (dict(behaviour="trainer", tis_cap=0.5), "tis_cap must be >= 1"),
+        (dict(mask_band=(0.5, 2.0)), 'it needs behaviour="trainer"'),
+        (dict(behaviour="trainer", mask_band=(1.5, 2.0)), "0 <= low < 1 < high"),
     ],
 )
 def test_grpo_config_refuses_what_it_cannot_mean(kwargs, match):
@@ -170,3 +205,23 @@ def test_training_forward_logprobs_of_packed_samples_are_the_samplers():
     np.testing.assert_allclose(logprobs * packed.mask, packed.sampler_logprobs, atol=1e-5)
     _, stats = rl.grpo_loss(logprobs, dataclasses.replace(packed, tokens=jnp.asarray(packed.tokens)))
     assert float(stats["log_ratio_max"]) <= 1e-5
+
+
+def test_packed_routing_replayed_gives_the_samplers_log_probs_and_no_mismatch():
+    """The sampler's routing record packed with the rows, replayed by `sequence_logprobs`: the sampler's log-probs
+    (float32), and the trainer's own choices equal the record (no routing mismatch in float32)."""
+    model = qwen3_moe.Qwen3MoeForCausalLM(qwen3_moe.tiny(), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    ids, lengths = rl.pad_prompts([[1, 2, 3], [4, 5]], width=4, repeat=2)
+    out = qwen3_moe.generate(
+        model, ids, prompt_lengths=lengths, max_new_tokens=5, temperature=1.0, key=jax.random.key(1),
+        return_routing=True,
+    )  # fmt: skip
+    packed = rl.pack(ids, lengths, *map(np.asarray, (out.tokens, out.lengths, out.logprobs)), np.ones(4),
+                     routing=np.asarray(out.routing))  # fmt: skip
+    assert packed.routing.shape == (4, 9, *out.routing.shape[2:]) and packed.routing.dtype == out.routing.dtype
+    tokens, routing = jnp.asarray(packed.tokens), jnp.asarray(packed.routing)
+    logprobs, aux = nnx.jit(lambda m, t, r: rl.sequence_logprobs(m, t, routing=r, return_routing=True))(
+        model, tokens, routing
+    )
+    np.testing.assert_allclose(logprobs * packed.mask, packed.sampler_logprobs, atol=1e-5)
+    assert float(rl.routing_mismatch(routing[:, :-1], aux.routing)) == 0

@@ -91,6 +91,11 @@ def test_grpo_raises_the_reward_the_sampler_agrees_and_resume_reproduces(tmp_pat
         (["--init", "/no/such/dir"], "--init: no config.json"),
         (["--task", "synthetic", "--sft-steps", "3"], "--task synthetic has no answers to warm up on"),
         (["--prompts", "3", "--group", "2", "--minibatches", "1"], "must be divisible by the 8 devices"),
+        (["--behaviour", "trainer", "--temperature", "0.7"], "use --temperature 1 and no --top-k/--top-p"),
+        (["--behaviour", "trainer", "--top-p", "0.9"], "use --temperature 1 and no --top-k/--top-p"),
+        (["--mask-band", "0.5", "2"], "--mask-band masks by pi_trainer / pi_sampler: it needs --behaviour trainer"),
+        (["--behaviour", "trainer", "--mask-band", "1.5", "2"], "0 <= LOW < 1 < HIGH"),
+        (["--behaviour", "trainer", "--tis-cap", "0.5"], "--tis-cap must be >= 1"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(args, message):
@@ -107,6 +112,26 @@ def test_help_explains_every_flag_its_default_and_each_task_s_reward():
         assert entries[flag].endswith(f"(default: {default})"), entries[flag]
     task = entries["--task"]
     assert all(f"{name}:" in task for name in ("reverse", "add", "synthetic")) and task.count("rewarded with") == 2
+
+
+def test_routing_replay_and_truncated_importance_sampling_learn_and_measure_the_mismatch(tmp_path):
+    """--routing-replay --behaviour trainer --mask-band: the reward rises; in float32 sampler and trainer agree,
+    so no routing choice differs, no weight is truncated or masked, and the k3 KL is 0 to rounding; the extra
+    forward is timed and the mismatch plotted."""
+    out = tmp_path / "replay"
+    replay = ["--routing-replay", "--behaviour", "trainer", "--mask-band", "0.5", "2", "--steps", "12"]
+    run(*LEARNABLE[: LEARNABLE.index("--steps")], *LEARNABLE[LEARNABLE.index("--steps") + 2 :], *replay,
+        "--out-dir", str(out))  # fmt: skip
+    _, *steps = records(out)
+    rewards = [r["reward"] for r in steps]
+    assert np.mean(rewards[-4:]) > 2 * np.mean(rewards[:4]), rewards
+    for r in steps:
+        assert r["routing_mismatch"] == 0 and r["tis_truncated"] == 0 and r["band_masked"] == 0, r
+        assert 0 <= r["sampler_kl"] <= 1e-9 and r["log_ratio_max"] <= 1e-5 and r["recompute_time_s"] > 0, r
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["routing_replay"] and summary["behaviour"] == "trainer" and summary["mask_band"] == [0.5, 2.0]
+    assert summary["median_routing_mismatch_at_first_update"] == 0
+    assert (out / "mismatch_curve.png").stat().st_size > 0
 
 
 def test_resuming_from_a_directory_that_does_not_exist_creates_nothing(tmp_path):

@@ -58,7 +58,7 @@ class Setup:
     shardings: TrainState
     policy_step: Callable  # (TrainState, Rollouts) -> (TrainState, stats): GRPO's
     warmup_step: Callable  # the same for the supervised warm-up
-    logprobs: Callable  # (params, tokens [R, S]) -> [R, S-1] log-probs of tokens[:, 1:]
+    logprobs: Callable  # (params, tokens [R, S], routing or None) -> [R, S-1] log-probs of tokens[:, 1:]
 
     def put(self, batch: rl.Rollouts) -> rl.Rollouts:
         return jax.tree.map(lambda x: training.global_batch(x, self.rows), batch)
@@ -68,14 +68,26 @@ def make_setup(args, config, mesh, tx, warmup_tx, workspace) -> tuple[Setup, obj
     """`(Setup, create, the RLState's shapes, its shardings)`: `create()` builds the model the flags describe."""
     graphdef, create, train_state, shardings = trainer.abstract_state(config, args, mesh, tx, workspace)
     rows = training.batch_sharding(mesh)
-    grpo = rl.GRPOConfig(clip_epsilon=args.clip_epsilon, kl_coef=args.kl_coef)
+    grpo = rl.GRPOConfig(
+        clip_epsilon=args.clip_epsilon,
+        kl_coef=args.kl_coef,
+        behaviour=args.behaviour,
+        tis_cap=args.tis_cap,
+        mask_band=tuple(args.mask_band) if args.mask_band else None,
+    )
 
     def with_router_losses(loss, aux):
         return loss + args.aux_loss_coef * aux.load_balancing_loss + args.z_loss_coef * aux.router_z_loss
 
+    def replayed(batch):  # the sampler's routing record, where the trainer replays it
+        return batch.routing if args.routing_replay else None
+
     def policy_loss(params, batch):
-        logprobs, aux = rl.sequence_logprobs(nnx.merge(graphdef, params), batch.tokens)
+        model = nnx.merge(graphdef, params)
+        logprobs, aux = rl.sequence_logprobs(model, batch.tokens, routing=replayed(batch), return_routing=True)
         loss, stats = rl.grpo_loss(logprobs, batch, grpo)
+        assert aux.routing is not None  # return_routing
+        stats["routing_mismatch"] = rl.routing_mismatch(batch.routing[:, :-1], aux.routing)
         return with_router_losses(loss, aux), {"policy_loss": loss, **stats}
 
     def warmup_loss(params, batch):
@@ -84,8 +96,8 @@ def make_setup(args, config, mesh, tx, warmup_tx, workspace) -> tuple[Setup, obj
         return with_router_losses(nll, aux), {"nll": nll}
 
     logprobs = jax.jit(
-        lambda params, tokens: rl.sequence_logprobs(nnx.merge(graphdef, params), tokens)[0],
-        in_shardings=(shardings.params, rows),
+        lambda params, tokens, routing: rl.sequence_logprobs(nnx.merge(graphdef, params), tokens, routing=routing)[0],
+        in_shardings=(shardings.params, rows, rows),
     )
     setup = Setup(
         mesh,
@@ -151,13 +163,14 @@ class Sampler:
             eos_token_id=self.text.end_id,
             pad_token_id=0,
             key=key,
+            return_routing=True,
         )
-        return to_host((out.tokens, out.logprobs, out.lengths))
+        return to_host((out.tokens, out.logprobs, out.lengths, out.routing))
 
     def evaluate(self, params) -> dict:
         """Greedy completions of the held-out problems: the share judged correct, and the mean reward."""
         problems, prompt_ids, prompt_lengths = self.held_out
-        tokens, _, lengths = self.generate(params, prompt_ids, prompt_lengths, temperature=0.0)
+        tokens, _, lengths, _ = self.generate(params, prompt_ids, prompt_lengths, temperature=0.0)
         scores = rl.group_rewards(self.task.reward, problems, rollouts.completions(tokens, lengths, self.text), 1)
         return {"accuracy": float(np.mean(scores >= self.task.accuracy_threshold)), "eval_reward": float(scores.mean())}
 
@@ -175,16 +188,27 @@ def warm_up(args, setup: Setup, task, text, params, warmup_tx) -> tuple[nnx.Stat
     return state.params, float(stats["nll"])
 
 
+# The sampler/trainer mismatch, taken at the first update of a step, when the policy is still the sampler's.
+MISMATCH = ("log_ratio_max", "log_ratio_mean", "log_ratio_p99", "sampler_kl", "routing_mismatch", "tis_truncated")
+
+
 def policy_update(args, setup: Setup, state: RLState, batch: rl.Rollouts) -> tuple[RLState, dict]:
     """`--epochs` passes over `--minibatches` slices of the step's rollouts, one optimizer step each. The
-    statistics: means over the updates, and |log ratio| at the first update (the policy still the sampler's)."""
+    statistics: means over the updates, and the sampler/trainer mismatch at the first update (`MISMATCH`); with
+    `--behaviour trainer` the seconds of the forward that recomputes the behaviour log-probs first."""
     size = len(batch.tokens) // args.minibatches
-    minibatches = []
+    minibatches, recomputed_s = [], 0.0
     for i in range(args.minibatches):
         minibatch = setup.put(batch.rows(slice(i * size, (i + 1) * size)))
+        routing = minibatch.routing if args.routing_replay else None
         if state.reference is not None:
-            reference = setup.logprobs(state.reference, minibatch.tokens)
+            reference = setup.logprobs(state.reference, minibatch.tokens, routing)
             minibatch = dataclasses.replace(minibatch, reference_logprobs=reference)
+        if args.behaviour == "trainer":
+            began = time.perf_counter()
+            trainer_logprobs = jax.block_until_ready(setup.logprobs(state.params, minibatch.tokens, routing))
+            recomputed_s += time.perf_counter() - began
+            minibatch = dataclasses.replace(minibatch, trainer_logprobs=trainer_logprobs)
         minibatches.append(minibatch)
     train_state, updates = TrainState(state.params, state.opt_state), []
     for _ in range(args.epochs):
@@ -192,8 +216,10 @@ def policy_update(args, setup: Setup, state: RLState, batch: rl.Rollouts) -> tup
             train_state, stats = setup.policy_step(train_state, minibatch)
             updates.append(stats)
     updates = [{k: float(v) for k, v in u.items()} for u in jax.device_get(updates)]
-    first = {k: v for k, v in updates[0].items() if k.startswith("log_ratio")}
-    means = {k: float(np.mean([u[k] for u in updates])) for k in updates[0] if not k.startswith("log_ratio")}
+    first = {k: v for k, v in updates[0].items() if k in MISMATCH}
+    means = {k: float(np.mean([u[k] for u in updates])) for k in updates[0] if k not in MISMATCH}
+    if args.behaviour == "trainer":
+        means["recompute_time_s"] = recomputed_s
     return dataclasses.replace(state, params=train_state.params, opt_state=train_state.opt_state), {**means, **first}
 
 
@@ -203,13 +229,14 @@ def rl_step(args, setup: Setup, sampler: Sampler, state: RLState, step: int) -> 
     problems = tasks.draw_problems(sampler.task, np.random.default_rng([args.seed, step]), args.prompts)
     prompt_ids, prompt_lengths = rollouts.encode_prompts(problems, sampler.text, args.prompt_width, args.group)
     rng, key = jax.random.split(jax.random.wrap_key_data(state.rng))
-    tokens, logprobs, lengths = sampler.generate(
+    tokens, logprobs, lengths, routing = sampler.generate(
         state.params, prompt_ids, prompt_lengths, temperature=args.temperature, key=key
     )
     sampled = time.perf_counter()
     texts = rollouts.completions(tokens, lengths, sampler.text)
     scores = rl.group_rewards(sampler.task.reward, problems, texts, args.group)
-    batch = rl.pack(prompt_ids, prompt_lengths, tokens, lengths, logprobs, rl.group_advantages(scores))
+    advantages = rl.group_advantages(scores)
+    batch = rl.pack(prompt_ids, prompt_lengths, tokens, lengths, logprobs, advantages, routing=routing)
     scored = time.perf_counter()
     state, stats = policy_update(args, setup, state, batch)
     trained = time.perf_counter()
@@ -307,6 +334,7 @@ def train(args, config, task: tasks.Task, text) -> dict:
     log.close()
     records = training.read_metrics(log.path)
     metrics.plot_rl_curves(records, os.path.join(args.out_dir, "rl_curve.png"))
+    metrics.plot_mismatch(records, os.path.join(args.out_dir, "mismatch_curve.png"))
     model = nnx.merge(setup.graphdef, abstract.params)
     summary = summarize(args, config, task, model, records, step_records, reference_bytes, model_dir)
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
@@ -370,6 +398,10 @@ def summarize(args, config, task, model, records, step_records, reference_bytes,
         "minibatches": args.minibatches,
         "epochs": args.epochs,
         "kl_coef": args.kl_coef,
+        "routing_replay": args.routing_replay,
+        "behaviour": args.behaviour,
+        "tis_cap": args.tis_cap if args.behaviour == "trainer" else None,
+        "mask_band": args.mask_band,
         "sft_steps": args.sft_steps,
         "dtype": args.dtype,
         "param_dtype": args.param_dtype,
@@ -384,6 +416,10 @@ def summarize(args, config, task, model, records, step_records, reference_bytes,
         "first_reward": steps[0]["reward"] if steps else None,
         "final_reward": float(np.mean([r["reward"] for r in steps[-FINAL_WINDOW:]])) if steps else None,
         "max_log_ratio_at_first_update": max((r["log_ratio_max"] for r in steps), default=None),
+        **{
+            f"median_{key}_at_first_update": float(np.median([r[key] for r in steps])) if steps else None
+            for key in ("log_ratio_p99", "sampler_kl", "routing_mismatch")
+        },
         **{f"median_{key}": value for key, value in median.items()},
         "peak_memory_bytes": training.peak_memory_bytes(),
         "generate_programs": qwen3_moe.compiled_programs(),
