@@ -110,7 +110,7 @@ def test_the_cache_has_the_rows_and_the_programs_stay_few(model, monkeypatch):
     [
         (dict(rows=0), ValueError, "rows must be an int >= 1"),
         (dict(max_new_tokens=[3, 4]), ValueError, "2 budgets for 3 prompts"),
-        (dict(max_new_tokens=[3, 0, 2]), ValueError, "max_new_tokens must be an int >= 1"),
+        (dict(max_new_tokens=[3, 0, 2]), ValueError, "max_new_tokens must be one int >= 1 per prompt"),
         (dict(temperature=1.0, key=jax.random.split(jax.random.key(0), 2)), ValueError, r"\(2,\) keys for 3"),
         (dict(temperature=1.0, key=np.zeros(2)), TypeError, "key must be a jax.random.key"),
     ],

@@ -33,7 +33,7 @@ def test_linen_matches_nnx_forward_and_grads(capacity_factor):
     twin = nnx_twin(params, capacity_factor=capacity_factor, implementation="cpu")
     want_y, want_aux = twin(x)
     np.testing.assert_allclose(y, want_y, rtol=1e-6, atol=1e-6)
-    for got, want in zip(aux, want_aux, strict=True):
+    for got, want in zip(jax.tree.leaves(aux), jax.tree.leaves(want_aux), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6)
 
     def loss(params):

@@ -445,8 +445,10 @@ def generate(
     too_long = np.flatnonzero(lengths + budgets > config.max_position_embeddings)
     if too_long.size:
         i = int(too_long[0])
+        which = "the longest prompt" if isinstance(max_new_tokens, int | np.integer) else f"prompt {i}"
+        its = "" if isinstance(max_new_tokens, int | np.integer) else "its "
         raise ValueError(
-            f"prompt {i} ({lengths[i]} tokens) plus its max_new_tokens={budgets[i]} exceeds the model's "
+            f"{which} ({lengths[i]} tokens) plus {its}max_new_tokens={budgets[i]} exceeds the model's "
             f"max_position_embeddings={config.max_position_embeddings}"
         )
     rows = count if rows is None else _rows_arg(rows, count)
@@ -496,9 +498,12 @@ def generate(
 
 def _budgets(max_new_tokens, count: int) -> np.ndarray:
     """`max_new_tokens` (an int, or one per prompt) as `[count]` int32 budgets, each >= 1."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer | Sequence):
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     values = [max_new_tokens] if isinstance(max_new_tokens, int | np.integer) else list(max_new_tokens)
     if any(isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1 for v in values) or not values:
-        raise ValueError(f"max_new_tokens must be an int >= 1 or one such int per prompt, got {max_new_tokens!r}")
+        kind = "an int >= 1" if isinstance(max_new_tokens, int | np.integer) else "one int >= 1 per prompt"
+        raise ValueError(f"max_new_tokens must be {kind}, got {max_new_tokens!r}")
     if len(values) not in (1, count):
         raise ValueError(f"max_new_tokens holds {len(values)} budgets for {count} prompts; give one or {count}")
     return np.broadcast_to(np.array(values, np.int32), (count,)).copy()
