@@ -124,7 +124,7 @@ def backward(implementation: str, residuals, dy):
     g = kernels.rows_gemm(dyv, dys, *kernels.weight_blocks(wd, transpose=False), layout.expert_offsets, jnp.float32)
     h = dequantize(hv, hs, (1, BLOCK))
     row_weights = jnp.take(weights.reshape(-1).astype(jnp.float32), layout.pair_of_row, mode="fill", fill_value=0)
-    d_row_weights = jnp.sum(h * g, axis=-1)
+    d_row_weights = fp8.row_dots(h, g)  # in the order the g GEMM's epilogue will compute it
     dzv, dzs = kernels.hidden_grad(gate_up, g, row_weights, layout.expert_offsets)
     dx_rows = kernels.rows_gemm(dzv, dzs, *kernels.weight_blocks(wgu, transpose=False), layout.expert_offsets)
     dx = _pair_sum(dx_rows, layout.row_of_pair, s.top_k)[:, : s.hidden]
