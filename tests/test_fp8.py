@@ -45,7 +45,7 @@ from moe_cases import (
 )
 
 import jax_megamoe as jmm
-from jax_megamoe.ops import fp8, fp8_emulation
+from jax_megamoe.ops import fp8, fp8_emulation, fp8_gemms
 from jax_megamoe.ops.layout import drop_invalid_ids, moe_layout, padded_layout, padded_rows
 from jax_megamoe.parallel import moe_ffn_ep
 from jax_megamoe.parallel.transport import Transport, all_to_all_blocks
@@ -118,6 +118,57 @@ def assert_bits_equal(got, want, err_msg=""):
     got, want = np.asarray(got), np.asarray(want)
     assert (got.dtype, got.shape) == (want.dtype, want.shape), (err_msg, got.dtype, got.shape, want.dtype, want.shape)
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=err_msg)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_transposed_blocks_are_the_transposed_weights_blocks(dtype):
+    """The backward's weight operand from the forward's, exactly: the forward's 128x128 blocks (of each expert's
+    matrix transposed) transposed are the matrix's own blocks, values and scales bit for bit, and back (columns of
+    very different ranges, an all-zero block, a block of subnormal e4m3 values); both are the numpy rule's."""
+    w = jnp.asarray(block_quantizer_problem(dtype, False), dtype)
+    forward = jax.jit(fp8_emulation.weight_blocks, static_argnums=1)(w, True)
+    backward = jax.jit(fp8_emulation.weight_blocks, static_argnums=1)(w, False)
+    for got, want in ((fp8.transpose_blocks(*forward), backward), (fp8.transpose_blocks(*backward), forward)):
+        for name, a, b in zip(("values", "scales"), got, want, strict=True):
+            assert_bits_equal(a, b, name)
+    want_values, want_scales = np_quantize_blocks(np.asarray(w.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(fp8.transpose_blocks(*forward)[1]), want_scales)
+    np.testing.assert_array_equal(np.asarray(fp8.transpose_blocks(*forward)[0]).astype(np.float32), want_values)
+
+
+def test_the_backward_takes_the_forwards_weight_blocks(monkeypatch):
+    """implementation="cpu" quantises each expert weight once per forward and backward: the backward transposes the
+    forward's blocks (saved) instead of quantising the weights again, and the forward and every gradient are those
+    of quantising again, bit for bit (several token tiles per expert, H and I not multiples of 128, bf16 and float32
+    master weights)."""
+    (x, weights, ids, w_gate_up, w_down), dy = recipe_problem(Case(300, 136, 200, 4, 2, "zipf"), seed="fp8 blocks once")
+    kernels = fp8_gemms.KERNELS["cpu"]
+    quantised = []
+
+    def weight_blocks(w, transpose):
+        quantised.append(transpose)
+        return kernels.weight_blocks(w, transpose)
+
+    results = {}
+    for reuse in (True, False):
+        monkeypatch.setitem(
+            fp8_gemms.KERNELS, "cpu", kernels._replace(weight_blocks=weight_blocks, reuse_weight_blocks=reuse)
+        )
+        jax.clear_caches()  # the op's traces hold the kernels they were traced with
+        quantised.clear()
+        fn = jax.jit(
+            functools.partial(value_and_grads, functools.partial(jmm.moe_ffn, implementation="cpu", recipe=RECIPE))
+        )
+        results[reuse] = [
+            fn((x, weights, ids, w_gate_up.astype(dtype), w_down.astype(dtype)), dy)
+            for dtype in (jnp.float32, jnp.bfloat16)
+        ]
+        # transpose=True: the forward's layout; False: the backward's, quantised only where the blocks are not reused
+        assert (False in quantised) == (not reuse) and True in quantised, quantised
+    jax.clear_caches()
+    for saved, again in zip(results[True], results[False], strict=True):
+        for name, a, b in zip(OUTPUT_NAMES, saved, again, strict=True):
+            assert_bits_equal(a, b, name)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -168,6 +168,18 @@ def test_weight_quantizer_is_the_rule_bit_for_bit(dtype, transpose):
     np.testing.assert_array_equal(np.asarray(values).astype(np.float32), want_values)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_transposed_forward_blocks_are_the_backwards_bit_for_bit(dtype):
+    """The CUDA quantiser's forward blocks (the weights transposed) transposed by XLA are its backward blocks, bit for
+    bit: what the backward may take instead of quantising again (docs/fp8.md, weights once)."""
+    w = jnp.asarray(block_quantizer_problem(dtype, False), dtype)
+    quantize = jax.jit(fp8_cuda.weight_blocks, static_argnums=1)
+    got = jax.jit(fp8.transpose_blocks)(*quantize(w, True))
+    for a, b in zip(got, quantize(w, False), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
 def test_routing_weight_gradient_order_on_the_gpu():
     """`fp8.row_dots`, the op's d weights, compiled for the GPU: numpy's statement of its order bit for bit (no
     product fused into an add, no order of XLA's choosing), so that every program computes the same d weights."""

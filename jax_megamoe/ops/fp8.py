@@ -116,6 +116,13 @@ def fake_quantize(a: jax.Array, block: tuple[int, ...]) -> jax.Array:
     return dequantize(*quantize(a, block), block)
 
 
+def transpose_blocks(values: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`quantize(w, (1, 128, 128))` of `w [E, A, B]` turned into that of `swapaxes(w, 1, 2)`, exactly: a square
+    block holds the same elements either way, so its amax, its scale and each value's quotient are the same, and the
+    transposed weight's blocks are these blocks transposed, bit for bit (no requantisation)."""
+    return jnp.swapaxes(values, 1, 2), jnp.swapaxes(scales, 1, 2)
+
+
 def take_rows(values: jax.Array, scales: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Rows `index` of quantised rows `(values [R, C], scales [R, C/128])`; past R: zero values, scale 1."""
     take = functools.partial(jnp.take, indices=index, axis=0, mode="fill")
