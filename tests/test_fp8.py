@@ -46,6 +46,7 @@ from moe_cases import (
 
 import jax_megamoe as jmm
 from jax_megamoe.ops import fp8, fp8_emulation, fp8_gemms
+from jax_megamoe.ops.fp8 import BLOCK
 from jax_megamoe.ops.layout import drop_invalid_ids, moe_layout, padded_layout, padded_rows
 from jax_megamoe.parallel import moe_ffn_ep
 from jax_megamoe.parallel.transport import Transport, all_to_all_blocks
@@ -191,6 +192,92 @@ def test_routing_weight_gradient_in_the_epilogues_order():
     exact = np.sum(h.astype(np.float64) * g, axis=1)
     scale = np.sum(np.abs(h.astype(np.float64) * g), axis=1)
     assert np.all(np.abs(rows - exact) <= 1e-6 * scale), np.max(np.abs(rows - exact) / scale)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fused producers (fp8_emulation's, which fp8_gemms does not compose yet) against today's passes.
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _producer_operands(top_k, x, weights, ids, w_gate_up, w_down, dy):
+    """What the op's forward and backward hand the producers: the padded layout, each row's token and routing
+    weight, the weights' blocks (as the gate/up and g GEMMs take them), x and dy padded."""
+    experts = w_gate_up.shape[0]
+    layout = padded_layout(drop_invalid_ids(ids, experts), experts, "cpu", BLOCK)
+    wgu, wd = fp8.pad_weights(w_gate_up, w_down)
+    row_weights = jnp.take(weights.reshape(-1).astype(jnp.float32), layout.pair_of_row, mode="fill", fill_value=0)
+    return (
+        layout.pair_of_row // top_k,
+        row_weights,
+        layout.expert_offsets,
+        fp8_emulation.weight_blocks(wgu, True),
+        fp8_emulation.weight_blocks(wd, False),
+        fp8.pad_hidden(x),
+        fp8.pad_hidden(dy),
+    )
+
+
+@jax.jit
+def _todays_passes(token, row_weights, offsets, wgu_blocks, wd_blocks, x, dy):
+    e = fp8_emulation
+    xv, xs = e.row_operand(x, token)
+    gate_up = e.rows_gemm(xv, xs, *wgu_blocks, offsets)
+    hv, hs = e.hidden(gate_up, offsets)
+    dyv, dys = e.row_operand(dy, token)
+    g = e.rows_gemm(dyv, dys, *wd_blocks, offsets, jnp.float32)
+    dz = e.hidden_grad(gate_up, g, row_weights, offsets)
+    return {
+        "q(x)": (xv, xs),
+        "q(x) token tiles": e.token_tiles(xv, xs),
+        "gate_up": gate_up,
+        "q(h)": (hv, hs),
+        "q(h) token tiles": e.token_tiles(hv, hs),
+        "q(dy)": (dyv, dys),
+        "weights * q(dy) token tiles": e.token_tiles(dyv, dys, row_weights),
+        "q(dz)": dz,
+        "q(dz) token tiles": e.token_tiles(*dz),
+        "d row weights": fp8.row_dots(fp8.dequantize(hv, hs, (1, BLOCK)), g),
+    }
+
+
+@jax.jit
+def _fused_producers(token, row_weights, offsets, wgu_blocks, wd_blocks, x, dy):
+    e = fp8_emulation
+    x_rows, x_tiles = e.row_operand_tiles(x, token)
+    gate_up, h_rows, h_tiles = e.gate_up_swiglu(*x_rows, *wgu_blocks, offsets)
+    dy_rows, dy_tiles = e.row_operand_tiles(dy, token, row_weights)
+    dz_rows, dz_tiles, d_row_weights = e.g_swiglu_grad(*dy_rows, *wd_blocks, offsets, gate_up, row_weights, *h_rows)
+    return {
+        "q(x)": x_rows,
+        "q(x) token tiles": x_tiles,
+        "gate_up": gate_up,
+        "q(h)": h_rows,
+        "q(h) token tiles": h_tiles,
+        "q(dy)": dy_rows,
+        "weights * q(dy) token tiles": dy_tiles,
+        "q(dz)": dz_rows,
+        "q(dz) token tiles": dz_tiles,
+        "d row weights": d_row_weights,
+    }
+
+
+@pytest.mark.parametrize(
+    "case", [*Fp8KernelsBase.cases, Case(200, 128, 128, 4, 1, "one_expert")], ids=str
+)  # the last: one expert takes every row
+def test_fused_producers_are_todays_passes_bit_for_bit(case):
+    """Each fused producer writes what the passes it replaces write, bit for bit, every row of the padded layout:
+    x's and dy's row tiles with their token tiles (dy's times the routing weights) in one pass each; the gate/up GEMM
+    with SwiGLU in its epilogue (the bf16 projections, q(h), q(h)'s token tiles); the g GEMM with SwiGLU' and the
+    routing weight in its epilogue (q(dz), q(dz)'s token tiles, the routing-weight gradient, no g). Fresh inputs per
+    case: q30's ratios, experts past 128 rows, empty experts with H and I not multiples of 128, K = 1, every pair on
+    K experts, dropped ids, and one expert taking every row. Two programs, so that XLA cannot share a computation
+    between the two sides."""
+    (x, weights, ids, w_gate_up, w_down), dy = recipe_problem(case, seed="fp8 fused producers")
+    operands = _producer_operands(case.top_k, x, weights, ids, w_gate_up, w_down, dy)
+    want, got = _todays_passes(*operands), _fused_producers(*operands)
+    for name in want:
+        for a, b in zip(jax.tree.leaves(got[name]), jax.tree.leaves(want[name]), strict=True):
+            assert_bits_equal(a, b, f"{case}: {name}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
