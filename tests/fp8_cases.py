@@ -94,6 +94,38 @@ def np_quantize_blocks(w: np.ndarray, transpose: bool = False) -> tuple[np.ndarr
     return (np.swapaxes(values, 1, 2), np.swapaxes(scale, 1, 2)) if transpose else (values, scale)
 
 
+def np_tile_dots(h: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """The routing-weight gradient's order (`fp8.tile_dots`) in numpy float32: per row and 128-column tile, the
+    products rounded, each of the four quad threads' 32 products (columns 8j + 2q + b, j then b ascending) added from
+    the first, then `(s0 + s1) + (s2 + s3)`. `[R, C/128]`."""
+    products = np.asarray(h, np.float32) * np.asarray(g, np.float32)
+    rows, cols = products.shape
+    out = np.empty((rows, cols // 128), np.float32)
+    for tile in range(cols // 128):
+        sums = []
+        for q in range(4):
+            columns = [128 * tile + 8 * j + 2 * q + b for j in range(16) for b in range(2)]
+            acc = products[:, columns[0]]
+            for c in columns[1:]:
+                acc = acc + products[:, c]
+            sums.append(acc)
+        out[:, tile] = (sums[0] + sums[1]) + (sums[2] + sums[3])
+    return out
+
+
+def tile_dots_problem(seed, rows=300, cols=384) -> tuple[np.ndarray, np.ndarray]:
+    """h as the dequantised q(h) (e4m3 values times a float32 scale per 1x128 tile, one tile all zero) and float32 g
+    over a wide range: sums whose order shows in their last bits."""
+    rng = seeded_rng("fp8 tile dots", seed)
+    e4m3 = np.clip(rng.standard_normal((rows, cols)) * 100, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    values = e4m3.astype(np.float32)
+    scales = np.exp(rng.uniform(-6, 3, (rows, cols // 128, 1))).astype(np.float32)
+    h = (values.reshape(rows, -1, 128) * scales).reshape(rows, cols)
+    h[1, :128] = 0
+    g = (rng.standard_normal((rows, cols)) * np.exp(rng.uniform(-4, 4, (rows, 1)))).astype(np.float32)
+    return h, g
+
+
 def block_quantizer_problem(dtype, transpose) -> np.ndarray:
     """Weights `[3, 256, 384]` as float32 holding `dtype`'s values: columns of very different ranges, an all-zero
     block (scale 1) and a block of subnormal e4m3 values."""

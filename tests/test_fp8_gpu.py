@@ -18,7 +18,9 @@ from fp8_cases import (
     np_quantize_blocks,
     np_quantize_rows,
     np_quantize_tiles,
+    np_tile_dots,
     parametrize_cases,
+    tile_dots_problem,
 )
 from moe_cases import Case, seeded_rng
 
@@ -164,6 +166,28 @@ def test_weight_quantizer_is_the_rule_bit_for_bit(dtype, transpose):
     assert values.dtype == fp8.FP8_DTYPE and values.shape == want_values.shape
     np.testing.assert_array_equal(np.asarray(scales), want_scales)
     np.testing.assert_array_equal(np.asarray(values).astype(np.float32), want_values)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_transposed_forward_blocks_are_the_backwards_bit_for_bit(dtype):
+    """The CUDA quantiser's forward blocks (the weights transposed) transposed by XLA are its backward blocks, bit for
+    bit: what the backward may take instead of quantising again (docs/fp8.md, weights once)."""
+    w = jnp.asarray(block_quantizer_problem(dtype, False), dtype)
+    quantize = jax.jit(fp8_cuda.weight_blocks, static_argnums=1)
+    got = jax.jit(fp8.transpose_blocks)(*quantize(w, True))
+    for a, b in zip(got, quantize(w, False), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_routing_weight_gradient_order_on_the_gpu():
+    """`fp8.row_dots`, the op's d weights, compiled for the GPU: numpy's statement of its order bit for bit (no
+    product fused into an add, no order of XLA's choosing), so that every program computes the same d weights."""
+    h, g = tile_dots_problem("gpu")
+    want = np_tile_dots(h, g)
+    np.testing.assert_array_equal(np.asarray(jax.jit(fp8.tile_dots)(h, g)).view(np.uint32), want.view(np.uint32))
+    rows = np.asarray(jax.jit(fp8.row_dots)(h, g))
+    np.testing.assert_array_equal(rows.view(np.uint32), ((want[:, 0] + want[:, 1]) + want[:, 2]).view(np.uint32))
 
 
 def test_row_quantizer_is_the_rule_bit_for_bit():

@@ -116,6 +116,13 @@ def fake_quantize(a: jax.Array, block: tuple[int, ...]) -> jax.Array:
     return dequantize(*quantize(a, block), block)
 
 
+def transpose_blocks(values: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`quantize(w, (1, 128, 128))` of `w [E, A, B]` turned into that of `swapaxes(w, 1, 2)`, exactly: a square
+    block holds the same elements either way, so its amax, its scale and each value's quotient are the same, and the
+    transposed weight's blocks are these blocks transposed, bit for bit (no requantisation)."""
+    return jnp.swapaxes(values, 1, 2), jnp.swapaxes(scales, 1, 2)
+
+
 def take_rows(values: jax.Array, scales: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Rows `index` of quantised rows `(values [R, C], scales [R, C/128])`; past R: zero values, scale 1."""
     take = functools.partial(jnp.take, indices=index, axis=0, mode="fill")
@@ -139,6 +146,44 @@ def swiglu_grad(gate_up: jax.Array, dh: jax.Array) -> jax.Array:
     sig = jax.nn.sigmoid(gate)
     silu = gate * sig
     return jnp.concatenate([dh * up * sig * (1 + gate * (1 - sig)), dh * silu], axis=-1)
+
+
+# The routing-weight gradient's rounding. `d weights = <q(h), g>` per row is the one float32 reduction of the
+# kernels' backward that runs outside a kernel, so its order and rounding are fixed here, not left to the compiler:
+# XLA picks a reduction's order, and whether it fuses a product into the add that consumes it (one rounding instead
+# of two), per fusion, so the same expression may round differently in two programs. The order is the one the g
+# GEMM's epilogue computes from its accumulator tile (sm90 wgmma layout: a row's 128 columns of a tile sit in a quad
+# of threads, thread q holding columns 8j + 2q + b for j = 0..15, b = 0, 1, in that order).
+QUAD = 4  # the threads that share a row of a wgmma accumulator tile
+
+
+def tile_dots(h: jax.Array, g: jax.Array) -> jax.Array:
+    """`[R, C/128]` float32: per row and 128-column tile, `sum_c h[r, c] * g[r, c]` in the epilogue's order: each
+    product rounded to float32 (materialised, so that no compiler fuses it into an add), thread q's 32 products added
+    in (j, b) order starting from the first, then the quad's sums as `(s0 + s1) + (s2 + s3)`. `h`, `g` float32
+    `[R, C]`, C a multiple of 128."""
+    rows, cols = h.shape
+    products = jax.lax.optimization_barrier(h * g)
+    products = products.reshape(rows, cols // BLOCK, BLOCK // (2 * QUAD), QUAD, 2)  # [R, tile, j, q, b]
+    acc = products[:, :, 0, :, 0]
+    for j in range(BLOCK // (2 * QUAD)):
+        for b in range(2):
+            if j or b:
+                acc = acc + products[:, :, j, :, b]
+    return (acc[..., 0] + acc[..., 1]) + (acc[..., 2] + acc[..., 3])
+
+
+def sum_in_order(parts: jax.Array) -> jax.Array:
+    """`[R]`: `parts [R, n]` added along n in order, starting from the first (n >= 1)."""
+    acc = parts[:, 0]
+    for i in range(1, parts.shape[1]):
+        acc = acc + parts[:, i]
+    return acc
+
+
+def row_dots(h: jax.Array, g: jax.Array) -> jax.Array:
+    """`[R]` float32 `<h[r], g[r]>`: each tile's `tile_dots`, the tiles added in column order."""
+    return sum_in_order(tile_dots(h, g))
 
 
 def pad_hidden(a: jax.Array) -> jax.Array:

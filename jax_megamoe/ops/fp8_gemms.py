@@ -30,7 +30,9 @@ from jax_megamoe.ops.layout import Layout, padded_layout
 
 
 class _Kernels(NamedTuple):
-    """One implementation of the kernels' contracts (`fp8_cuda`'s functions of these names)."""
+    """One implementation of the kernels' contracts (`fp8_cuda`'s functions of these names), and whether the
+    backward takes its weight blocks from the forward's (`reuse_weight_blocks`: the forward's blocks saved and
+    transposed, `fp8.transpose_blocks`, exact) or quantises the weights again in its own layout."""
 
     rows_gemm: Callable
     weight_gemm: Callable
@@ -39,8 +41,11 @@ class _Kernels(NamedTuple):
     hidden: Callable
     token_tiles: Callable
     hidden_grad: Callable
+    reuse_weight_blocks: bool
 
 
+# The CUDA path quantises the weights again in the backward until saving the forward's blocks (their memory against
+# one quantising pass per weight) has been measured on a GPU; the emulation reuses them (the same values either way).
 KERNELS = {
     implementation: _Kernels(
         module.rows_gemm,
@@ -50,8 +55,9 @@ KERNELS = {
         module.hidden,
         module.token_tiles,
         module.hidden_grad,
+        reuse,
     )
-    for implementation, module in (("cuda", fp8_cuda), ("cpu", fp8_emulation))
+    for implementation, module, reuse in (("cuda", fp8_cuda, False), ("cpu", fp8_emulation, True))
 }
 
 
@@ -100,33 +106,42 @@ def forward(x_rows: Callable, hidden: int, x_dtype, weights, experts, w_gate_up,
     layout = Layout(*(checkpoint_name(a, fp8.LAYOUT_NAME) for a in layout))
     wgu, wd = fp8.pad_weights(w_gate_up, w_down)
     xv, xs = x_rows(layout.pair_of_row // s.top_k)
-    gate_up = kernels.rows_gemm(xv, xs, *kernels.weight_blocks(wgu, transpose=True), layout.expert_offsets)
+    wgu_blocks, wd_blocks = kernels.weight_blocks(wgu, transpose=True), kernels.weight_blocks(wd, transpose=True)
+    gate_up = kernels.rows_gemm(xv, xs, *wgu_blocks, layout.expert_offsets)
     hidden_q = kernels.hidden(gate_up, layout.expert_offsets)
-    out = kernels.rows_gemm(*hidden_q, *kernels.weight_blocks(wd, transpose=True), layout.expert_offsets)
+    out = kernels.rows_gemm(*hidden_q, *wd_blocks, layout.expert_offsets)
     y = _pair_sum(out, layout.row_of_pair, s.top_k, weights)[:, : s.hidden].astype(x_dtype)
     # q(h) and the token tiles of q(x) are saved rather than recomputed: the backward then skips a quantising pass
     # over x's rows and one over the projections (under a remat policy that saves only the named residuals below,
     # the backward recomputes them from x and the projections, the same values).
     x_tiles = kernels.token_tiles(xv, xs)
-    weights, layout, gate_up, hidden_q, x_tiles = _ffi.residuals((weights, layout, gate_up, hidden_q, x_tiles))
+    # The backward's weight blocks are the forward's transposed (exact for square blocks) where they are saved.
+    blocks = (wgu_blocks, wd_blocks) if kernels.reuse_weight_blocks else None
+    weights, layout, gate_up, hidden_q, x_tiles, blocks = _ffi.residuals(
+        (weights, layout, gate_up, hidden_q, x_tiles, blocks)
+    )
     gate_up = checkpoint_name(gate_up, fp8.GATE_UP_NAME)
-    return y, (weights, experts, w_gate_up, w_down, gate_up, layout, hidden_q, x_tiles)
+    return y, (weights, experts, w_gate_up, w_down, gate_up, layout, hidden_q, x_tiles, blocks)
 
 
 def backward(implementation: str, residuals, dy):
     """`forward`'s VJP: `(dx, d weights, float0 for the experts, d w_gate_up, d w_down)` from y's cotangent."""
-    weights, experts, w_gate_up, w_down, gate_up, layout, (hv, hs), x_tiles = residuals
+    weights, experts, w_gate_up, w_down, gate_up, layout, (hv, hs), x_tiles, blocks = residuals
     x_dtype = dy.dtype  # y's, which is x's
     kernels, s = KERNELS[implementation], _sizes(dy.shape[1], weights, w_gate_up)
-    wgu, wd = fp8.pad_weights(w_gate_up, w_down)
+    if blocks is None:
+        wgu, wd = fp8.pad_weights(w_gate_up, w_down)
+        wgu_blocks, wd_blocks = kernels.weight_blocks(wgu, transpose=False), kernels.weight_blocks(wd, transpose=False)
+    else:
+        wgu_blocks, wd_blocks = (fp8.transpose_blocks(*b) for b in blocks)
     token_of_row = layout.pair_of_row // s.top_k
     dyv, dys = kernels.row_operand(fp8.pad_hidden(dy), token_of_row)
-    g = kernels.rows_gemm(dyv, dys, *kernels.weight_blocks(wd, transpose=False), layout.expert_offsets, jnp.float32)
+    g = kernels.rows_gemm(dyv, dys, *wd_blocks, layout.expert_offsets, jnp.float32)
     h = dequantize(hv, hs, (1, BLOCK))
     row_weights = jnp.take(weights.reshape(-1).astype(jnp.float32), layout.pair_of_row, mode="fill", fill_value=0)
-    d_row_weights = jnp.sum(h * g, axis=-1)
+    d_row_weights = fp8.row_dots(h, g)  # in the order the g GEMM's epilogue will compute it
     dzv, dzs = kernels.hidden_grad(gate_up, g, row_weights, layout.expert_offsets)
-    dx_rows = kernels.rows_gemm(dzv, dzs, *kernels.weight_blocks(wgu, transpose=False), layout.expert_offsets)
+    dx_rows = kernels.rows_gemm(dzv, dzs, *wgu_blocks, layout.expert_offsets)
     dx = _pair_sum(dx_rows, layout.row_of_pair, s.top_k)[:, : s.hidden]
     d_weights = jnp.take(d_row_weights, layout.row_of_pair, mode="fill", fill_value=0).reshape(weights.shape)
     d_w_down = kernels.weight_gemm(
