@@ -63,13 +63,10 @@ def _preset_default(key: str) -> str:
 
 
 def parse_args(argv=None):
-    parser = cli.Parser(description=__doc__.split("\n\n")[0], formatter_class=flags.HelpFormatter)
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--preset",
-        choices=sorted(PRESETS),
-        default="tiny",
-        help="tiny: byte-level 2-layer model; qwen3-30b-a3b-4layer: Qwen3-30B-A3B widths, 4 layers, random weights",
+    parser, model = flags.job_parser(
+        __doc__.split("\n\n")[0],
+        PRESETS,
+        "tiny: byte-level 2-layer model; qwen3-30b-a3b-4layer: Qwen3-30B-A3B widths, 4 layers, random weights",
     )
     model.add_argument(
         "--init",

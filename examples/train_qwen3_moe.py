@@ -55,13 +55,10 @@ def _preset_default(key: str) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = cli.Parser(description=__doc__.split("\n\n")[0], formatter_class=flags.HelpFormatter)
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--preset",
-        choices=sorted(PRESETS),
-        default="tiny",
-        help="tiny: byte-level 2-layer model; qwen3-30b-a3b-4layer: Qwen3-30B-A3B widths, 4 layers; "
+    parser, model = flags.job_parser(
+        __doc__.split("\n\n")[0],
+        PRESETS,
+        "tiny: byte-level 2-layer model; qwen3-30b-a3b-4layer: Qwen3-30B-A3B widths, 4 layers; "
         "qwen3-30b-a3b, qwen3-235b-a22b: the published models, full depth",
     )
     flags.add_model_arguments(model)

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jax_megamoe.nn import ExpertFn, MoEAux, check_layer_args, check_routing_shape, default_expert_init, moe_block
+from jax_megamoe.nn import ExpertFn, MoEAux, apply_layer, check_layer_args, default_expert_init
 
 if TYPE_CHECKING:
     from jax_megamoe.parallel import Transport
@@ -45,7 +45,6 @@ class MoE(nn.Module):
         """`(y, aux)` for `x [..., H]`; `routing [..., K]` replays a routing record (as `jax_megamoe.nn.MoE`)."""
         hidden = x.shape[-1]
         check_layer_args(hidden, self.intermediate_size, self.num_experts, self.top_k, self.capacity_factor)
-        dtype = self.dtype or x.dtype
         tokens = x.reshape(-1, hidden)
         router_logits = nn.Dense(
             self.num_experts,
@@ -62,22 +61,4 @@ class MoE(nn.Module):
             "w_gate_up", init, (self.num_experts, hidden, 2 * self.intermediate_size), self.param_dtype
         )
         w_down = self.param("w_down", init, (self.num_experts, self.intermediate_size, hidden), self.param_dtype)
-        recorded = None
-        if routing is not None:
-            check_routing_shape(routing, x.shape[:-1], self.top_k)
-            recorded = routing.reshape(-1, self.top_k)
-        y, aux = moe_block(
-            tokens.astype(dtype),
-            router_logits,
-            w_gate_up.astype(dtype),
-            w_down.astype(dtype),
-            top_k=self.top_k,
-            norm_topk_prob=self.norm_topk_prob,
-            capacity_factor=self.capacity_factor,
-            implementation=self.implementation,
-            expert_axis=self.expert_axis,
-            transport=self.transport,
-            recipe=self.recipe,
-            recorded=recorded,
-        )
-        return y.reshape(*x.shape[:-1], hidden), aux
+        return apply_layer(self, x, router_logits, w_gate_up, w_down, routing)

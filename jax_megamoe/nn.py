@@ -110,33 +110,20 @@ def sharded_ffn(
     all_axes = tuple(mesh.axis_names)
     tokens = P(all_axes)
 
-    def shard_fn(x, weights, experts, w_gate_up, w_down):
+    def shard_fn(*args):
         if expert_axis is None:
-            y, dropped = local_ffn(
-                x,
-                weights,
-                experts,
-                w_gate_up,
-                w_down,
-                implementation=implementation,
-                capacity_factor=capacity_factor,
-                recipe=recipe,
-            )
+            y, dropped = local_ffn(*args, implementation=implementation, capacity_factor=capacity_factor, recipe=recipe)
         else:
             from jax_megamoe.parallel import moe_ffn_ep  # only expert-parallel use needs it
 
             y, stats = moe_ffn_ep(
-                x,
-                weights,
-                experts,
-                w_gate_up,
-                w_down,
+                *args,
                 axis_name=expert_axis,
                 transport=transport,
                 implementation=implementation,
                 capacity_factor=capacity_factor,
                 return_stats=True,
-                num_experts=w_gate_up.shape[0] * mesh.shape[expert_axis],
+                num_experts=args[3].shape[0] * mesh.shape[expert_axis],  # w_gate_up's local experts
                 recipe=recipe,
             )
             dropped = stats.pairs_dropped
@@ -338,29 +325,38 @@ class MoE(nnx.Module):
 
         `routing [..., K]` (integer, x's leading shape) replays a routing record: each token whose row is not
         all -1 uses the recorded experts, weighted by this router's probabilities at them (`moe_block`)."""
-        dtype = self.dtype or x.dtype
         tokens = x.reshape(-1, x.shape[-1])
         router_logits = _recomputed_router(self.router, tokens)
-        recorded = None
-        if routing is not None:
-            check_routing_shape(routing, x.shape[:-1], self.top_k)
-            recorded = routing.reshape(-1, self.top_k)
-        out = moe_block(
-            tokens.astype(dtype),
-            router_logits,
-            self.w_gate_up[...].astype(dtype),
-            self.w_down[...].astype(dtype),
-            top_k=self.top_k,
-            norm_topk_prob=self.norm_topk_prob,
-            capacity_factor=self.capacity_factor,
-            implementation=self.implementation,
-            expert_axis=self.expert_axis,
-            transport=self.transport,
-            recipe=self.recipe,
-            recorded=recorded,
-            return_routing=return_routing,
-        )
-        y, aux = out
-        if aux.routing is not None:
-            aux = aux._replace(routing=aux.routing.reshape(*x.shape[:-1], self.top_k))
-        return y.reshape(*x.shape[:-1], y.shape[-1]), aux
+        return apply_layer(self, x, router_logits, self.w_gate_up[...], self.w_down[...], routing, return_routing)
+
+
+def apply_layer(
+    layer, x: jax.Array, router_logits: jax.Array, w_gate_up, w_down, routing=None, return_routing: bool = False
+) -> tuple[jax.Array, MoEAux]:
+    """`moe_block` with a layer's settings (the NNX and Linen `MoE`'s attributes: top_k, norm_topk_prob,
+    capacity_factor, implementation, expert_axis, transport, recipe, dtype) over `x [..., H]` and its router
+    logits `[T, E]`, the tokens' leading shape kept in `y`, the routing record `routing [..., K]` and
+    `aux.routing`."""
+    dtype = layer.dtype or x.dtype
+    recorded = None
+    if routing is not None:
+        check_routing_shape(routing, x.shape[:-1], layer.top_k)
+        recorded = routing.reshape(-1, layer.top_k)
+    y, aux = moe_block(
+        x.reshape(-1, x.shape[-1]).astype(dtype),
+        router_logits,
+        w_gate_up.astype(dtype),
+        w_down.astype(dtype),
+        top_k=layer.top_k,
+        norm_topk_prob=layer.norm_topk_prob,
+        capacity_factor=layer.capacity_factor,
+        implementation=layer.implementation,
+        expert_axis=layer.expert_axis,
+        transport=layer.transport,
+        recipe=layer.recipe,
+        recorded=recorded,
+        return_routing=return_routing,
+    )
+    if aux.routing is not None:
+        aux = aux._replace(routing=aux.routing.reshape(*x.shape[:-1], layer.top_k))
+    return y.reshape(*x.shape[:-1], y.shape[-1]), aux

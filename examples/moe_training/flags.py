@@ -19,6 +19,15 @@ GPU_MEMORY_FRACTION = "0.92"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
+def job_parser(description: str, presets, preset_help: str) -> tuple[cli.Parser, argparse._ArgumentGroup]:
+    """A job's parser (the shared help formatter) and its "model" group, which starts with `--preset` (one of
+    `presets`, default tiny)."""
+    parser = cli.Parser(description=description, formatter_class=HelpFormatter)
+    model = parser.add_argument_group("model")
+    model.add_argument("--preset", choices=sorted(presets), default="tiny", help=preset_help)
+    return parser, model
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """States each flag's default once: argparse's own default for flags that have one, the presets' values
     for flags the preset fills in (their help says so), nothing for flags without a default."""
