@@ -226,7 +226,7 @@ void MoeDown(const MoeDims& d, const T* gate_up, const typename Acc<T>::type* we
   auto out = Buffer<A>(expert_offsets[d.experts] * H);  // per-row expert output, combined in pair order below
   parallel(blocks.size(), [&](int64_t item) {
     const RowBlock& block = blocks[item];
-    std::vector<A> w_buffer, act(kTileRows * I), c(kTileRows * H);
+    std::vector<A> w_buffer, act(kTileRows * I), sig(I), c(kTileRows * H);
     const A* w = InAccumulationType(w_down + block.expert * I * H, I * H, w_buffer);
     for (int64_t r0 = block.begin; r0 < block.end; r0 += kTileRows) {
       const int64_t rows = std::min(kTileRows, block.end - r0);
@@ -237,10 +237,8 @@ void MoeDown(const MoeDims& d, const T* gate_up, const typename Acc<T>::type* we
           continue;
         }
         const T* zr = gate_up + (r0 + r) * 2 * I;
-        for (int64_t i = 0; i < I; ++i) {
-          const A g = Load<A>(zr[i]), u = Load<A>(zr[I + i]);
-          ar[i] = Round<T>(g * Sigmoid(g) * u);
-        }
+        for (int64_t i = 0; i < I; ++i) sig[i] = Sigmoid(Load<A>(zr[i]));
+        for (int64_t i = 0; i < I; ++i) ar[i] = Round<T>(Load<A>(zr[i]) * sig[i] * Load<A>(zr[I + i]));
       }
       TileProduct(act.data(), I, 1, I, w, H, H, c.data());
       std::copy(c.begin(), c.begin() + rows * H, out.get() + r0 * H);
@@ -288,7 +286,9 @@ void MoeBackward(const MoeDims& d, const T* dy, const T* x, const typename Acc<T
         for (int64_t h = 0; h < H; ++h) dyr[h] = Load<A>(dyt[h]);
       }
       TileProduct(dy_tile.data(), H, 1, H, wd_t, I, I, g.data());  // g = dy[t] . w_down^T
-      for (int64_t j = 0; j < rows * I; ++j) sig[j] = Sigmoid(Load<A>(gate_up[(r0 + j / I) * N + j % I]));
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t i = 0; i < I; ++i) sig[r * I + i] = Sigmoid(Load<A>(gate_up[(r0 + r) * N + i]));
+      }
       for (int64_t r = 0; r < kTileRows; ++r) {
         A* __restrict__ dzr = dz.data() + r * N;
         if (r >= rows) {
