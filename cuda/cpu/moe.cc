@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -44,6 +43,7 @@ void MoeLayout(const int32_t* experts, int64_t num_pairs, int64_t num_experts, i
 namespace {
 
 constexpr int64_t kTileRows = 4;         // rows of a register tile
+constexpr int64_t kTileVectors = 2;      // vectors of accumulators per row of a register tile
 constexpr int64_t kBlockRows = 64;       // rows of one work item of the row-wise steps
 constexpr int64_t kBlockTokens = 64;     // tokens of one work item of the combines
 constexpr int64_t kGateUpGradRows = 16;  // rows of d_w_gate_up[e] in one work item
@@ -53,8 +53,6 @@ template <typename A>
 A Sigmoid(A v) {
   return A(1) / (A(1) + std::exp(-v));
 }
-
-constexpr int64_t kTileVectors = 2;  // vectors of accumulators per row of a tile
 
 // c[r * n + j] = sum over k < depth of a[r * a_row + k * a_step] * b[k * ldb + j], for r < kTileRows and j < n, k
 // ascending, on vectors of kVectorBytes. The accumulators of a tile (kTileRows x kTileVectors vectors) stay in
@@ -329,6 +327,18 @@ void MoeBackward(const MoeDims& d, const T* dy, const T* x, const typename Acc<T
   parallel(d.experts * items_per_expert, [&](int64_t item) {
     const int64_t e = item / items_per_expert, part = item % items_per_expert;
     const int64_t begin = expert_offsets[e], count = expert_offsets[e + 1] - begin;
+    if (count == 0) {  // no rows: zero gradients
+      if (part < gate_up_items) {
+        const int64_t first = part * kGateUpGradRows, height = std::min(kGateUpGradRows, H - first);
+        std::fill(d_w_gate_up + (e * H + first) * N, d_w_gate_up + (e * H + first + height) * N, Store<T>(A(0)));
+      } else {
+        const int64_t first = (part - gate_up_items) * kDownGradCols, width = std::min(kDownGradCols, H - first);
+        for (int64_t i = 0; i < I; ++i) {
+          std::fill(d_w_down + (e * I + i) * H + first, d_w_down + (e * I + i) * H + first + width, Store<T>(A(0)));
+        }
+      }
+      return;
+    }
     if (part < gate_up_items) {
       const int64_t first = part * kGateUpGradRows, height = std::min(kGateUpGradRows, H - first);
       std::vector<A> xs(count * kGateUpGradRows), c(kTileRows * N);  // x_e's columns [first, first + height)
