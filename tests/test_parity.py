@@ -172,7 +172,7 @@ def test_int64_ids_outside_the_range_are_dropped(implementation, dtype):
     assert np.all(np.asarray(got[0][5].astype(jnp.float32)) == 0)  # the token whose ids were all E
 
 
-# Per implementation, the sizes the suites held each at before they were merged (the CPU kernels are slow).
+# Per implementation, the sizes the suites held each at before they were merged.
 SMALL = Case(32, 24, 12, 8, 4, "zipf")
 DETERMINISM_CASES = {"reference": SMALL, "cpu": SMALL, "cuda": Case(1024, 256, 128, 16, 4, "zipf")}
 CHECKPOINT_CASES = {"reference": Case(16, 16, 8, 4, 2), "cpu": Case(16, 16, 8, 4, 2), "cuda": Case(256, 128, 64, 8, 2)}

@@ -4,6 +4,7 @@
 
 #include "cpu/moe.h"
 #include "cpu/scalar.h"
+#include "ffi/cpu_thread_pool.h"
 #include "ffi/ffi_common.h"
 #include "ffi/targets.h"
 
@@ -43,19 +44,20 @@ ffi::Error MoeLayoutCpu(ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::S3
   return ffi::Error::Success();
 }
 
-ffi::Error MoeGateUpCpu(ffi::AnyBuffer x, ffi::AnyBuffer w_gate_up, ffi::Buffer<ffi::S32> pair_of_row,
-                        ffi::Buffer<ffi::S32> expert_offsets, ffi::Result<ffi::AnyBuffer> gate_up) {
+ffi::Error MoeGateUpCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w_gate_up,
+                        ffi::Buffer<ffi::S32> pair_of_row, ffi::Buffer<ffi::S32> expert_offsets,
+                        ffi::Result<ffi::AnyBuffer> gate_up) {
   MoeDims d;
   if (auto err = ReadGateUpDims(x, w_gate_up, pair_of_row.element_count(), &d); err.failure()) return err;
   return DispatchFloat(x.element_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     cpu::MoeGateUp<T>(d, Data<T>(x), Data<T>(w_gate_up), pair_of_row.typed_data(), expert_offsets.typed_data(),
-                      Data<T>(*gate_up));
+                      Data<T>(*gate_up), OnThreadPool(pool));
     return ffi::Error::Success();
   });
 }
 
-ffi::Error MoeDownCpu(ffi::AnyBuffer gate_up, ffi::AnyBuffer weights, ffi::AnyBuffer w_down,
+ffi::Error MoeDownCpu(ffi::ThreadPool pool, ffi::AnyBuffer gate_up, ffi::AnyBuffer weights, ffi::AnyBuffer w_down,
                       ffi::Buffer<ffi::S32> row_of_pair, ffi::Buffer<ffi::S32> expert_offsets,
                       ffi::Result<ffi::AnyBuffer> y) {
   MoeDims d;
@@ -63,16 +65,17 @@ ffi::Error MoeDownCpu(ffi::AnyBuffer gate_up, ffi::AnyBuffer weights, ffi::AnyBu
   return DispatchFloat(gate_up.element_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     cpu::MoeDown<T>(d, Data<T>(gate_up), Data<typename cpu::Acc<T>::type>(weights), Data<T>(w_down),
-                    row_of_pair.typed_data(), expert_offsets.typed_data(), Data<T>(*y));
+                    row_of_pair.typed_data(), expert_offsets.typed_data(), Data<T>(*y), OnThreadPool(pool));
     return ffi::Error::Success();
   });
 }
 
-ffi::Error MoeBackwardCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up,
-                          ffi::AnyBuffer w_down, ffi::AnyBuffer gate_up, ffi::Buffer<ffi::S32> row_of_pair,
-                          ffi::Buffer<ffi::S32> pair_of_row, ffi::Buffer<ffi::S32> expert_offsets,
-                          ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> d_weights,
-                          ffi::Result<ffi::AnyBuffer> d_w_gate_up, ffi::Result<ffi::AnyBuffer> d_w_down) {
+ffi::Error MoeBackwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weights,
+                          ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down, ffi::AnyBuffer gate_up,
+                          ffi::Buffer<ffi::S32> row_of_pair, ffi::Buffer<ffi::S32> pair_of_row,
+                          ffi::Buffer<ffi::S32> expert_offsets, ffi::Result<ffi::AnyBuffer> dx,
+                          ffi::Result<ffi::AnyBuffer> d_weights, ffi::Result<ffi::AnyBuffer> d_w_gate_up,
+                          ffi::Result<ffi::AnyBuffer> d_w_down) {
   MoeDims d;
   if (auto err = ReadMoeDims(x, weights, w_gate_up, w_down, &d); err.failure()) return err;
   return DispatchFloat(x.element_type(), [&](auto* tag) {
@@ -81,7 +84,7 @@ ffi::Error MoeBackwardCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer we
     cpu::MoeBackward<T>(d, Data<T>(dy), Data<T>(x), Data<A>(weights), Data<T>(w_gate_up), Data<T>(w_down),
                         Data<T>(gate_up), row_of_pair.typed_data(), pair_of_row.typed_data(),
                         expert_offsets.typed_data(), Data<T>(*dx), Data<A>(*d_weights), Data<T>(*d_w_gate_up),
-                        Data<T>(*d_w_down));
+                        Data<T>(*d_w_down), OnThreadPool(pool));
     return ffi::Error::Success();
   });
 }
@@ -99,6 +102,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_layout, jmm::MoeLayoutCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_gate_up, jmm::MoeGateUpCpu,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()              // x
                                   .Arg<xla::ffi::AnyBuffer>()              // w_gate_up
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // pair_of_row
@@ -107,6 +111,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_gate_up, jmm::MoeGateUpCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_down, jmm::MoeDownCpu,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()              // gate_up
                                   .Arg<xla::ffi::AnyBuffer>()              // weights
                                   .Arg<xla::ffi::AnyBuffer>()              // w_down
@@ -116,6 +121,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_down, jmm::MoeDownCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmm_cpu_moe_backward, jmm::MoeBackwardCpu,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()              // dy
                                   .Arg<xla::ffi::AnyBuffer>()              // x
                                   .Arg<xla::ffi::AnyBuffer>()              // weights
