@@ -20,10 +20,8 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from moe_training import cli  # noqa: E402  (the command-line jobs' exit-code rule; path set above)
+from jax_megamoe import cli  # the command-line jobs' exit-code rule
 
 IMPLS = ("cpu", "reference")
 DTYPES = ("float32", "bfloat16")
