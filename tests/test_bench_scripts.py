@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from benchmarks import ROOT, bench_ep, bench_moe
+from benchmarks import ROOT, bench_ep
+from benchmarks.moe_bench import children, impls, jax_impls, rates, report, shapes, torch_impls
 
 
 def cpu_env(devices: int) -> dict[str, str]:
@@ -99,15 +100,15 @@ def test_bench_ep_nvlink_opens_its_workspace_and_passes_the_transport(monkeypatc
 def test_bench_moe_tiles_impl_names_give_an_explicit_gemm_config():
     from jax_megamoe import GemmConfig, GemmTiles
 
-    shape = bench_moe.CONFIGS["q30"]
+    shape = shapes.CONFIGS["q30"]
     t, h, i, e, k = shape
     heuristic = GemmConfig.for_problem(t, k, h, i, e)
-    assert bench_moe.gemm_config("ours", shape) is None
+    assert impls.gemm_config("ours", shape) is None
     for tiles in GemmTiles:
-        config = bench_moe.gemm_config(f"ours_tiles_{tiles.name.lower()}", shape)
+        config = impls.gemm_config(f"ours_tiles_{tiles.name.lower()}", shape)
         assert config == GemmConfig(tiles, tiles, tiles, tiles)
     last = list(GemmTiles)[-1]
-    config = bench_moe.gemm_config(f"ours_tiles_fwd_down={last.name.lower()}+bwd_gate_up={last.name}", shape)
+    config = impls.gemm_config(f"ours_tiles_fwd_down={last.name.lower()}+bwd_gate_up={last.name}", shape)
     assert config == GemmConfig(heuristic.fwd_gate_up, last, heuristic.bwd_down, last)
     for bad, message in (
         ("ours_tiles_", "got nothing"),
@@ -116,15 +117,15 @@ def test_bench_moe_tiles_impl_names_give_an_explicit_gemm_config():
         (f"ours_tiles_fwd_down={last.name}+fwd_down={last.name}", "each once"),
     ):
         with pytest.raises(ValueError, match=message):
-            bench_moe.gemm_config(bad, shape)
+            impls.gemm_config(bad, shape)
 
 
 def test_bench_moe_graphs_impl_adds_the_command_buffer_flags(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-    assert bench_moe.child_env("ours_graphs")["XLA_FLAGS"] == "--xla_dump_to=/tmp/x " + bench_moe.GRAPH_XLA_FLAGS
-    assert bench_moe.child_env("ours")["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+    assert children.child_env("ours_graphs")["XLA_FLAGS"] == "--xla_dump_to=/tmp/x " + impls.GRAPH_XLA_FLAGS
+    assert children.child_env("ours")["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
     monkeypatch.delenv("XLA_FLAGS")
-    assert bench_moe.child_env("ours_graphs")["XLA_FLAGS"] == bench_moe.GRAPH_XLA_FLAGS
+    assert children.child_env("ours_graphs")["XLA_FLAGS"] == impls.GRAPH_XLA_FLAGS
 
 
 def test_bench_moe_table_fits_long_impl_names():
@@ -143,7 +144,7 @@ def test_bench_moe_table_fits_long_impl_names():
         peak_gib=3.7,
         peak_by_call=True,
     )
-    header, line = bench_moe.table([row], 698.0).splitlines()[1:]
+    header, line = report.table([row], 698.0).splitlines()[1:]
     assert line.startswith(row["impl"] + "  q30s") and header.index("config") == line.index("q30s")
     assert header.index("variant") == line.index("router")
 
@@ -346,7 +347,7 @@ def _float32_problem(seed=0):
     import jax.numpy as jnp
     from moe_cases import Case, make_problem, normal
 
-    t, h, i, e, k = bench_moe.CONFIGS["tiny"]
+    t, h, i, e, k = shapes.CONFIGS["tiny"]
     (x, _, _, gu, d), dy = make_problem(Case(t, h, i, e, k), jnp.float32, seed=("bench", seed))
     return x, gu, d, dy, normal(("router", seed), (h, e), scale=h**-0.5), k
 
@@ -364,18 +365,18 @@ def test_bench_moe_variants_of_the_ragged_dot_peer_match_the_reference(variant):
     x, gu, d, dy, w_router, k = _float32_problem()
     e = gu.shape[0]
     r1, r2 = (
-        (w_router, bench_moe.log_prior(e, "zipf", jnp))
+        (w_router, shapes.log_prior(e, "zipf", jnp))
         if variant == "router"
-        else bench_moe.jax_routing(x.shape[0], e, k, "zipf", seed=1)
+        else jax_impls.jax_routing(x.shape[0], e, k, "zipf", seed=1)
     )
 
     def value_and_grads(moe):
-        fn = bench_moe.jax_variant(moe, variant, k)
+        fn = jax_impls.jax_variant(moe, variant, k)
         return jax.value_and_grad(lambda a, b, c, f: jnp.sum(fn(a, b, r2, c, f) * dy), argnums=(0, 1, 2, 3))(
             x, r1, gu, d
         )
 
-    got, want = value_and_grads(bench_moe.jax_impl("ragged_dot")), value_and_grads(reference.moe_ffn)
+    got, want = value_and_grads(jax_impls.jax_impl("ragged_dot")), value_and_grads(reference.moe_ffn)
     assert rel_error(got[0], want[0]) <= 1e-5
     for name, g, w in zip(("x", "r1", "w_gate_up", "w_down"), got[1], want[1], strict=True):
         assert float(jnp.linalg.norm(w)) > 0, name
@@ -400,18 +401,18 @@ def test_bench_moe_torch_variants_compute_the_jax_variants():
         return out
 
     x, gu, d, dy, w_router, k = _float32_problem(seed=2)
-    bias = bench_moe.log_prior(gu.shape[0], "zipf", np)
-    want = bench_moe.jax_variant(reference.moe_ffn, "router", k)(x, w_router, jnp.asarray(bias), gu, d)
+    bias = shapes.log_prior(gu.shape[0], "zipf", np)
+    want = jax_impls.jax_variant(reference.moe_ffn, "router", k)(x, w_router, jnp.asarray(bias), gu, d)
     tx, tr, tgu, td, tdy = (torch.tensor(np.asarray(a)) for a in (x, w_router, gu, d, dy))
     tbias = torch.tensor(bias)
-    got = bench_moe.torch_variant(dense_moe, "router", k)(tx, tr, tbias, tgu, td)
+    got = torch_impls.torch_variant(dense_moe, "router", k)(tx, tr, tbias, tgu, td)
     np.testing.assert_allclose(got.numpy(), np.asarray(want), rtol=1e-4, atol=1e-5)
 
     weights, ids = torch.rand(x.shape[0], k), torch.randint(0, gu.shape[0], (x.shape[0], k))
 
     def grads(variant):
         params = [a.clone().requires_grad_() for a in (tx, weights, tgu, td)]
-        y = bench_moe.torch_variant(dense_moe, variant, k)(params[0], params[1], ids, params[2], params[3])
+        y = torch_impls.torch_variant(dense_moe, variant, k)(params[0], params[1], ids, params[2], params[3])
         return torch.autograd.grad(y, params, tdy)
 
     for plain, remat in zip(grads("plain"), grads("remat"), strict=True):
@@ -425,10 +426,10 @@ def test_bench_moe_remat_runs_the_forward_twice():
     import jax
 
     x, gu, d, dy, _, k = _float32_problem()
-    w, ids = bench_moe.jax_routing(x.shape[0], gu.shape[0], k, "uniform", seed=3)
+    w, ids = jax_impls.jax_routing(x.shape[0], gu.shape[0], k, "uniform", seed=3)
 
     def products(variant):
-        fwd_bwd = bench_moe.forward_and_gradients(bench_moe.jax_variant(bench_moe.jax_impl("ragged_dot"), variant, k))
+        fwd_bwd = jax_impls.forward_and_gradients(jax_impls.jax_variant(jax_impls.jax_impl("ragged_dot"), variant, k))
         return jax.jit(fwd_bwd).lower(x, w, ids, gu, d, dy).compile().as_text().count(" dot(")
 
     assert products("remat") == products("plain") + 2
@@ -479,8 +480,8 @@ def test_bench_moe_torch_fp8_peer_computes_the_moe(monkeypatch):
     w = torch.softmax(torch.randn(t, k, generator=gen), -1)
     params = [p.requires_grad_() for p in (x, w, gu, d)]
     results = {}
-    for name, (make, align) in bench_moe.TORCH_IMPLS.items():
-        y = bench_moe.torch_moe(make(), align)(params[0], params[1], ids, params[2], params[3])
+    for name, (make, align) in torch_impls.TORCH_IMPLS.items():
+        y = torch_impls.torch_moe(make(), align)(params[0], params[1], ids, params[2], params[3])
         results[name] = [y.detach().float(), *(g.float() for g in torch.autograd.grad(y, params, dy))]
     for fp8, bf16 in zip(results["torch_fp8_rowwise"], results["torch_grouped_mm"], strict=True):
         err = float((fp8 - bf16).norm() / bf16.norm())
@@ -489,25 +490,25 @@ def test_bench_moe_torch_fp8_peer_computes_the_moe(monkeypatch):
 
 def test_bench_moe_decode_rows_get_their_floor():
     # A decode-size row: the touched experts' weights plus x and y over the run's read bandwidth.
-    t, h, i, e, k = bench_moe.CONFIGS["q30-t64"]
+    t, h, i, e, k = shapes.CONFIGS["q30-t64"]
     assert (t, h, i, e, k) == (64, 2048, 768, 128, 8)
     touched = 120
     expected_bytes = touched * 3 * h * i * 2 + 2 * t * h * 2
-    assert bench_moe.floor_bytes((t, h, i, e, k), touched) == expected_bytes
+    assert rates.floor_bytes((t, h, i, e, k), touched) == expected_bytes
     row = dict(impl="ours", config="q30-t64", routing="uniform", variant="plain", status="ok", fwd_ms=0.5)
     row.update(fwd_bwd_ms=1.5, peak_gib=2.0, peak_by_call=True, experts_touched=touched)
-    row = bench_moe.with_rates(row, matmul_tfs=800.0, bandwidth_gbs=4000.0)
+    row = rates.with_rates(row, matmul_tfs=800.0, bandwidth_gbs=4000.0)
     assert row["floor_ms"] == pytest.approx(expected_bytes / 4000e9 * 1e3)  # 4000 GB/s, in ms
     assert row["fwd_over_floor"] == pytest.approx(0.5 / row["floor_ms"])
     big = dict(impl="ours", config="q30", routing="uniform", variant="plain", status="ok", fwd_ms=2.6)
     big.update(fwd_bwd_ms=6.8, peak_gib=9.0, peak_by_call=True, experts_touched=128)
-    assert "floor_ms" not in bench_moe.with_rates(big, 800.0, 4000.0)  # compute-bound sizes have no such floor
+    assert "floor_ms" not in rates.with_rates(big, 800.0, 4000.0)  # compute-bound sizes have no such floor
     failed = dict(impl="tokamax", config="q235-t8", routing="zipf", variant="plain", status="OOM: x")
-    text = bench_moe.table([row, big, failed], 800.0, 4000.0)
+    text = report.table([row, big, failed], 800.0, 4000.0)
     assert "read bandwidth" in text and "x floor" in text
     line = next(line for line in text.splitlines() if "q30-t64" in line)
     assert f"{row['floor_ms']:.3f}" in line and f"{row['fwd_over_floor']:.2f}" in line
-    assert bench_moe.table([big], 800.0).count("floor") == 0  # no decode rows, no floor columns
+    assert report.table([big], 800.0).count("floor") == 0  # no decode rows, no floor columns
 
 
 def test_bench_generate_runs_both_frameworks_on_the_tiny_model(tmp_path):
