@@ -8,7 +8,7 @@ Timing: forward (y) and forward+backward (y and the gradients of x, the routing 
 each one jitted call; after --warmup calls each, --samples samples of one synchronised call, the implementations
 taking turns sample by sample so that both see the same machine; the figure is the median sample. The process
 uses every core JAX sees (XLA's thread pool for the reference's matmuls and the kernels' work items alike).
-Usage: python benchmarks/bench_moe_cpu.py [--tokens 1024,4096,16384] [--dtypes float32,bfloat16] [--samples 30]
+Usage: python -m benchmarks.bench_moe_cpu [--tokens 1024,4096,16384] [--dtypes float32,bfloat16] [--samples 30]
                                           [--json F]
 """
 

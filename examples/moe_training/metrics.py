@@ -33,5 +33,6 @@ def plot_mismatch(records: list[dict], path: str) -> None:
         ax.set_yscale("log")
         for key, label in MISMATCH_LINES.items():
             points = [(r["step"], r[key]) for r in records if r.get(key, 0) > 0]
-            if points:
-                ax.plot(*zip(*points, strict=True), label=label, lw=1)
+            if points:  # the routing share is 0 at most steps: points, not a line across the gaps
+                style = dict(marker="o", ms=2, ls="none") if key == "routing_mismatch" else dict(lw=1)
+                ax.plot(*zip(*points, strict=True), label=label, **style)
