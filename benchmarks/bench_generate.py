@@ -36,12 +36,12 @@ import sys
 import time
 
 import benchmarks
+from benchmarks.moe_bench.device_rates import BANDWIDTH_ROW, run_read_bandwidth
 from jax_megamoe import cli  # the command-line jobs' exit-code rule
 
 MODELS = ("tiny", "q30-4layer", "q30")
 FRAMEWORKS = ("ours", "transformers")
 BATCHES = (1, 16, 64, 256)
-BANDWIDTH_ROW = "read_bandwidth"
 
 
 def model_config(name):
@@ -222,9 +222,7 @@ def run_transformers(model_name, batch, args):
 def child(args):
     """One row, printed as JSON for the driver."""
     if args.child == BANDWIDTH_ROW:
-        from benchmarks import bench_moe
-
-        row = bench_moe.run_read_bandwidth()
+        row = run_read_bandwidth()
     else:
         framework, model_name, batch = args.child.split(":")
         run = {"ours": run_ours, "transformers": run_transformers, "long-tail": run_long_tail}[framework]

@@ -19,7 +19,7 @@ import time
 
 from jax_megamoe import cli
 from moe_training import flags  # the recipes beside this script
-from moe_training.text import Text, eos_token_ids
+from moe_training.tokenizer import Tokenizer, eos_token_ids
 
 DEFAULT_PROMPTS = ("def ", "import ", "class Model:\n    def __init__(self", "    return ")
 # The flag that sets each of generate's arguments: its argument errors name the flag.
@@ -101,9 +101,9 @@ def main(argv=None) -> None:
         args.model_dir, dtype=getattr(jnp, args.dtype), implementation=args.implementation
     )
     config = model.config
-    text = Text(args.model_dir, config.vocab_size)
+    tokenizer = Tokenizer(args.model_dir, config.vocab_size)
     prompts = args.prompt or list(DEFAULT_PROMPTS)
-    encoded = [text.encode(p) for p in prompts for _ in range(args.samples)]
+    encoded = [tokenizer.encode(p) for p in prompts for _ in range(args.samples)]
     if any(not ids for ids in encoded):
         raise cli.UsageError("--prompt: a prompt encodes to no tokens; pass some text")
     longest = max(len(ids) for ids in encoded)
@@ -137,8 +137,8 @@ def main(argv=None) -> None:
     seconds = time.perf_counter() - start
 
     for index, (ids, continuation) in enumerate(zip(encoded, outputs, strict=True)):
-        print(f"--- sample {index}: {text.decode(ids)!r} ->")
-        print(text.decode(continuation))
+        print(f"--- sample {index}: {tokenizer.decode(ids)!r} ->")
+        print(tokenizer.decode(continuation))
     plan = qwen3_moe.generation_plan(model, min(args.batch, len(encoded)), longest, args.max_new_tokens)
     print(
         f"{generated} tokens in {seconds:.1f} s ({generated / seconds:.0f} tokens/s, compilation included); "

@@ -225,21 +225,21 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     jax = flags.start_jax(args)
     from jax_megamoe.models import qwen3_moe
-    from moe_training import rl, rollouts, trainer
-    from moe_training.text import Text
+    from moe_training import model_from_flags, rl, rollouts
+    from moe_training.tokenizer import Tokenizer
 
     config = (
         qwen3_moe.Qwen3MoeConfig.from_json(args.init) if args.init else flags.model_config(args.preset, args.layers)
     )
     task = rollouts.make_task(args)
-    text = Text(args.init, config.vocab_size)
+    tokenizer = Tokenizer(args.init, config.vocab_size)
     if args.prompt_width + args.max_new_tokens > config.max_position_embeddings:
         raise cli.UsageError(
             f"--prompt-width {args.prompt_width} + --max-new-tokens {args.max_new_tokens} exceed the model's "
             f"max_position_embeddings {config.max_position_embeddings}"
         )
     flags.choose_mesh(args, jax.device_count(), config.num_experts)
-    trainer.check_platform(args)
+    model_from_flags.check_platform(args)
     devices = jax.device_count()
     for flag, rows in (
         ("--prompts x --group / --minibatches", args.prompts * args.group // args.minibatches),
@@ -249,7 +249,7 @@ def main(argv=None) -> None:
             raise cli.UsageError(f"{flag} = {rows} rows must be divisible by the {devices} devices of the mesh")
     if args.aux_loss_coef is None:
         args.aux_loss_coef = config.router_aux_loss_coef
-    summary = rl.train(args, config, task, text)
+    summary = rl.train(args, config, task, tokenizer)
     if summary:
         print(rl.format_summary(summary) + f"; outputs in {args.out_dir}")
 

@@ -150,7 +150,7 @@ def choose_mesh(args, num_devices: int, num_experts: int) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     jax = flags.start_jax(args)
-    from moe_training import data, trainer
+    from moe_training import data, model_from_flags, pretrain
 
     config = flags.model_config(args.preset, args.layers)
     if args.seq > config.max_position_embeddings:
@@ -159,11 +159,11 @@ def main(argv=None) -> None:
             f"--seq {config.max_position_embeddings} or less"
         )
     choose_mesh(args, jax.device_count(), config.num_experts)
-    trainer.check_platform(args)
+    model_from_flags.check_platform(args)
     if args.aux_loss_coef is None:
         args.aux_loss_coef = config.router_aux_loss_coef
     if args.dry_run:
-        trainer.dry_run(args, config)
+        pretrain.dry_run(args, config)
         return
     if args.data:
         try:
@@ -181,7 +181,7 @@ def main(argv=None) -> None:
         train_tokens, eval_tokens = data.split(tokens, 0.05, args.seq)
     except ValueError as error:
         raise cli.UsageError(f"--seq {args.seq}: {error}: pass a shorter --seq or more tokens") from None
-    summary = trainer.train(args, config, train_tokens, eval_tokens)
+    summary = pretrain.train(args, config, train_tokens, eval_tokens)
     if summary:
         speed = summary["tokens_per_s"]
         print(

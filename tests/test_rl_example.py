@@ -179,20 +179,21 @@ def test_prompts_completions_and_demonstrations_as_text():
         import numpy as np
         from jax_megamoe import cli
         from moe_training import rollouts, tasks
-        from moe_training.text import Text
+        from moe_training.tokenizer import Tokenizer
 
-        text = Text(None, 256)  # bytes, the end token a newline
-        ids, lengths = rollouts.encode_prompts([tasks.Problem("ab", ""), tasks.Problem("cde", "")], text, 4, repeat=2)
+        tokenizer = Tokenizer(None, 256)  # bytes, the end token a newline
+        problems = [tasks.Problem("ab", ""), tasks.Problem("cde", "")]
+        ids, lengths = rollouts.encode_prompts(problems, tokenizer, 4, repeat=2)
         assert ids.tolist() == [[97, 98, 0, 0]] * 2 + [[99, 100, 101, 0]] * 2 and lengths.tolist() == [2, 2, 3, 3]
         try:
-            rollouts.encode_prompts([tasks.Problem("abcde", "")], text, 4)
+            rollouts.encode_prompts([tasks.Problem("abcde", "")], tokenizer, 4)
             raise AssertionError("a prompt past --prompt-width")
         except cli.UsageError as error:
             assert "exceeds --prompt-width 4: pass 5 or more" in str(error)
 
-        texts = rollouts.completions(np.array([[52, 50, 10, 0], [52, 50, 51, 53]]), np.array([3, 4]), text)
+        texts = rollouts.completions(np.array([[52, 50, 10, 0], [52, 50, 51, 53]]), np.array([3, 4]), tokenizer)
         assert texts == [("42", True), ("4235", False)]
-        demos = rollouts.demonstrations([tasks.Problem("12=", "21")], text, width=3, new_tokens=4)
+        demos = rollouts.demonstrations([tasks.Problem("12=", "21")], tokenizer, width=3, new_tokens=4)
         assert demos.tokens[0].tolist() == [ord(x) for x in "12=21\\n"] + [0]
         assert demos.mask[0].tolist() == [0, 0, 1, 1, 1, 0]
         """

@@ -4,7 +4,7 @@ Each step draws `--prompts` problems, samples `--group` completions of each with
 with the task's reward, and takes `--minibatches` x `--epochs` optimizer steps on GRPO's loss over the packed
 rollouts (`jax_megamoe.rl`; the text side in rollouts.py). Before the first step an optional supervised warm-up
 trains on the task's answers; the policy it leaves is the KL reference. The mesh, sharding, optimizer and
-checkpoints are the training job's (`jax_megamoe.training`, trainer.py, checkpoints.py).
+checkpoints are the training job's (`jax_megamoe.training`, model_from_flags.py, checkpoints.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from jax_megamoe import cli, rl, training
 from jax_megamoe.models import qwen3_moe
 from jax_megamoe.models.generation import prompt_bucket
 from jax_megamoe.training import TrainState
-from moe_training import checkpoints, metrics, rollouts, tasks, trainer
+from moe_training import checkpoints, metrics, model_from_flags, rollouts, tasks
+from moe_training.tokenizer import Tokenizer
 
 FINAL_WINDOW = 5  # summary.json's final_reward: mean reward of the last steps
 
@@ -66,7 +67,7 @@ class Setup:
 
 def make_setup(args, config, mesh, tx, warmup_tx, workspace) -> tuple[Setup, object, RLState, RLState]:
     """`(Setup, create, the RLState's shapes, its shardings)`: `create()` builds the model the flags describe."""
-    graphdef, create, train_state, shardings = trainer.abstract_state(config, args, mesh, tx, workspace)
+    graphdef, create, train_state, shardings = model_from_flags.abstract_state(config, args, mesh, tx, workspace)
     rows = training.batch_sharding(mesh)
     grpo = rl.GRPOConfig(
         clip_epsilon=args.clip_epsilon,
@@ -131,7 +132,7 @@ def initial_params(args, setup: Setup, create, workspace):
             mesh=setup.mesh,
             fsdp=args.fsdp,
             fsdp_over_expert=args.fsdp_over_expert,
-            **trainer.model_options(args, workspace),
+            **model_from_flags.model_options(args, workspace),
         )
         return jax.device_put(nnx.state(model, nnx.Param), setup.shardings.params)
     return jax.jit(lambda: nnx.state(create(), nnx.Param), out_shardings=setup.shardings.params)()
@@ -146,10 +147,10 @@ class Sampler:
     """`qwen3_moe.generate` on the policy for the task's prompts: a group of samples per prompt for training,
     greedy completions of the held-out problems for evaluation."""
 
-    def __init__(self, args, setup: Setup, task: tasks.Task, text):
-        self.args, self.setup, self.task, self.text = args, setup, task, text
+    def __init__(self, args, setup: Setup, task: tasks.Task, tokenizer: Tokenizer):
+        self.args, self.setup, self.task, self.tokenizer = args, setup, task, tokenizer
         held_out = tasks.draw_problems(task, np.random.default_rng(args.seed + 1), args.eval_problems, evaluation=True)
-        self.held_out = (held_out, *rollouts.encode_prompts(held_out, text, args.prompt_width))
+        self.held_out = (held_out, *rollouts.encode_prompts(held_out, tokenizer, args.prompt_width))
 
     def generate(self, params, prompt_ids, prompt_lengths, *, temperature: float, key=None):
         out = qwen3_moe.generate(
@@ -160,7 +161,7 @@ class Sampler:
             temperature=temperature,
             top_k=self.args.top_k if temperature else None,
             top_p=self.args.top_p if temperature else None,
-            eos_token_id=self.text.end_id,
+            eos_token_id=self.tokenizer.end_id,
             pad_token_id=0,
             key=key,
             return_routing=True,
@@ -171,11 +172,11 @@ class Sampler:
         """Greedy completions of the held-out problems: the share judged correct, and the mean reward."""
         problems, prompt_ids, prompt_lengths = self.held_out
         tokens, _, lengths, _ = self.generate(params, prompt_ids, prompt_lengths, temperature=0.0)
-        scores = rl.group_rewards(self.task.reward, problems, rollouts.completions(tokens, lengths, self.text), 1)
+        scores = rl.group_rewards(self.task.reward, problems, rollouts.completions(tokens, lengths, self.tokenizer), 1)
         return {"accuracy": float(np.mean(scores >= self.task.accuracy_threshold)), "eval_reward": float(scores.mean())}
 
 
-def warm_up(args, setup: Setup, task, text, params, warmup_tx) -> tuple[nnx.State, float | None]:
+def warm_up(args, setup: Setup, task, tokenizer: Tokenizer, params, warmup_tx) -> tuple[nnx.State, float | None]:
     """`--sft-steps` supervised steps on the task's answers (the loss on the answer and end tokens only)."""
     if not args.sft_steps:
         return params, None
@@ -183,7 +184,7 @@ def warm_up(args, setup: Setup, task, text, params, warmup_tx) -> tuple[nnx.Stat
     rows = args.prompts * args.group // args.minibatches  # the policy step's batch shape
     for step in tqdm(range(1, args.sft_steps + 1), desc="warm-up", disable=jax.process_index() != 0):
         problems = tasks.draw_problems(task, np.random.default_rng([args.seed, 0, step]), rows)
-        batch = rollouts.demonstrations(problems, text, args.prompt_width, args.max_new_tokens)
+        batch = rollouts.demonstrations(problems, tokenizer, args.prompt_width, args.max_new_tokens)
         state, stats = setup.warmup_step(state, setup.put(batch))
     return state.params, float(stats["nll"])
 
@@ -227,13 +228,13 @@ def rl_step(args, setup: Setup, sampler: Sampler, state: RLState, step: int) -> 
     """One GRPO step: sample, score, update. Returns the new state and the step's record."""
     began = time.perf_counter()
     problems = tasks.draw_problems(sampler.task, np.random.default_rng([args.seed, step]), args.prompts)
-    prompt_ids, prompt_lengths = rollouts.encode_prompts(problems, sampler.text, args.prompt_width, args.group)
+    prompt_ids, prompt_lengths = rollouts.encode_prompts(problems, sampler.tokenizer, args.prompt_width, args.group)
     rng, key = jax.random.split(jax.random.wrap_key_data(state.rng))
     tokens, logprobs, lengths, routing = sampler.generate(
         state.params, prompt_ids, prompt_lengths, temperature=args.temperature, key=key
     )
     sampled = time.perf_counter()
-    texts = rollouts.completions(tokens, lengths, sampler.text)
+    texts = rollouts.completions(tokens, lengths, sampler.tokenizer)
     scores = rl.group_rewards(sampler.task.reward, problems, texts, args.group)
     advantages = rl.group_advantages(scores)
     batch = rl.pack(prompt_ids, prompt_lengths, tokens, lengths, logprobs, advantages, routing=routing)
@@ -267,13 +268,13 @@ def describe_run(args, config, mesh, params, task, reference_bytes: int | None, 
         f"GRPO on Qwen3-MoE {args.init or args.preset}: {params / 1e6:.1f}M parameters, {config.num_hidden_layers} "
         f"layers, {config.num_experts} experts top-{config.num_experts_per_tok}; task {task.name}\n"
         f"mesh data={mesh.shape['data']} x expert={mesh.shape['expert']} on {jax.device_count()} "
-        f"{jax.devices()[0].platform} device(s); MoE implementation {trainer.implementation_label(args)}; compute "
-        f"{args.dtype}; {args.prompts} prompts x {args.group} samples per step, {args.max_new_tokens} new tokens; "
-        f"{reference}" + (f"; resuming after step {start}" if start else "")
+        f"{jax.devices()[0].platform} device(s); MoE implementation {model_from_flags.implementation_label(args)}; "
+        f"compute {args.dtype}; {args.prompts} prompts x {args.group} samples per step, {args.max_new_tokens} new "
+        f"tokens; {reference}" + (f"; resuming after step {start}" if start else "")
     )
 
 
-def train(args, config, task: tasks.Task, text) -> dict:
+def train(args, config, task: tasks.Task, tokenizer: Tokenizer) -> dict:
     """Runs the warm-up and the GRPO steps; writes metrics.jsonl, rl_curve.png, summary.json and the final model
     (`model/`, Hugging Face layout) to `args.out_dir`. Returns the summary (empty on processes other than 0)."""
     mesh = training.make_mesh(args.mesh_data, args.mesh_expert)
@@ -283,13 +284,13 @@ def train(args, config, task: tasks.Task, text) -> dict:
         max(rollouts_per_step, args.eval_problems) * bucket,
         rollouts_per_step // args.minibatches * (args.prompt_width + args.max_new_tokens),
     )
-    workspace = trainer.open_workspace(args, config, mesh, tokens_per_call)
-    tx = trainer.adamw(args, args.lr, args.warmup, args.lr_decay_steps)
-    warmup_tx = trainer.adamw(args, args.sft_lr, 0, max(args.sft_steps, 1))
+    workspace = model_from_flags.open_workspace(args, config, mesh, tokens_per_call)
+    tx = model_from_flags.adamw(args, args.lr, args.warmup, args.lr_decay_steps)
+    warmup_tx = model_from_flags.adamw(args, args.sft_lr, 0, max(args.sft_steps, 1))
     is_main = jax.process_index() == 0
     with jax.set_mesh(mesh), workspace or contextlib.nullcontext():  # the workspace is closed at the end
         setup, create, abstract, shardings = make_setup(args, config, mesh, tx, warmup_tx, workspace)
-        sampler = Sampler(args, setup, task, text)
+        sampler = Sampler(args, setup, task, tokenizer)
         saved = checkpoints.open_checkpoints(args)
         start = checkpoints.resume_step(saved, abstract, args.resume)
         reference_bytes = training.shard_bytes(abstract.reference, shardings.reference) if args.kl_coef else None
@@ -300,7 +301,7 @@ def train(args, config, task: tasks.Task, text) -> dict:
             state = saved.restore(start, abstract, shardings)
         else:
             params, warmup_nll = warm_up(
-                args, setup, task, text, initial_params(args, setup, create, workspace), warmup_tx
+                args, setup, task, tokenizer, initial_params(args, setup, create, workspace), warmup_tx
             )
             state = new_rl_state(args, setup, params, tx)
             record = {"step": 0, **sampler.evaluate(state.params)}
@@ -326,8 +327,8 @@ def train(args, config, task: tasks.Task, text) -> dict:
                 bar.set_postfix(progress_fields(record), refresh=False)
         if saved:
             saved.wait_until_finished()
-        model_dir = os.path.join(args.out_dir, trainer.MODEL_DIR)
-        trainer.save_model(setup.graphdef, state.params, model_dir)
+        model_dir = os.path.join(args.out_dir, model_from_flags.MODEL_DIR)
+        model_from_flags.save_model(setup.graphdef, state.params, model_dir)
 
     if log is None:  # processes other than 0
         return {}
@@ -405,7 +406,7 @@ def summarize(args, config, task, model, records, step_records, reference_bytes,
         "sft_steps": args.sft_steps,
         "dtype": args.dtype,
         "param_dtype": args.param_dtype,
-        "implementation": trainer.implementation_label(args),
+        "implementation": model_from_flags.implementation_label(args),
         "transport": args.transport,
         "mesh": {"data": args.mesh_data, "expert": args.mesh_expert},
         "fsdp": args.fsdp,

@@ -9,6 +9,7 @@ import numpy as np
 from jax_megamoe import cli, rl
 from moe_training import tasks
 from moe_training.tasks import Problem
+from moe_training.tokenizer import Tokenizer
 
 
 def make_task(args) -> tasks.Task:
@@ -28,25 +29,27 @@ def make_task(args) -> tasks.Task:
     return task
 
 
-def encode_prompts(problems: list[Problem], text, width: int, repeat: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """`rl.pad_prompts` of the problems' prompts as `text` encodes them, each repeated `repeat` times in a row."""
-    encoded = [text.encode(p.prompt) for p in problems]
+def encode_prompts(
+    problems: list[Problem], tokenizer: Tokenizer, width: int, repeat: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """`rl.pad_prompts` of the problems' prompts as `tokenizer` encodes them, each repeated `repeat` times in a row."""
+    encoded = [tokenizer.encode(p.prompt) for p in problems]
     longest = max(map(len, encoded))
     if longest > width:
         raise cli.UsageError(f"a prompt of {longest} tokens exceeds --prompt-width {width}: pass {longest} or more")
     return rl.pad_prompts(encoded, width, repeat)
 
 
-def completions(tokens: np.ndarray, lengths: np.ndarray, text) -> list[tuple[str, bool]]:
+def completions(tokens: np.ndarray, lengths: np.ndarray, tokenizer: Tokenizer) -> list[tuple[str, bool]]:
     """Each row's `(text before the end token, whether the end token came)`."""
-    return [(text.decode(ids), stopped) for ids, stopped in rl.completions(tokens, lengths, text.end_id)]
+    return [(tokenizer.decode(ids), stopped) for ids, stopped in rl.completions(tokens, lengths, tokenizer.end_id)]
 
 
-def demonstrations(problems: list[Problem], text, width: int, new_tokens: int) -> rl.Rollouts:
+def demonstrations(problems: list[Problem], tokenizer: Tokenizer, width: int, new_tokens: int) -> rl.Rollouts:
     """The supervised warm-up's sequences: each prompt followed by its answer and the end token, the mask on the
     answer and the end token."""
-    prompt_ids, prompt_lengths = encode_prompts(problems, text, width)
-    answers = [text.encode(p.answer) + [text.end_id] for p in problems]
+    prompt_ids, prompt_lengths = encode_prompts(problems, tokenizer, width)
+    answers = [tokenizer.encode(p.answer) + [tokenizer.end_id] for p in problems]
     longest = max(map(len, answers))
     if longest > new_tokens:
         raise cli.UsageError(

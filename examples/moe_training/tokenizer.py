@@ -1,4 +1,4 @@
-"""Text to token ids and back for the example jobs: a model directory's `tokenizer.json` (through the optional
+"""The example jobs' tokenizer, text to token ids and back: a model directory's `tokenizer.json` (through the optional
 `tokenizers` package), or UTF-8 bytes as ids 0-255 for a model without one (the training job's byte-level models).
 The token that ends a completion is the directory's `eos_token_id`, or a newline in bytes."""
 
@@ -12,7 +12,7 @@ from jax_megamoe import cli
 BYTE_VOCAB = 256
 
 
-class Text:
+class Tokenizer:
     """`encode(text) -> ids`, `decode(ids) -> text`, and `end_id`, for the model in `model_dir` (None: a model
     without a directory, whose vocabulary holds the 256 byte ids)."""
 

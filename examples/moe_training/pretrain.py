@@ -1,7 +1,7 @@
-"""The training loop over jax_megamoe.training: a `data` x `expert` mesh, sharded Qwen3-MoE parameters (experts over
-`expert`; with `--fsdp` everything over `data` too), a jitted AdamW step, periodic eval, orbax checkpoints, metrics;
-and the memory plan (`--dry-run`: the step compiled for the mesh, nothing allocated). Also the model the flags
-describe, which the RL job builds too. Called by examples/train_qwen3_moe.py after JAX is configured."""
+"""The training job's loop over jax_megamoe.training: a `data` x `expert` mesh, sharded Qwen3-MoE parameters (experts
+over `expert`; with `--fsdp` everything over `data` too), a jitted AdamW step, periodic eval, orbax checkpoints,
+metrics; and the memory plan (`--dry-run`: the step compiled for the mesh, nothing allocated). The model comes from
+model_from_flags.py. Called by examples/train_qwen3_moe.py after JAX is configured."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import contextlib
 import json
 import math
 import os
-import shlex
-import sys
 import time
 
 import jax
@@ -19,103 +17,11 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from jax_megamoe import NvlinkTransport, NvlinkWorkspace, cli, training
-from jax_megamoe.baselines import ragged_dot_moe_ffn
-from jax_megamoe.models import qwen3_moe, sharding
-from jax_megamoe.models.qwen3_moe import Qwen3MoeForCausalLM
-from jax_megamoe.ops.moe import GATE_UP_NAME, LAYOUT_NAME, resolve_implementation
-from jax_megamoe.parallel.transport import resolve_transport
-from moe_training import checkpoints, data
+from jax_megamoe import cli, training
+from moe_training import checkpoints, data, model_from_flags
 
-MODEL_DIR = "model"  # the final model's directory under --out-dir
-GENERATE_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "generate_qwen3_moe.py")
 FINAL_WINDOW = 10  # summary.json's final_loss: mean LM loss of the last steps (single steps are noisy)
 GB = 1e9
-
-
-def check_platform(args) -> None:
-    """`--implementation` and `--transport ragged` against the devices JAX found, before anything is built: a
-    flag that cannot run here is a command-line error (`--transport nvlink`: when its workspace opens)."""
-    try:
-        implementation_label(args)
-    except ValueError as error:
-        raise cli.UsageError(f"--implementation {args.implementation}: {error}") from None
-    if args.transport == "ragged":
-        try:
-            resolve_transport("ragged").check(args.mesh_expert)
-        except ValueError as error:
-            raise cli.UsageError(f"--transport ragged: {error}") from None
-
-
-def open_workspace(args, config, mesh, tokens: int) -> NvlinkWorkspace | None:
-    """The `NvlinkWorkspace` of `--transport nvlink` (None for the other transports), sized for the model's largest
-    call: `tokens` input tokens split over every device of the mesh. Without GPUs or the CUDA kernels this is a
-    command-line error, before anything is compiled."""
-    if args.transport != "nvlink":
-        return None
-    try:
-        return NvlinkWorkspace(
-            mesh,
-            "expert",
-            max_tokens=tokens // mesh.size,
-            hidden=config.hidden_size,
-            top_k=config.num_experts_per_tok,
-            dtype=jnp.dtype(args.dtype),
-        )
-    except ValueError as error:
-        raise cli.UsageError(f"--transport nvlink: {error}") from None
-
-
-def remat_policy(args):
-    """`--remat-save-moe`: save moe_ffn's named residuals, so the recomputed layers skip the experts' forward."""
-    return jax.checkpoint_policies.save_only_these_names(LAYOUT_NAME, GATE_UP_NAME) if args.remat_save_moe else None
-
-
-def model_options(args, workspace: NvlinkWorkspace | None = None) -> dict:
-    """The model's keyword arguments for the model flags (`workspace`: the nvlink transport's), the same for a
-    fresh model and for `qwen3_moe.from_pretrained`."""
-    implementation = ragged_dot_moe_ffn if args.implementation == "ragged_dot" else args.implementation
-    return dict(
-        dtype=jnp.dtype(args.dtype),
-        param_dtype=jnp.dtype(args.param_dtype),
-        implementation=implementation,
-        expert_axis=None if callable(implementation) else "expert",  # the baseline runs per data shard
-        transport=NvlinkTransport(workspace) if workspace is not None else args.transport,
-        recipe=args.recipe,
-        remat=args.remat,
-        remat_policy=remat_policy(args),
-        attention_impl=args.attention_impl,
-        scan_layers=args.scan_layers,
-    )
-
-
-def create_model_fn(config, args, workspace: NvlinkWorkspace | None = None):
-    """The model's constructor for `--preset` and the model flags (`workspace`: the nvlink transport's)."""
-    options = model_options(args, workspace)
-
-    def create():
-        return Qwen3MoeForCausalLM(config, **options, rngs=nnx.Rngs(args.seed))
-
-    return create, options["expert_axis"]
-
-
-def abstract_state(config, args, mesh, tx, workspace: NvlinkWorkspace | None = None):
-    """`(graphdef, create, abstract TrainState, its shardings)`: shapes only, nothing allocated. The shardings
-    are `jax_megamoe.models.sharding`'s rules (FSDP over `data` with `--fsdp`) for the parameters and,
-    through the same names, for AdamW's moments."""
-    create, expert_axis = create_model_fn(config, args, workspace)
-    graphdef, state = training.abstract_state(create, tx)
-    shardings = sharding.tree_shardings(
-        state, mesh, fsdp=args.fsdp, expert_axis=expert_axis, fsdp_over_expert=args.fsdp_over_expert
-    )
-    return graphdef, create, state, shardings
-
-
-def adamw(args, lr: float, warmup: int, decay_steps: int):
-    """`training.adamw` with `lr`, its schedule and the flags' weight decay and clip."""
-    return training.adamw(
-        lr, warmup_steps=warmup, decay_steps=decay_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip
-    )
 
 
 def make_steps(graphdef, tx, aux_coef: float, z_coef: float, state_shardings, batch_sharding):
@@ -175,9 +81,9 @@ def memory_plan(args, config) -> dict:
     the compiler's for this platform: on host CPU devices standing in for GPUs they are estimates."""
     mesh = training.make_mesh(args.mesh_data, args.mesh_expert)
     batch_sharding = training.batch_sharding(mesh)
-    workspace = open_workspace(args, config, mesh, args.batch * args.seq)
-    tx = adamw(args, args.lr, args.warmup, args.lr_decay_steps)
-    graphdef, _, state, shardings = abstract_state(config, args, mesh, tx, workspace)
+    workspace = model_from_flags.open_workspace(args, config, mesh, args.batch * args.seq)
+    tx = model_from_flags.adamw(args, args.lr, args.warmup, args.lr_decay_steps)
+    graphdef, _, state, shardings = model_from_flags.abstract_state(config, args, mesh, tx, workspace)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
     tokens = jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32, sharding=batch_sharding)
     with jax.set_mesh(mesh), workspace or contextlib.nullcontext():
@@ -200,7 +106,7 @@ def memory_plan(args, config) -> dict:
         "remat": args.remat,
         "remat_save_moe": args.remat_save_moe,
         "attention_impl": args.attention_impl,
-        "implementation": implementation_label(args),
+        "implementation": model_from_flags.implementation_label(args),
         "transport": args.transport,
         "platform": device.platform,
         "device_kind": device.device_kind,
@@ -264,9 +170,9 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
     """Runs the training; writes metrics.jsonl, loss_curve.png and summary.json to `args.out_dir`."""
     mesh = training.make_mesh(args.mesh_data, args.mesh_expert)
     batch_sharding = training.batch_sharding(mesh)
-    workspace = open_workspace(args, config, mesh, args.batch * args.seq)
-    tx = adamw(args, args.lr, args.warmup, args.lr_decay_steps)
-    graphdef, create, abstract, state_shardings = abstract_state(config, args, mesh, tx, workspace)
+    workspace = model_from_flags.open_workspace(args, config, mesh, args.batch * args.seq)
+    tx = model_from_flags.adamw(args, args.lr, args.warmup, args.lr_decay_steps)
+    graphdef, create, abstract, state_shardings = model_from_flags.abstract_state(config, args, mesh, tx, workspace)
     saved = checkpoints.open_checkpoints(args)
     start = checkpoints.resume_step(saved, abstract, args.resume)
     if saved and start:
@@ -332,7 +238,7 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
         if saved:
             saved.wait_until_finished()
         if args.save_model:
-            save_model(graphdef, state.params, os.path.join(args.out_dir, MODEL_DIR))
+            model_from_flags.save_model(graphdef, state.params, os.path.join(args.out_dir, model_from_flags.MODEL_DIR))
 
     if log is None:  # processes other than 0
         return {}
@@ -340,32 +246,12 @@ def train(args, config, train_tokens: np.ndarray, eval_tokens: np.ndarray) -> di
     summary = summarize(args, config, log.path, step_times, tokens_per_step, flops_per_step, peak)
     summary.update(compile_s=compile_s, planned_memory_bytes=planned)
     training.plot_loss_curves(
-        {implementation_label(args): training.read_metrics(log.path)}, os.path.join(args.out_dir, "loss_curve.png")
+        {model_from_flags.implementation_label(args): training.read_metrics(log.path)},
+        os.path.join(args.out_dir, "loss_curve.png"),
     )
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
-
-
-def save_model(graphdef, params, path: str) -> None:
-    """The model in Hugging Face's layout at `path` (config.json, bf16 safetensors): what
-    examples/generate_qwen3_moe.py, `qwen3_moe.from_pretrained` and transformers read."""
-    qwen3_moe.save_pretrained(nnx.merge(graphdef, params), path, dtype=jnp.bfloat16)
-    if jax.process_index() == 0:
-        print(f"model saved to {path} (sample from it: {sample_command(path)})", flush=True)
-
-
-def sample_command(path: str) -> str:
-    """The command line that samples from the model at `path`: this job's Python interpreter (the one that has
-    jax_megamoe; a bare `python` may not) running examples/generate_qwen3_moe.py, each path relative to the working
-    directory where it lies under it."""
-
-    def shown(file: str) -> str:
-        relative = os.path.relpath(file)
-        outside = relative == os.pardir or relative.startswith(os.pardir + os.sep)
-        return shlex.quote(os.path.abspath(file) if outside else relative)
-
-    return " ".join(shown(file) for file in (sys.executable, GENERATE_SCRIPT, path))
 
 
 def progress_fields(record: dict, last_eval: float | None) -> dict:
@@ -377,16 +263,9 @@ def progress_fields(record: dict, last_eval: float | None) -> dict:
     return fields
 
 
-def implementation_label(args) -> str:
-    """The MoE implementation that actually runs (`auto` resolved)."""
-    if args.implementation == "ragged_dot":
-        return "ragged_dot baseline"
-    return resolve_implementation(args.implementation)
-
-
 def describe_run(config, args, mesh, params, flops_per_token: float, start: int) -> str:
     num_params = sum(x.size for x in jax.tree.leaves(params))
-    implementation = implementation_label(args)
+    implementation = model_from_flags.implementation_label(args)
     return (
         f"Qwen3-MoE {args.preset}: {num_params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers, "
         f"{config.num_experts} experts top-{config.num_experts_per_tok}\n"
