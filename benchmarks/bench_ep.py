@@ -182,22 +182,9 @@ def run_config(config, ep, transports, routing, recipe=None):
     args, dy = make_inputs(tokens, hidden, inter, local_experts, min(top_k, local_experts), routing)
     baseline = measure("moe_ffn", functools.partial(jmm.moe_ffn, recipe=recipe), args, dy)
     args, dy, over_mesh, open_workspace = ep_problem(config, ep, False, routing)
-    rows = [baseline] + [
-        with_ratios(
-            measure_ep(
-                f"moe_ffn_ep(ep={ep}, transport={transport})",
-                transport,
-                over_mesh,
-                open_workspace,
-                args,
-                dy,
-                recipe,
-            ),
-            baseline,
-        )
-        for transport in transports
-    ]
-    return [dict(row, config=config, routing=routing) for row in rows]
+    return transport_rows(
+        f"ep={ep}", baseline, transports, over_mesh, open_workspace, args, dy, recipe, config, routing
+    )
 
 
 def run_emulated(config, ranks, transports, routing, recipe=None):
@@ -212,21 +199,17 @@ def run_emulated(config, ranks, transports, routing, recipe=None):
     baseline = measure(
         "moe_ffn", functools.partial(jmm.moe_ffn, recipe=recipe), tuple(merged(a) for a in args), merged(dy)
     )
-    rows = [baseline] + [
-        with_ratios(
-            measure_ep(
-                f"moe_ffn_ep(emulated R={ranks}, transport={transport})",
-                transport,
-                over_vmap,
-                open_workspace,
-                args,
-                dy,
-                recipe,
-            ),
-            baseline,
-        )
-        for transport in transports
-    ]
+    label = f"emulated R={ranks}"
+    return transport_rows(label, baseline, transports, over_vmap, open_workspace, args, dy, recipe, config, routing)
+
+
+def transport_rows(label, baseline, transports, over_axis, open_workspace, args, dy, recipe, config, routing):
+    """The baseline's row, then each transport's `moe_ffn_ep` row (`label`: how the shards run) with its ratios
+    to the baseline's, all tagged with the config and routing."""
+    rows = [baseline]
+    for transport in transports:
+        name = f"moe_ffn_ep({label}, transport={transport})"
+        rows.append(with_ratios(measure_ep(name, transport, over_axis, open_workspace, args, dy, recipe), baseline))
     return [dict(row, config=config, routing=routing) for row in rows]
 
 

@@ -46,22 +46,8 @@ def test_bench_ep_emulated_shards_on_one_cpu_device(tmp_path):
     # 4 emulated shards under vmap on one device: xla measured, ragged recorded as failed (exit 1), the JSON
     # names the emulation and every row has its times or its error. One sample of one call: the plumbing only.
     out = tmp_path / "ep.json"
-    proc = run_script(
-        "bench_ep.py",
-        str(out),
-        "--config",
-        "tiny",
-        "--emulate",
-        "4",
-        "--transport",
-        "xla,ragged",
-        "--routing",
-        "uniform",
-        "--samples",
-        "1",
-        "--calls",
-        "1",
-    )
+    flags = "--config tiny --emulate 4 --transport xla,ragged --routing uniform --samples 1 --calls 1"
+    proc = run_script("bench_ep.py", str(out), *flags.split())
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert (
         proc.stderr.strip().splitlines()[-1]

@@ -44,20 +44,10 @@ def test_bench_moe_graphs_impl_adds_the_command_buffer_flags(monkeypatch):
 
 
 def test_bench_moe_table_fits_long_impl_names():
+    names = dict(impl="ours_tiles_fwd_gate_up=coop_128x256+fwd_down=coop_128x256", config="q30s", routing="uniform")
+    times = dict(fwd_ms=0.5, fwd_tflops=300.0, fwd_pct_matmul=43.0, fwd_bwd_ms=1.5, fwd_bwd_tflops=310.0)
     row = dict(
-        impl="ours_tiles_fwd_gate_up=coop_128x256+fwd_down=coop_128x256",
-        config="q30s",
-        routing="uniform",
-        variant="router",
-        status="ok",
-        fwd_ms=0.5,
-        fwd_tflops=300.0,
-        fwd_pct_matmul=43.0,
-        fwd_bwd_ms=1.5,
-        fwd_bwd_tflops=310.0,
-        fwd_bwd_pct_matmul=44.0,
-        peak_gib=3.7,
-        peak_by_call=True,
+        **names, **times, variant="router", status="ok", fwd_bwd_pct_matmul=44.0, peak_gib=3.7, peak_by_call=True
     )
     header, line = report.table([row], 698.0).splitlines()[1:]
     assert line.startswith(row["impl"] + "  q30s") and header.index("config") == line.index("q30s")

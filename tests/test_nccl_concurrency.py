@@ -14,22 +14,8 @@ from benchmarks import ROOT
 
 def test_nccl_concurrency_runs_moe_and_collectives_on_two_cpu_devices(tmp_path):
     out = tmp_path / "concurrency.json"
-    proc = run_script(
-        "nccl_concurrency.py",
-        str(out),
-        "--transport",
-        "xla",
-        "--iters",
-        "3",
-        "--collective-mib",
-        "1",
-        "--config",
-        "tiny",
-        "--nccl-max-ctas",
-        "32",
-        devices=2,
-        timeout=120,
-    )
+    flags = "--transport xla --iters 3 --collective-mib 1 --config tiny --nccl-max-ctas 32"
+    proc = run_script("nccl_concurrency.py", str(out), *flags.split(), devices=2, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert result["devices"] == 2 and result["transport"] == "xla"
