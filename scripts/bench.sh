@@ -11,6 +11,8 @@
 #   generate     benchmarks/bench_generate.py: sampling against transformers' generate -> bench_generate.{log,json}
 #   profile-decode  benchmarks/profile_decode.py: one decode step's kernel time by part of the model
 #                                                                                        -> profile_decode.{log,json}
+#   logprobs     benchmarks/logprob_mismatch.py: sampler against trainer log-probs, by MoE and attention
+#                implementation, without and with routing replay                         -> logprob_mismatch.{log,json}
 #   ep           benchmarks/bench_ep.py over every GPU of this process (--ep N; with one GPU, ep = 1:
 #                the cost of moe_ffn_ep's plumbing)                                      -> bench_ep.{log,json}
 #   emulated     benchmarks/bench_ep.py with 8 emulated shards of q30s on one GPU      -> bench_ep_emulated.{log,json}
@@ -24,7 +26,8 @@
 #   kernels      Nsight Compute per-kernel time and DRAM bytes of one moe_ffn forward+backward
 #                (scripts/profile_kernels.py)                                            -> kernels.log
 # Arguments per step: MOE_ARGS (default "--configs q30s,q30,q235 --routings uniform,zipf"), DECODE_ARGS (default:
-# q30 and q235 at T = 8, 64, 256, 512 against torch and tokamax), GENERATE_ARGS (default: bench_generate's), EP_ARGS
+# q30 and q235 at T = 8, 64, 256, 512 against torch and tokamax), GENERATE_ARGS (default: bench_generate's),
+# LOGPROBS_ARGS (default "--implementations cuda,reference --attention xla,cudnn"), EP_ARGS
 # (default "--config q30"), EMULATED_ARGS (default "--config q30s --emulate 8"), E2E_ARGS (default
 # "--steps 100 --batch 4 --seq 4096"), RECORD_ARGS, CONCURRENCY_ARGS, PROFILE_EP_ARGS (default "--config q30"),
 # KERNELS_CONFIG (q30s, q30 or q235; default q30), KERNELS_ROUTING (uniform or zipf; default uniform).
@@ -60,6 +63,9 @@ want generate && step bench-generate bench_generate.log $PY -m benchmarks.bench_
 
 want profile-decode && step profile-decode profile_decode.log $PY -m benchmarks.profile_decode \
   --json "$OUTDIR/profile_decode.json" ${PROFILE_DECODE_ARGS:-}
+
+want logprobs && step logprob-mismatch logprob_mismatch.log $PY -m benchmarks.logprob_mismatch \
+  --json "$OUTDIR/logprob_mismatch.json" ${LOGPROBS_ARGS:---implementations cuda,reference --attention xla,cudnn}
 
 want ep && step bench-ep bench_ep.log $PY -m benchmarks.bench_ep "$OUTDIR/bench_ep.json" --ep "$gpus" \
   ${EP_ARGS:---config q30}

@@ -1,0 +1,156 @@
+"""Where the sampler's and the trainer's log-probs part: `generate`'s log-probs of the tokens it sampled against the
+training forward's on the same rows (`rl.sequence_logprobs`, as the RL job computes them), without and with the
+sampler's routing record replayed, for each MoE implementation and attention implementation asked for.
+
+Every configuration runs the same weights (random, `--seed`), prompts and sampling keys: `--prompts` prompts of
+random lengths up to `--prompt` tokens, `--new` new tokens each at temperature 1. Per configuration, over the
+sampled tokens: the largest, mean and 99th-percentile |log ratio| (trainer minus sampler), the k3 estimate of
+KL(sampler || trainer) (the mean of `r - 1 - log r`), the share of routing choices the trainer's router makes
+differently from the sampler's record, and the same log-ratio figures and KL with the record replayed. Replay
+takes routing flips out, so what remains with it is the rest of the numerics: attention over the cache against
+attention over the whole sequence, a decode row's GEMM shapes against a sequence's, the LM head.
+
+Usage: python -m benchmarks.logprob_mismatch [--model tiny|q30-4layer] [--implementations auto,reference]
+                                             [--attention xla,cudnn] [--dtype bfloat16] [--recipe fp8_blockwise]
+                                             [--prompts 16] [--prompt 64] [--new 64] [--seed 0] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jax_megamoe import cli  # the command-line jobs' exit-code rule
+
+ATTENTION = {"xla": None, "cudnn": "cudnn"}
+
+
+def comma_list(choices):
+    def parse(text: str) -> list[str]:
+        values = text.split(",")
+        if not values or any(v not in choices for v in values):
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(choices)}, got {text!r}")
+        return values
+
+    return parse
+
+
+def mismatch_figures(trainer, sampler, mask) -> dict[str, float]:
+    """|log ratio| largest, mean and p99 and the k3 KL over the tokens where `mask` is set."""
+    import numpy as np
+
+    log_ratio = (np.asarray(trainer) - np.asarray(sampler))[np.asarray(mask) > 0]
+    r = np.exp(log_ratio)
+    return dict(
+        log_ratio_max=float(np.abs(log_ratio).max()),
+        log_ratio_mean=float(np.abs(log_ratio).mean()),
+        log_ratio_p99=float(np.quantile(np.abs(log_ratio), 0.99)),
+        sampler_kl=float(np.mean(r - 1 - log_ratio)),
+    )
+
+
+def measure(model, prompts, args) -> dict:
+    """One configuration's figures (`model` built with its implementation and attention)."""
+    import jax
+    from flax import nnx
+
+    from jax_megamoe import rl
+    from jax_megamoe.models import qwen3_moe
+
+    out = qwen3_moe.generate(
+        model, prompts, max_new_tokens=args.new, temperature=1.0, key=jax.random.key(args.seed), return_routing=True
+    )
+    prompt_ids, prompt_lengths = rl.pad_prompts(prompts, args.prompt)
+    rows = rl.pack(prompt_ids, prompt_lengths, *(jax.device_get(a) for a in (out.tokens, out.lengths, out.logprobs)),
+                   routing=jax.device_get(out.routing))  # fmt: skip
+
+    @nnx.jit
+    def trainer(model, tokens, routing):
+        own, aux = rl.sequence_logprobs(model, tokens, return_routing=True)
+        replayed, _ = rl.sequence_logprobs(model, tokens, routing=routing)
+        return own, replayed, rl.routing_mismatch(routing[:, :-1], aux.routing)
+
+    own, replayed, flips = trainer(model, rows.tokens, rows.routing)
+    figures = mismatch_figures(own, rows.sampler_logprobs, rows.mask)
+    figures["routing_mismatch"] = float(flips)
+    replay = mismatch_figures(replayed, rows.sampler_logprobs, rows.mask)
+    figures.update({f"replay_{name}": value for name, value in replay.items()})
+    figures["tokens"] = int(rows.mask.sum())
+    return figures
+
+
+def table(rows) -> str:
+    lines = [
+        "| MoE | attention | max | mean | p99 | KL | routing differs | replayed: max | mean | p99 | KL |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        plain = [f"{row[k]:.3g}" for k in ("log_ratio_max", "log_ratio_mean", "log_ratio_p99", "sampler_kl")]
+        replay = [
+            f"{row['replay_' + k]:.3g}" for k in ("log_ratio_max", "log_ratio_mean", "log_ratio_p99", "sampler_kl")
+        ]
+        flips = f"{100 * row['routing_mismatch']:.2f}%"
+        lines.append(f"| {row['implementation']} | {row['attention']} | " + " | ".join([*plain, flips, *replay]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", choices=("tiny", "q30-4layer"))
+    parser.add_argument("--implementations", type=comma_list(("auto", "cuda", "cpu", "reference")), default=["auto"])
+    parser.add_argument("--attention", type=comma_list(tuple(ATTENTION)), default=["xla"])
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--recipe", choices=("fp8_blockwise",), help="the MoE layers' FP8 recipe (default: none)")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts, one sample each")
+    parser.add_argument("--prompt", type=int, default=64, help="the longest prompt's tokens")
+    parser.add_argument("--new", type=int, default=64, help="new tokens per prompt")
+    parser.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling keys")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    for flag in ("prompts", "prompt", "new"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from benchmarks.bench_generate import model_config
+    from jax_megamoe.models import qwen3_moe
+
+    config = model_config(args.model)
+    rng = np.random.default_rng(args.seed)
+    lengths = rng.integers(1, args.prompt + 1, args.prompts)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in lengths]
+    dtype = jnp.dtype(args.dtype)
+    weights = None
+    rows = []
+    for implementation in args.implementations:
+        for attention in args.attention:
+            model = qwen3_moe.Qwen3MoeForCausalLM(
+                config, dtype=dtype, implementation=implementation, recipe=args.recipe,
+                attention_impl=ATTENTION[attention], rngs=nnx.Rngs(args.seed),
+            )  # fmt: skip
+            if weights is None:
+                weights = nnx.state(model, nnx.Param)
+            else:  # every configuration the same weights
+                nnx.update(model, weights)
+            try:
+                row = dict(implementation=implementation, attention=attention, **measure(model, prompts, args))
+            except (ValueError, NotImplementedError) as error:  # an implementation this machine lacks
+                raise cli.UsageError(f"--implementations {implementation} --attention {attention}: {error}") from None
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"{args.model}, {args.dtype}{', ' + args.recipe if args.recipe else ''}, {jax.devices()[0].device_kind}: "
+          f"{args.prompts} prompts of up to {args.prompt} tokens, {args.new} new tokens at temperature 1")  # fmt: skip
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, device=jax.devices()[0].device_kind, argv=sys.argv), f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    cli.run(main)
