@@ -62,12 +62,13 @@ def measure(model, prompts, args) -> dict:
         model, prompts, max_new_tokens=args.new, temperature=1.0, key=jax.random.key(args.seed), return_routing=True
     )
     prompt_ids, prompt_lengths = rl.pad_prompts(prompts, args.prompt)
-    rows = rl.pack(prompt_ids, prompt_lengths, *(jax.device_get(a) for a in (out.tokens, out.lengths, out.logprobs)),
-                   routing=jax.device_get(out.routing))  # fmt: skip
+    tokens, lengths, logprobs, routing = jax.device_get((out.tokens, out.lengths, out.logprobs, out.routing))
+    rows = rl.pack(prompt_ids, prompt_lengths, tokens, lengths, logprobs, routing=routing)
 
     @nnx.jit
     def trainer(model, tokens, routing):
         own, aux = rl.sequence_logprobs(model, tokens, return_routing=True)
+        assert aux.routing is not None  # asked for
         replayed, _ = rl.sequence_logprobs(model, tokens, routing=routing)
         return own, replayed, rl.routing_mismatch(routing[:, :-1], aux.routing)
 
