@@ -11,7 +11,8 @@ takes routing flips out, so what remains with it is the rest of the numerics: at
 attention over the whole sequence, a decode row's GEMM shapes against a sequence's, the LM head.
 
 Usage: python -m benchmarks.logprob_mismatch [--model tiny|q30-4layer] [--implementations auto,reference]
-                                             [--attention xla,cudnn] [--dtype bfloat16] [--recipe fp8_blockwise]
+                                             [--attention xla,cudnn] [--dtype bfloat16] [--param-dtype float32]
+                                             [--recipe fp8_blockwise]
                                              [--prompts 16] [--prompt 64] [--new 64] [--seed 0] [--json F]
 """
 
@@ -101,7 +102,13 @@ def main(argv=None):
     parser.add_argument("--model", default="tiny", choices=("tiny", "q30-4layer"))
     parser.add_argument("--implementations", type=comma_list(("auto", "cuda", "cpu", "reference")), default=["auto"])
     parser.add_argument("--attention", type=comma_list(tuple(ATTENTION)), default=["xla"])
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
+    parser.add_argument(
+        "--param-dtype",
+        default="float32",
+        choices=("bfloat16", "float32"),
+        help="parameter dtype (the RL job's: float32)",
+    )
     parser.add_argument("--recipe", choices=("fp8_blockwise",), help="the MoE layers' FP8 recipe (default: none)")
     parser.add_argument("--prompts", type=int, default=16, help="prompts, one sample each")
     parser.add_argument("--prompt", type=int, default=64, help="the longest prompt's tokens")
@@ -125,13 +132,13 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
     lengths = rng.integers(1, args.prompt + 1, args.prompts)
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in lengths]
-    dtype = jnp.dtype(args.dtype)
+    dtype, param_dtype = jnp.dtype(args.dtype), jnp.dtype(args.param_dtype)
     weights = None
     rows = []
     for implementation in args.implementations:
         for attention in args.attention:
             model = qwen3_moe.Qwen3MoeForCausalLM(
-                config, dtype=dtype, implementation=implementation, recipe=args.recipe,
+                config, dtype=dtype, param_dtype=param_dtype, implementation=implementation, recipe=args.recipe,
                 attention_impl=ATTENTION[attention], rngs=nnx.Rngs(args.seed),
             )  # fmt: skip
             if weights is None:
