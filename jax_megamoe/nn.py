@@ -215,10 +215,15 @@ def check_layer_args(hidden_size, intermediate_size, num_experts, top_k, capacit
         raise ValueError(f"capacity_factor must be positive or None (dropless), got {capacity_factor!r}")
 
 
-def check_routing_shape(routing, leading: tuple, top_k: int) -> None:
-    """A layer's routing record: integer, the tokens' leading shape then K."""
+def check_routing_dtype(routing) -> None:
+    """A routing record holds integer expert ids."""
     if not hasattr(routing, "dtype") or not jnp.issubdtype(routing.dtype, jnp.integer):
         raise TypeError(f"routing must be an integer array of expert ids (-1: no record), got {routing!r:.80}")
+
+
+def check_routing_shape(routing, leading: tuple, top_k: int) -> None:
+    """A layer's routing record: integer, the tokens' leading shape then K."""
+    check_routing_dtype(routing)
     if tuple(routing.shape) != (*leading, top_k):
         raise ValueError(
             f"routing must have the tokens' shape then top_k, {(*leading, top_k)}, got {tuple(routing.shape)}"

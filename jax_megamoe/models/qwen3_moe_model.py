@@ -16,7 +16,7 @@ from jax_megamoe.models.compute_form import compute_form
 from jax_megamoe.models.kv_cache import KVCache
 from jax_megamoe.models.qwen3_moe_config import Qwen3MoeConfig
 from jax_megamoe.models.qwen3_moe_layers import DecoderLayer, recomputed_norm, rope_tables
-from jax_megamoe.nn import MoEAux
+from jax_megamoe.nn import MoEAux, check_routing_dtype
 
 
 def combine_aux(layer_aux: list[MoEAux], num_experts: int) -> MoEAux:
@@ -234,8 +234,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
         `[B, T]` (`L_moe` the sparse layers, K the experts per token)."""
         config = self.config
         expected = (*tokens_shape, len(config.moe_layer_index()), config.num_experts_per_tok)
-        if not hasattr(routing, "dtype") or not jnp.issubdtype(routing.dtype, jnp.integer):
-            raise TypeError(f"routing must be an integer array of expert ids (-1: no record), got {routing!r:.80}")
+        check_routing_dtype(routing)
         if tuple(routing.shape) != expected:
             raise ValueError(
                 f"routing must have shape [B, T, L_moe, K] = {expected} for tokens of shape {tuple(tokens_shape)} "
