@@ -186,6 +186,22 @@ std::unique_ptr<A[]> Buffer(int64_t n) {
   return std::unique_ptr<A[]>(new A[n]);
 }
 
+// A tile of kTileRows rows of width `width` for rows r0 .. r0 + rows - 1: row r is the token row of its pair
+// (`tokens + (pair_of_row[r0 + r] / top_k) * width`), converted to A; the rows past `rows` are zeros.
+template <typename T, typename A>
+void GatherTokenTile(const T* tokens, const int32_t* pair_of_row, int64_t r0, int64_t rows, int64_t top_k,
+                     int64_t width, A* tile) {
+  for (int64_t r = 0; r < kTileRows; ++r) {
+    A* row = tile + r * width;
+    if (r >= rows) {
+      std::fill(row, row + width, A(0));
+      continue;
+    }
+    const T* token = tokens + (pair_of_row[r0 + r] / top_k) * width;
+    for (int64_t h = 0; h < width; ++h) row[h] = Load<A>(token[h]);
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -200,15 +216,7 @@ void MoeGateUp(const MoeDims& d, const T* x, const T* w_gate_up, const int32_t* 
     const A* w = InAccumulationType(w_gate_up + block.expert * H * N, H * N, w_buffer);
     for (int64_t r0 = block.begin; r0 < block.end; r0 += kTileRows) {
       const int64_t rows = std::min(kTileRows, block.end - r0);
-      for (int64_t r = 0; r < kTileRows; ++r) {
-        A* ar = a.data() + r * H;
-        if (r >= rows) {
-          std::fill(ar, ar + H, A(0));
-          continue;
-        }
-        const T* xt = x + (pair_of_row[r0 + r] / K) * H;
-        for (int64_t h = 0; h < H; ++h) ar[h] = Load<A>(xt[h]);
-      }
+      GatherTokenTile(x, pair_of_row, r0, rows, K, H, a.data());
       TileProduct(a.data(), H, 1, H, w, N, N, c.data());
       for (int64_t j = 0; j < rows * N; ++j) gate_up[r0 * N + j] = Store<T>(c[j]);
     }
@@ -274,15 +282,7 @@ void MoeBackward(const MoeDims& d, const T* dy, const T* x, const typename Acc<T
         dx_tile(kTileRows * H);
     for (int64_t r0 = block.begin; r0 < block.end; r0 += kTileRows) {
       const int64_t rows = std::min(kTileRows, block.end - r0);
-      for (int64_t r = 0; r < kTileRows; ++r) {
-        A* dyr = dy_tile.data() + r * H;
-        if (r >= rows) {
-          std::fill(dyr, dyr + H, A(0));
-          continue;
-        }
-        const T* dyt = dy + (pair_of_row[r0 + r] / K) * H;
-        for (int64_t h = 0; h < H; ++h) dyr[h] = Load<A>(dyt[h]);
-      }
+      GatherTokenTile(dy, pair_of_row, r0, rows, K, H, dy_tile.data());
       TileProduct(dy_tile.data(), H, 1, H, wd_t, I, I, g.data());  // g = dy[t] . w_down^T
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t i = 0; i < I; ++i) sig[r * I + i] = Sigmoid(Load<A>(gate_up[(r0 + r) * N + i]));
