@@ -8,6 +8,7 @@ its own), the same module with `--child`, which prints its row as one tagged JSO
 
 from __future__ import annotations
 
+import argparse
 import json
 import site
 import subprocess
@@ -44,3 +45,16 @@ def add_peer_site(folder: str | None) -> None:
     after the environment's own, as a site directory; nothing where `folder` is None or empty."""
     if folder:
         site.addsitedir(folder)
+
+
+def comma_list(known, cast=str):
+    """An argparse `type`: a comma-separated list of values (`cast` each), every one in `known` (None: any)."""
+
+    def parse(text):
+        values = [cast(v.strip()) for v in text.split(",") if v.strip()]
+        unknown = [v for v in values if known is not None and v not in known]
+        if not values or unknown:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(map(str, known or ()))}: {text!r}")
+        return values
+
+    return parse

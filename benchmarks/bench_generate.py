@@ -295,22 +295,11 @@ def table(rows, bandwidth_gbs):
     return "\n".join(lines)
 
 
-def comma_list(known, cast=str):
-    def parse(text):
-        values = [cast(v.strip()) for v in text.split(",") if v.strip()]
-        unknown = [v for v in values if known is not None and v not in known]
-        if not values or unknown:
-            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(map(str, known or ()))}: {text!r}")
-        return values
-
-    return parse
-
-
 def main():
     parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", type=comma_list(MODELS), default=["q30-4layer", "q30"])
-    parser.add_argument("--batches", type=comma_list(None, int), default=list(BATCHES))
-    parser.add_argument("--frameworks", type=comma_list(FRAMEWORKS), default=list(FRAMEWORKS))
+    parser.add_argument("--models", type=benchmarks.comma_list(MODELS), default=["q30-4layer", "q30"])
+    parser.add_argument("--batches", type=benchmarks.comma_list(None, int), default=list(BATCHES))
+    parser.add_argument("--frameworks", type=benchmarks.comma_list(FRAMEWORKS), default=list(FRAMEWORKS))
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per sequence")
     parser.add_argument("--new", type=int, default=256, help="generated tokens per sequence")
     parser.add_argument("--samples", type=int, default=5, help="timed calls per measurement (median)")

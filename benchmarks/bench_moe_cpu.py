@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 
+from benchmarks import comma_list
 from jax_megamoe import cli  # the command-line jobs' exit-code rule
 
 IMPLS = ("cpu", "reference")
@@ -34,13 +35,6 @@ def comma_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}") from None
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
-    return values
-
-
-def comma_dtypes(text: str) -> list[str]:
-    values = text.split(",")
-    if not values or any(v not in DTYPES for v in values):
-        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(DTYPES)}, got {text!r}")
     return values
 
 
@@ -108,7 +102,7 @@ def table(rows) -> str:
 def main(argv=None):
     parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=comma_ints, default=[1024, 4096, 16384])
-    parser.add_argument("--dtypes", type=comma_dtypes, default=list(DTYPES))
+    parser.add_argument("--dtypes", type=comma_list(DTYPES), default=list(DTYPES))
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--inter", type=int, default=32)
     parser.add_argument("--experts", type=int, default=8)

@@ -6,9 +6,10 @@ Every configuration runs the same weights (random, `--seed`), prompts and sampli
 random lengths up to `--prompt` tokens, `--new` new tokens each at temperature 1. Per configuration, over the
 sampled tokens: the largest, mean and 99th-percentile |log ratio| (trainer minus sampler), the k3 estimate of
 KL(sampler || trainer) (the mean of `r - 1 - log r`), the share of routing choices the trainer's router makes
-differently from the sampler's record, and the same log-ratio figures and KL with the record replayed. Replay
-takes routing flips out, so what remains with it is the rest of the numerics: attention over the cache against
-attention over the whole sequence, a decode row's GEMM shapes against a sequence's, the LM head.
+differently from the sampler's record, and the same log-ratio figures and KL with the record replayed
+(`jax_megamoe.rl.mismatch_stats`, as the RL job logs them). Replay takes routing flips out, so what remains with it
+is the rest of the numerics: attention over the cache against attention over the whole sequence, a decode row's
+GEMM shapes against a sequence's, the LM head.
 
 Usage: python -m benchmarks.logprob_mismatch [--model tiny|q30-4layer] [--implementations auto,reference]
                                              [--attention xla,cudnn] [--dtype bfloat16] [--param-dtype float32]
@@ -22,33 +23,10 @@ import argparse
 import json
 import sys
 
+from benchmarks import comma_list
 from jax_megamoe import cli  # the command-line jobs' exit-code rule
 
 ATTENTION = {"xla": None, "cudnn": "cudnn"}
-
-
-def comma_list(choices):
-    def parse(text: str) -> list[str]:
-        values = text.split(",")
-        if not values or any(v not in choices for v in values):
-            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(choices)}, got {text!r}")
-        return values
-
-    return parse
-
-
-def mismatch_figures(trainer, sampler, mask) -> dict[str, float]:
-    """|log ratio| largest, mean and p99 and the k3 KL over the tokens where `mask` is set."""
-    import numpy as np
-
-    log_ratio = (np.asarray(trainer) - np.asarray(sampler))[np.asarray(mask) > 0]
-    r = np.exp(log_ratio)
-    return dict(
-        log_ratio_max=float(np.abs(log_ratio).max()),
-        log_ratio_mean=float(np.abs(log_ratio).mean()),
-        log_ratio_p99=float(np.quantile(np.abs(log_ratio), 0.99)),
-        sampler_kl=float(np.mean(r - 1 - log_ratio)),
-    )
 
 
 def measure(model, prompts, args) -> dict:
@@ -67,19 +45,17 @@ def measure(model, prompts, args) -> dict:
     rows = rl.pack(prompt_ids, prompt_lengths, tokens, lengths, logprobs, routing=routing)
 
     @nnx.jit
-    def trainer(model, tokens, routing):
-        own, aux = rl.sequence_logprobs(model, tokens, return_routing=True)
+    def trainer(model, rows):
+        own, aux = rl.sequence_logprobs(model, rows.tokens, return_routing=True)
         assert aux.routing is not None  # asked for
-        replayed, _ = rl.sequence_logprobs(model, tokens, routing=routing)
-        return own, replayed, rl.routing_mismatch(routing[:, :-1], aux.routing)
+        replayed, _ = rl.sequence_logprobs(model, rows.tokens, routing=rows.routing)
+        figures = rl.mismatch_stats(own, rows.sampler_logprobs, rows.mask)
+        figures["routing_mismatch"] = rl.routing_mismatch(rows.routing[:, :-1], aux.routing)
+        replay = rl.mismatch_stats(replayed, rows.sampler_logprobs, rows.mask)
+        return figures | {f"replay_{name}": value for name, value in replay.items()}
 
-    own, replayed, flips = trainer(model, rows.tokens, rows.routing)
-    figures = mismatch_figures(own, rows.sampler_logprobs, rows.mask)
-    figures["routing_mismatch"] = float(flips)
-    replay = mismatch_figures(replayed, rows.sampler_logprobs, rows.mask)
-    figures.update({f"replay_{name}": value for name, value in replay.items()})
-    figures["tokens"] = int(rows.mask.sum())
-    return figures
+    figures = {name: float(value) for name, value in trainer(model, rows).items()}
+    return figures | {"tokens": int(rows.mask.sum())}
 
 
 def table(rows) -> str:

@@ -40,6 +40,7 @@ __all__ = [
     "group_rewards",
     "grpo_loss",
     "masked_mean",
+    "mismatch_stats",
     "pack",
     "pad_prompts",
     "routing_mismatch",
@@ -250,6 +251,21 @@ def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+def mismatch_stats(logprobs: jax.Array, sampler_logprobs: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+    """How far `logprobs [R, S-1]` (a training forward's) lie from the sampler's `sampler_logprobs` over the tokens
+    where `mask` is 1: the largest, mean and 99th-percentile |log ratio| (`log_ratio_max`, `log_ratio_mean`,
+    `log_ratio_p99`) and `sampler_kl`, the k3 estimate `r - 1 - log r` of KL(pi_sampler || pi), `r` the ratio."""
+    # Off the mask the log-probs are not comparable (the sampler's are 0 there): zero them before any exp.
+    to_sampler = jnp.where(mask > 0, logprobs - sampler_logprobs, 0.0)
+    size = jnp.abs(to_sampler)
+    return {
+        "log_ratio_max": jnp.max(size),
+        "log_ratio_mean": masked_mean(size, mask),
+        "log_ratio_p99": jnp.nanquantile(jnp.where(mask > 0, size, jnp.nan), 0.99),
+        "sampler_kl": masked_mean(jnp.exp(to_sampler) - 1 - to_sampler, mask),
+    }
+
+
 # How the per-token losses of a batch are averaged: "token", every masked token of the batch weighs alike (long
 # completions weigh more); "sequence", each row's mean over its tokens, then the mean over the rows that have any
 # (GRPO's paper: each completion weighs alike).
@@ -314,10 +330,8 @@ def grpo_loss(
     Returns `(loss, stats)`, the statistics token means over the mask whatever the normalisation: `clip_fraction`
     (the tokens whose ratio the clip holds), `kl` (where there is a reference), and the sampler/trainer mismatch of
     `pi / pi_sampler` (at the first update of a batch the policy is still the sampler's, so these measure how far
-    the sampler's log-probs are from the training forward's): the largest, mean and 99th percentile |log ratio|
-    (`log_ratio_max`, `log_ratio_mean`, `log_ratio_p99`) and `sampler_kl`, the k3 estimate `r - 1 - log r` of
-    KL(pi_sampler || pi); with behaviour "trainer" also `tis_truncated` (the share of tokens whose weight the cap
-    holds) and `band_masked` (the share masked out)."""
+    the sampler's log-probs are from the training forward's): `mismatch_stats`; with behaviour "trainer" also
+    `tis_truncated` (the share of tokens whose weight the cap holds) and `band_masked` (the share masked out)."""
     if config.kl_coef and batch.reference_logprobs is None:
         raise ValueError(f"kl_coef={config.kl_coef} needs the batch's reference_logprobs")
     trainer = config.behaviour == "trainer"
@@ -326,8 +340,6 @@ def grpo_loss(
             'behaviour="trainer" needs the batch\'s trainer_logprobs (the forward before the first update)'
         )
     mask = batch.mask
-    # Off the mask the log-probs are not comparable (the sampler's are 0 there): zero them before any exp.
-    to_sampler = jnp.where(mask > 0, logprobs - batch.sampler_logprobs, 0.0)
     behaviour = batch.trainer_logprobs if trainer else batch.sampler_logprobs
     log_ratio = jnp.where(mask > 0, logprobs - behaviour, 0.0)
     ratio = jnp.exp(log_ratio)
@@ -335,14 +347,7 @@ def grpo_loss(
     eps = config.clip_epsilon
     per_token = -jnp.minimum(ratio * advantages, jnp.clip(ratio, 1 - eps, 1 + eps) * advantages)
     was_clipped = ((ratio < 1 - eps) & (advantages < 0)) | ((ratio > 1 + eps) & (advantages > 0))
-    size = jnp.abs(to_sampler)
-    stats = {
-        "clip_fraction": masked_mean(was_clipped, mask),
-        "log_ratio_max": jnp.max(size),
-        "log_ratio_mean": masked_mean(size, mask),
-        "log_ratio_p99": jnp.nanquantile(jnp.where(mask > 0, size, jnp.nan), 0.99),
-        "sampler_kl": masked_mean(jnp.exp(to_sampler) - 1 - to_sampler, mask),
-    }
+    stats = {"clip_fraction": masked_mean(was_clipped, mask), **mismatch_stats(logprobs, batch.sampler_logprobs, mask)}
     if trainer:
         weight = jnp.exp(jnp.where(mask > 0, batch.trainer_logprobs - batch.sampler_logprobs, 0.0))
         stats["tis_truncated"] = masked_mean(weight > config.tis_cap, mask)

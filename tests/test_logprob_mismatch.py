@@ -1,23 +1,25 @@
 """CPU tests of benchmarks/logprob_mismatch.py (the sampler's log-probs against the trainer's, without and with
-routing replay): the figures on hand-made values, a float32 run where both sides agree, and its command-line
-checks."""
+routing replay): its figures (`rl.mismatch_stats`) on hand-made values, a float32 run where both sides agree, and
+its command-line checks."""
 
 from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from bench_scripts import run_script
 
-from benchmarks.logprob_mismatch import mismatch_figures
+from jax_megamoe import rl
 
 
 def test_mismatch_figures_are_taken_over_the_masked_tokens():
     sampler = np.log(np.array([[0.5, 0.25, 0.1], [0.2, 0.2, 0.9]]))
     trainer = sampler + np.array([[0.1, -0.2, 7.0], [0.0, 0.05, 0.0]])  # 7.0 lies off the mask
     mask = np.array([[1, 1, 0], [1, 1, 1]])
-    figures = mismatch_figures(trainer, sampler, mask)
+    with jax.enable_x64(True):  # float64 throughout, as numpy states the expected figures
+        figures = {name: float(v) for name, v in rl.mismatch_stats(trainer, sampler, mask).items()}
     ratios = np.array([0.1, -0.2, 0.0, 0.05, 0.0])
     assert figures["log_ratio_max"] == pytest.approx(0.2)
     assert figures["log_ratio_mean"] == pytest.approx(np.abs(ratios).mean())
