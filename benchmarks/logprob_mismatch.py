@@ -103,7 +103,16 @@ def main(argv=None):
 
     from benchmarks.bench_generate import model_config
     from jax_megamoe.models import qwen3_moe
+    from jax_megamoe.ops.moe import resolve_implementation
 
+    # What this machine cannot run is a usage error before any model is built.
+    for implementation in args.implementations:
+        try:
+            resolve_implementation(implementation)
+        except ValueError as error:
+            raise cli.UsageError(f"--implementations {implementation}: {error}") from None
+    if "cudnn" in args.attention and jax.default_backend() != "gpu":
+        raise cli.UsageError(f"--attention cudnn needs a GPU; JAX's backend is {jax.default_backend()!r}")
     config = model_config(args.model)
     rng = np.random.default_rng(args.seed)
     lengths = rng.integers(1, args.prompt + 1, args.prompts)
@@ -121,10 +130,7 @@ def main(argv=None):
                 weights = nnx.state(model, nnx.Param)
             else:  # every configuration the same weights
                 nnx.update(model, weights)
-            try:
-                row = dict(implementation=implementation, attention=attention, **measure(model, prompts, args))
-            except (ValueError, NotImplementedError) as error:  # an implementation this machine lacks
-                raise cli.UsageError(f"--implementations {implementation} --attention {attention}: {error}") from None
+            row = dict(implementation=implementation, attention=attention, **measure(model, prompts, args))
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"{args.model}, {args.dtype}{', ' + args.recipe if args.recipe else ''}, {jax.devices()[0].device_kind}: "

@@ -40,7 +40,9 @@ def test_float32_sampler_and_trainer_agree_without_and_with_replay(tmp_path):
     assert "| reference | xla |" in proc.stdout
 
 
-@pytest.mark.parametrize("flags", [("--implementations", "triton"), ("--attention", "flash"), ("--new", "0")])
+@pytest.mark.parametrize(
+    "flags", [("--implementations", "triton"), ("--attention", "flash"), ("--new", "0"), ("--attention", "cudnn")]
+)
 def test_logprob_mismatch_rejects_a_bad_command_line(flags):
     proc = run_script("logprob_mismatch.py", *flags)
     assert proc.returncode == 2, proc.stdout + proc.stderr
