@@ -152,7 +152,9 @@ class Sampler:
         held_out = tasks.draw_problems(task, np.random.default_rng(args.seed + 1), args.eval_problems, evaluation=True)
         self.held_out = (held_out, *rollouts.encode_prompts(held_out, tokenizer, args.prompt_width))
 
-    def generate(self, params, prompt_ids, prompt_lengths, *, temperature: float, key=None):
+    def generate(self, params, prompt_ids, prompt_lengths, *, temperature: float, key=None, routing: bool = True):
+        """`(tokens, logprobs, lengths, routing record or None)` on the host; `routing`: record it (the training
+        samples' mismatch and replay need it, the greedy evaluation does not)."""
         out = qwen3_moe.generate(
             nnx.merge(self.setup.graphdef, params),
             prompt_ids,
@@ -164,14 +166,14 @@ class Sampler:
             eos_token_id=self.tokenizer.end_id,
             pad_token_id=0,
             key=key,
-            return_routing=True,
+            return_routing=routing,
         )
         return to_host((out.tokens, out.logprobs, out.lengths, out.routing))
 
     def evaluate(self, params) -> dict:
         """Greedy completions of the held-out problems: the share judged correct, and the mean reward."""
         problems, prompt_ids, prompt_lengths = self.held_out
-        tokens, _, lengths, _ = self.generate(params, prompt_ids, prompt_lengths, temperature=0.0)
+        tokens, _, lengths, _ = self.generate(params, prompt_ids, prompt_lengths, temperature=0.0, routing=False)
         scores = rl.group_rewards(self.task.reward, problems, rollouts.completions(tokens, lengths, self.tokenizer), 1)
         return {"accuracy": float(np.mean(scores >= self.task.accuracy_threshold)), "eval_reward": float(scores.mean())}
 
