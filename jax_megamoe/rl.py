@@ -185,8 +185,9 @@ LOGIT_BLOCK = 128
 
 def target_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, *, block: int = LOGIT_BLOCK) -> jax.Array:
     """`log_softmax(hidden @ kernel)[targets]`, float32 `[R, S]`, for `hidden [R, S, H]` and the LM head
-    `kernel [H, V]`: the logits in the operands' dtype, as the model's LM head computes them, then the sampler's
-    `token_logprobs`, over blocks of `block` positions, each recomputed in the backward rather than kept."""
+    `kernel [H, V]`: the logits in float32 from operands in their dtype, as the model's LM head computes them,
+    then the sampler's `token_logprobs`, over blocks of `block` positions, each recomputed in the backward rather
+    than kept."""
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     rows, seq, width = hidden.shape
@@ -199,7 +200,7 @@ def target_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, *,
     @jax.checkpoint
     def one_block(carry, inputs):
         h, t = inputs
-        return carry, token_logprobs(jnp.einsum("rsh,hv->rsv", h, kernel), t)
+        return carry, token_logprobs(jnp.einsum("rsh,hv->rsv", h, kernel, preferred_element_type=jnp.float32), t)
 
     _, logprobs = jax.lax.scan(one_block, None, (hidden, targets))
     return logprobs.swapaxes(0, 1).reshape(rows, blocks * block)[:, :seq]

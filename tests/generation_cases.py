@@ -8,6 +8,7 @@ from flax import nnx
 from hf_models import HF_CONFIG
 from moe_cases import seeded_rng
 
+from jax_megamoe import rl
 from jax_megamoe.models import qwen3_moe
 
 PROMPT_LENGTHS = (5, 11, 3, 8)
@@ -31,3 +32,30 @@ def generated_and_trained_logprobs(model, prompts, new_tokens, **sampling):
     trained = qwen3_moe.token_logprobs(logits[:, :-1], jnp.asarray(sequences[:, 1:]))
     starts = [len(prompt) - 1 for prompt in prompts]
     return np.asarray(out.logprobs), np.stack([trained[row, s : s + new_tokens] for row, s in enumerate(starts)])
+
+
+def sampler_and_trainer_logprobs(model, prompts, new_tokens, **sampling):
+    """What the sampler and the trainer make of one generation, each `[B, new_tokens]`: `generate`'s log-probs,
+    the training forward's (`rl.sequence_logprobs` over the rows prompt then completion, right-padded), the
+    training forward's with the sampler's routing record replayed, and `rerouted`: true where some sparse layer of
+    the trainer routed the token that predicts this one, or a token before it, apart from the sampler."""
+    out = qwen3_moe.generate(model, prompts, max_new_tokens=new_tokens, return_routing=True, **sampling)
+    width = max(map(len, prompts)) + new_tokens
+    rows = np.zeros((len(prompts), width), np.int32)
+    for row, prompt in enumerate(prompts):
+        rows[row, : len(prompt)] = prompt
+        rows[row, len(prompt) : len(prompt) + new_tokens] = out.tokens[row]
+    record = jnp.asarray(out.routing[:, :width])
+    trainer = nnx.jit(lambda m, t, r: rl.sequence_logprobs(m, t, routing=r, return_routing=True))
+    trained, aux = trainer(model, jnp.asarray(rows), None)
+    replayed, _ = trainer(model, jnp.asarray(rows), record)
+    recorded = np.sort(np.asarray(record[:, :-1], np.int32), axis=-1)
+    chosen = np.sort(np.asarray(aux.routing, np.int32), axis=-1)
+    apart = np.any((recorded != chosen) & (recorded >= 0), axis=(-2, -1))  # [B, width - 1]
+    rerouted = np.logical_or.accumulate(apart, axis=1)
+    starts = [len(prompt) - 1 for prompt in prompts]
+
+    def completions(values):
+        return np.stack([np.asarray(values)[row, s : s + new_tokens] for row, s in enumerate(starts)])
+
+    return np.asarray(out.logprobs), completions(trained), completions(replayed), completions(rerouted)

@@ -1,6 +1,6 @@
 """Generation on a GPU (marker `gpu`): the CUDA kernels in the decode loop give the pure-JAX reference's tokens and
 log-probs in float32, and in bfloat16 (cuDNN attention for the prompts, with and without the FP8 recipe) log-probs
-close to the training forward's."""
+that differ from the training forward's only through routing flips."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from generation_cases import PROMPT_LENGTHS, generated_and_trained_logprobs, prompts_of
+from generation_cases import PROMPT_LENGTHS, generated_and_trained_logprobs, prompts_of, sampler_and_trainer_logprobs
 from hf_models import HF_CONFIG
 
 from jax_megamoe.models import qwen3_moe
@@ -35,13 +35,28 @@ def test_cuda_kernels_generate_the_reference_tokens_in_float32():
     np.testing.assert_allclose(generated, trained, atol=1e-5)
 
 
+# What the sampler and the trainer still compute apart once the routing is the same (measured on an H100, see
+# docs/models.md): cuDNN's prompt attention against the cache's attention, and bf16 GEMMs of a decode row's shapes
+# against a sequence's; the LM head's float32 logits take out the bf16 rounding of the logits.
+REPLAYED_ATOL = 2e-2
+
+
 @pytest.mark.parametrize("recipe", [None, "fp8_blockwise"], ids=["bfloat16", "fp8_blockwise"])
-def test_bfloat16_logprobs_stay_close_to_the_training_forward(recipe):
+def test_bfloat16_sampler_and_trainer_differ_only_through_routing(recipe):
+    """With the sampler's routing replayed every log-prob is the sampler's within REPLAYED_ATOL; without it, so is
+    every one whose prefix the trainer routed as the sampler did: what is left over is routing flips."""
     model = qwen3_moe.Qwen3MoeForCausalLM(
         CONFIG, dtype=jnp.bfloat16, implementation="cuda", recipe=recipe, attention_impl="cudnn", rngs=nnx.Rngs(1)
     )
-    generated, trained = generated_and_trained_logprobs(
+    generated, trained, replayed, rerouted = sampler_and_trainer_logprobs(
         model, prompts_of(PROMPT_LENGTHS, seed=1), 16, temperature=1.0, key=jax.random.key(2)
     )
+    print(
+        f"replayed: max |log ratio| {np.max(np.abs(replayed - generated)):.4g}; not replayed: "
+        f"{np.max(np.abs(trained - generated)):.4g} over all, "
+        f"{np.max(np.abs(trained - generated)[~rerouted], initial=0):.4g} where routed alike "
+        f"({np.mean(rerouted):.1%} of tokens after a flip)"
+    )
     assert np.all(np.isfinite(generated))
-    np.testing.assert_allclose(generated, trained, atol=5e-2)
+    np.testing.assert_allclose(replayed, generated, atol=REPLAYED_ATOL)
+    np.testing.assert_allclose(trained[~rerouted], generated[~rerouted], atol=REPLAYED_ATOL)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from generation_cases import prompts_of
+from generation_cases import prompts_of, sampler_and_trainer_logprobs
 from hf_models import HF_CONFIG
 from jax.sharding import AxisType
 from moe_cases import seeded_rng
@@ -219,6 +219,19 @@ def test_generate_records_the_routing_of_every_fed_token_and_the_trainer_replays
         n = int(out.lengths[row])
         got = np.asarray(trained[row, len(prompt) - 1 : len(prompt) - 1 + n])
         np.testing.assert_allclose(got, np.asarray(out.logprobs[row, :n]), atol=1e-5)
+
+
+def test_sampler_and_trainer_agree_in_float32_with_and_without_replay():
+    """The comparison the GPU generation test makes in bf16 (generation_cases.sampler_and_trainer_logprobs), in
+    float32 on the CPU: one model, one set of kernels, so nothing is rerouted and all three log-probs agree."""
+    model = make_model()
+    generated, trained, replayed, rerouted = sampler_and_trainer_logprobs(
+        model, prompts_of((5, 11, 3)), 6, temperature=1.0, key=jax.random.key(3)
+    )
+    assert generated.shape == trained.shape == replayed.shape == rerouted.shape == (3, 6)
+    assert not np.any(rerouted)
+    np.testing.assert_allclose(trained, generated, atol=1e-5)
+    np.testing.assert_allclose(replayed, generated, atol=1e-5)
 
 
 def test_replay_under_a_mesh_gives_the_one_device_result():

@@ -172,7 +172,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
         routing: jax.Array | None = None,
         return_routing: bool = False,
     ) -> tuple[jax.Array, MoEAux]:
-        """`input_ids [B, S]` -> `(logits [B, S, vocab] in the compute dtype, MoEAux)`.
+        """`input_ids [B, S]` -> `(logits [B, S, vocab] in float32, MoEAux)`.
 
         `positions` (`[S]` or `[B, S]`) defaults to `0..S-1`. `attention_mask [B, S]` (bool or 0/1, default all
         true) is a padding mask: no token attends to a key where it is false. Right-padded rows need none (the
@@ -195,12 +195,14 @@ class Qwen3MoeForCausalLM(nnx.Module):
         return self.logits(x), aux
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """The LM head: final normed hidden states `[..., H]` -> logits `[..., vocab]` in the compute dtype."""
+        """The LM head: final normed hidden states `[..., H]` -> logits `[..., vocab]` in float32, from operands in
+        the compute dtype. Rounding the logits to bf16 would move a log-prob by up to half a bf16 step of the
+        logit (2^-7 at logits of 2 to 4), differently for a decode row and a training row: the sampler and the
+        trainer would disagree by that much whatever else agrees."""
         with jax.named_scope("lm_head"):
-            if self.lm_head is None:
-                embed = compute_form(self.embed_tokens, self.dtype, None)
-                return embed.attend(hidden)
-            return compute_form(self.lm_head, self.dtype, None)(hidden)
+            return jnp.einsum(
+                "...h,hv->...v", hidden.astype(self.dtype), self.lm_head_kernel(), preferred_element_type=jnp.float32
+            )
 
     def lm_head_kernel(self) -> jax.Array:
         """The LM head as an `[H, vocab]` matrix in the compute dtype (the embedding table's transpose when
