@@ -224,21 +224,6 @@ def test_sharding_rules():
     assert specs[0].mu["lm_head"]["kernel"] == P(None, "data") and specs[0].count == P()
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_cache_attention_reads_its_layer_of_the_stack_as_chunked_attention(dtype):
-    """Decode attention over one layer of a stacked cache (traced layer index, queries at per-row positions, slots
-    past each query holding garbage) equals `chunked_attention` over that layer's slice."""
-    rng = np.random.default_rng(1)
-    q = jnp.asarray(rng.normal(size=(3, 2, 6, 8)), dtype)
-    k_cache, v_cache = (jnp.asarray(rng.normal(size=(4, 3, 20, 2, 8)), dtype) for _ in range(2))
-    positions = jnp.asarray([[4, 5], [0, 1], [17, 18]], jnp.int32)
-    got = jax.jit(qwen3_moe.cache_attention)(q, k_cache, v_cache, jnp.int32(2), positions)
-    want = qwen3_moe.chunked_attention(q, k_cache[2], v_cache[2], query_positions=positions)
-    assert got.dtype == dtype
-    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=8e-3, atol=8e-3)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tolerance)
-
-
 def test_chunked_attention_matches_dot_product_attention():
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(2, 24, 4, 8)), jnp.float32)

@@ -1,5 +1,5 @@
 """The model's GQA attention: causal over a sequence (training and prefill), optionally with a padding mask, and
-over a layer of a stacked KV cache whose queries start after the cached keys (decoding).
+over a KV cache whose queries start after the cached keys (decoding).
 
 Every form computes the scores and the softmax in float32 and the product with `v` in `v`'s dtype, the numerics
 of `jax.nn.dot_product_attention`'s XLA form, so that decoding over a cache gives the logits of the forward over
@@ -62,31 +62,6 @@ def chunked_attention(
 
     _, out = jax.lax.scan(one_block, None, (grouped, positions))
     return out.swapaxes(0, 1).reshape(batch, queries, heads, dim)
-
-
-def cache_attention(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, query_positions: jax.Array
-) -> jax.Array:
-    """GQA attention of `q [B, T, N, D]` over layer `layer` (an int or a traced scalar) of a stacked KV cache
-    `k_cache, v_cache [L, B, S, Nkv, D]`, key slot j visible to query i of row b where `j <= query_positions[b, i]`.
-
-    Both products are written as an elementwise product and a sum, not as dots: XLA fuses the layer's slice of the
-    cache into such a reduction and reads it in place, where a dot's operand is first copied out of the stack (a
-    decode step would copy every layer's keys and values once more than it reads them). The numerics are
-    `chunked_attention`'s: float32 scores (exact products of the operands, float32 sums) and softmax, then the
-    probabilities in `v`'s dtype times `v`, summed in float32 and rounded to `v`'s dtype."""
-    batch, queries, heads, dim = q.shape
-    kv_heads = k_cache.shape[3]
-    k = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)
-    v = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False)
-    grouped = q.reshape(batch, queries, 1, kv_heads, heads // kv_heads, dim).astype(jnp.float32)
-    # [B, T, S, Nkv, G]: slot-major, so the sum over D reads each key row contiguously.
-    scores = jnp.sum(grouped * k[:, None, :, :, None, :].astype(jnp.float32), axis=-1) * dim**-0.5
-    visible = jnp.arange(k.shape[1])[None, None, :] <= query_positions[:, :, None]
-    scores = jnp.where(visible[..., None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=2).astype(v.dtype).astype(jnp.float32)
-    out = jnp.sum(probs[..., None] * v[:, None, :, :, None, :].astype(jnp.float32), axis=2)
-    return out.astype(v.dtype).reshape(batch, queries, heads, dim)
 
 
 def causal_attention(

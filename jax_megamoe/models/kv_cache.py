@@ -53,6 +53,13 @@ class KVCache(NamedTuple):
         routing = 0 if self.routing is None else math.prod(self.routing.shape) * self.routing.dtype.itemsize
         return 2 * math.prod(self.k.shape) * self.k.dtype.itemsize + routing
 
+    def layer(self, index) -> tuple[jax.Array, jax.Array]:
+        """Layer `index`'s keys and values `[B, S, kv_heads, head_dim]` (`index` an int or a traced scalar)."""
+        return (
+            jax.lax.dynamic_index_in_dim(self.k, index, keepdims=False),
+            jax.lax.dynamic_index_in_dim(self.v, index, keepdims=False),
+        )
+
     def _write_rows(self, stack: jax.Array, index, new: jax.Array) -> jax.Array:
         # One update per row, its start that row's length: vmapped, the rows are a batch dimension of the update,
         # which the SPMD partitioner keeps sharded with them.

@@ -8,7 +8,7 @@ live in `qwen3_moe_layers`, the model and its one forward in `qwen3_moe_model`, 
 
 from __future__ import annotations
 
-from jax_megamoe.models.attention import cache_attention, chunked_attention
+from jax_megamoe.models.attention import chunked_attention
 from jax_megamoe.models.compute_form import compute_form
 from jax_megamoe.models.generation import Generation, GenerationPlan, compiled_programs, generate, generation_plan
 from jax_megamoe.models.kv_cache import KVCache
@@ -28,7 +28,6 @@ __all__ = [
     "Qwen3MoeConfig",
     "Qwen3MoeForCausalLM",
     "apply_rope",
-    "cache_attention",
     "chunked_attention",
     "combine_aux",
     "compiled_programs",

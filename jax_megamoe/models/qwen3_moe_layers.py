@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_megamoe.models.attention import cache_attention, causal_attention
+from jax_megamoe.models.attention import causal_attention, chunked_attention
 from jax_megamoe.models.kv_cache import KVCache
 from jax_megamoe.models.qwen3_moe_config import Qwen3MoeConfig
 from jax_megamoe.nn import MoE, MoEAux
@@ -109,7 +109,7 @@ class Attention(nnx.Module):
                 cache = cache.write(index, k, v)
                 if not prefill:
                     positions = cache.lengths[:, None] + jnp.arange(x.shape[1])
-                    out = cache_attention(q, cache.k, cache.v, index, positions)
+                    out = chunked_attention(q, *cache.layer(index), query_positions=positions)
             return self._output(out), cache
 
 
