@@ -35,16 +35,21 @@ def test_cuda_kernels_generate_the_reference_tokens_in_float32():
     np.testing.assert_allclose(generated, trained, atol=1e-5)
 
 
-# What the sampler and the trainer still compute apart once the routing is the same (measured on an H100, see
-# docs/models.md): cuDNN's prompt attention against the cache's attention, and bf16 GEMMs of a decode row's shapes
-# against a sequence's; the LM head's float32 logits take out the bf16 rounding of the logits.
-REPLAYED_ATOL = 2e-2
+# What the sampler and the trainer still compute apart once they route alike, measured on an H100 over this model at
+# seeds 1-3, XLA and cuDNN attention, CUDA and reference experts: the bf16 rounding of GPU GEMMs and attention whose
+# algorithm depends on the shape (a decode row against a whole sequence; on a CPU the same comparison is exact).
+# Largest |log ratio| with replay 0.040-0.091 in bf16, 0.079-0.35 with FP8 (whose 3-bit mantissa turns a one-ulp bf16
+# difference upstream into a step of up to 1/8 of a value), medians 0.004-0.015 and 0.009-0.029; this tiny model's
+# large initialisation makes logits of several units. The LM head's float32 logits took out their bf16 rounding.
+REPLAYED_ATOL = {None: 0.1, "fp8_blockwise": 0.4}
+REPLAYED_MEDIAN = {None: 0.02, "fp8_blockwise": 0.04}
 
 
 @pytest.mark.parametrize("recipe", [None, "fp8_blockwise"], ids=["bfloat16", "fp8_blockwise"])
 def test_bfloat16_sampler_and_trainer_differ_only_through_routing(recipe):
-    """With the sampler's routing replayed every log-prob is the sampler's within REPLAYED_ATOL; without it, so is
-    every one whose prefix the trainer routed as the sampler did: what is left over is routing flips."""
+    """With the sampler's routing replayed every log-prob is the sampler's within the measured rounding above;
+    without it, so is every one whose prefix the trainer routed as the sampler did: what is left over, up to 1 in
+    log-prob, is routing flips."""
     model = qwen3_moe.Qwen3MoeForCausalLM(
         CONFIG, dtype=jnp.bfloat16, implementation="cuda", recipe=recipe, attention_impl="cudnn", rngs=nnx.Rngs(1)
     )
@@ -58,5 +63,6 @@ def test_bfloat16_sampler_and_trainer_differ_only_through_routing(recipe):
         f"({np.mean(rerouted):.1%} of tokens after a flip)"
     )
     assert np.all(np.isfinite(generated))
-    np.testing.assert_allclose(replayed, generated, atol=REPLAYED_ATOL)
-    np.testing.assert_allclose(trained[~rerouted], generated[~rerouted], atol=REPLAYED_ATOL)
+    np.testing.assert_allclose(replayed, generated, atol=REPLAYED_ATOL[recipe])
+    assert np.median(np.abs(replayed - generated)) <= REPLAYED_MEDIAN[recipe]
+    np.testing.assert_allclose(trained[~rerouted], generated[~rerouted], atol=REPLAYED_ATOL[recipe])
