@@ -72,15 +72,25 @@ def step_floor_bytes(config, batch: int, cache_len: float, weight_bytes: int = 2
     return (total + kv_cache) * weight_bytes
 
 
-def timed(fn, sync, samples):
+_CHILD_START = time.perf_counter()
+
+
+def progress(what: str) -> None:
+    """One line on stderr: how far this child got, and when (a run stopped from outside still shows it)."""
+    print(f"  [{time.perf_counter() - _CHILD_START:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+def timed(fn, sync, samples, what: str):
     """Median seconds of `fn()` over `samples` synchronised calls, after two warm-up calls."""
     for _ in range(2):
         sync(fn())
+    progress(f"{what}: warmed up")
     times = []
     for _ in range(samples):
         start = time.perf_counter()
         sync(fn())
         times.append(time.perf_counter() - start)
+    progress(f"{what}: {samples} timed, median {statistics.median(times):.3f} s")
     return statistics.median(times)
 
 
@@ -103,6 +113,7 @@ def run_ours(model_name, batch, args):
     model = nnx.jit(
         lambda: qwen3_moe.Qwen3MoeForCausalLM(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     )()
+    progress(f"{model_name}: model built")
     prompts = jnp.asarray(prompt_tokens(config.vocab_size, batch, args.prompt))
     lengths = jnp.full((batch,), args.prompt, jnp.int32)
 
@@ -111,8 +122,8 @@ def run_ours(model_name, batch, args):
             qwen3_moe.generate(model, prompts, prompt_lengths=lengths, max_new_tokens=new, temperature=0.0).tokens
         )
 
-    row["generate_s"] = timed(call(args.new), jax.block_until_ready, args.samples)
-    row["prefill_s"] = timed(call(1), jax.block_until_ready, args.samples)
+    row["generate_s"] = timed(call(args.new), jax.block_until_ready, args.samples, f"generate {args.new} tokens")
+    row["prefill_s"] = timed(call(1), jax.block_until_ready, args.samples, "generate 1 token")
     stats = device.memory_stats() or {}
     row["peak_gib"] = stats.get("peak_bytes_in_use", float("nan")) / 2**30
     return row
@@ -141,6 +152,7 @@ def run_long_tail(model_name, rows, args):
     model = nnx.jit(
         lambda: qwen3_moe.Qwen3MoeForCausalLM(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     )()
+    progress(f"{model_name}: model built")
     prompts = jnp.asarray(prompt_tokens(config.vocab_size, args.prompts, args.prompt))
     budgets = long_tail_budgets(args.prompts, args.new)
     chunks = [(prompts[i : i + rows], budgets[i : i + rows]) for i in range(0, args.prompts, rows)]
@@ -153,8 +165,8 @@ def run_long_tail(model_name, rows, args):
 
     row = dict(framework="ours", model=model_name, batch=rows, device=device.device_kind, workload="long-tail")
     row["tokens"] = sum(budgets)
-    row["static_s"] = timed(static, jax.block_until_ready, args.samples)
-    row["continuous_s"] = timed(continuous, jax.block_until_ready, args.samples)
+    row["static_s"] = timed(static, jax.block_until_ready, args.samples, "static batches")
+    row["continuous_s"] = timed(continuous, jax.block_until_ready, args.samples, "continuous batching")
     return row
 
 
@@ -177,6 +189,7 @@ def run_transformers(model_name, batch, args):
         except (TypeError, ValueError, ImportError):
             model = hf_model._from_config(hf_config, **kwargs)
     model.eval()
+    progress(f"{model_name}: transformers model built")
     row["experts_implementation"] = getattr(model.config, "_experts_implementation", None) or "eager"
     prompts = torch.from_numpy(prompt_tokens(config.vocab_size, batch, args.prompt)).long().to(dev)
     mask = torch.ones_like(prompts)
@@ -212,8 +225,8 @@ def run_transformers(model_name, batch, args):
             model.forward = model.__class__.forward.__get__(model)
             options = {}
             row["compile_error"] = str(err).splitlines()[0][:200]
-    row["generate_s"] = timed(call(args.new, **options), sync, args.samples)
-    row["prefill_s"] = timed(call(1, **options), sync, args.samples)
+    row["generate_s"] = timed(call(args.new, **options), sync, args.samples, f"generate {args.new} tokens")
+    row["prefill_s"] = timed(call(1, **options), sync, args.samples, "generate 1 token")
     if dev.type == "cuda":
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return row
@@ -243,6 +256,7 @@ def child(args):
 def run_child(name, args):
     child_args = ["--child", name, "--prompt", str(args.prompt), "--new", str(args.new), "--samples", str(args.samples)]
     child_args += ["--prompts", str(args.prompts)]
+    print(f"{name}:", file=sys.stderr, flush=True)  # the child's progress lines follow
     row, crash = benchmarks.run_child("benchmarks.bench_generate", child_args, "JMM_BENCH_ROW ")
     return row if row is not None else dict(child=name, status=crash)
 

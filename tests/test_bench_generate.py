@@ -27,6 +27,9 @@ def test_bench_generate_runs_both_frameworks_on_the_tiny_model(tmp_path):
         assert row["floor_ms"] > 0 and row["step_over_floor"] == pytest.approx(row["step_ms"] / row["floor_ms"])
     assert ours["floor_ms"] == peer["floor_ms"]  # one model, one batch: one floor
     assert "vs transformers" in proc.stdout and "x floor" in proc.stdout
+    # Each child's progress comes through as it goes (so a run stopped from outside still shows how far it got).
+    for line in ("ours:tiny:2:", "tiny: model built", "tiny: transformers model built", "generate 3 tokens: 1 timed"):
+        assert line in proc.stderr, proc.stderr
 
 
 def test_bench_generate_step_floor_counts_the_touched_experts():
