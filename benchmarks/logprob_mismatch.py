@@ -2,8 +2,9 @@
 training forward's on the same rows (`rl.sequence_logprobs`, as the RL job computes them), without and with the
 sampler's routing record replayed, for each MoE implementation and attention implementation asked for.
 
-Every configuration runs the same weights (random, `--seed`), prompts and sampling keys: `--prompts` prompts of
-random lengths up to `--prompt` tokens, `--new` new tokens each at temperature 1. Per configuration, over the
+Every configuration runs the same weights (random, `--seed`, or a trained model's: `--checkpoint`, a Hugging Face
+checkpoint directory such as the `model/` the training and RL jobs save), prompts and sampling keys: `--prompts`
+prompts of random lengths up to `--prompt` tokens, `--new` new tokens each at temperature 1. Per configuration, over the
 sampled tokens: the largest, mean and 99th-percentile |log ratio| (trainer minus sampler), the k3 estimate of
 KL(sampler || trainer) (the mean of `r - 1 - log r`), the share of routing choices the trainer's router makes
 differently from the sampler's record, and the same log-ratio figures and KL with the record replayed
@@ -11,7 +12,8 @@ differently from the sampler's record, and the same log-ratio figures and KL wit
 is the rest of the numerics: attention over the cache against attention over the whole sequence, a decode row's
 GEMM shapes against a sequence's, the LM head.
 
-Usage: python -m benchmarks.logprob_mismatch [--model tiny|q30-4layer] [--implementations auto,reference]
+Usage: python -m benchmarks.logprob_mismatch [--model tiny|q30-4layer | --checkpoint DIR]
+                                             [--implementations auto,reference]
                                              [--attention xla,cudnn] [--dtype bfloat16] [--param-dtype float32]
                                              [--recipe fp8_blockwise]
                                              [--prompts 16] [--prompt 64] [--new 64] [--seed 0] [--json F]
@@ -75,7 +77,9 @@ def table(rows) -> str:
 
 def main(argv=None):
     parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", choices=("tiny", "q30-4layer"))
+    weights_from = parser.add_mutually_exclusive_group()
+    weights_from.add_argument("--model", default="tiny", choices=("tiny", "q30-4layer"), help="random weights")
+    weights_from.add_argument("--checkpoint", help="a Hugging Face checkpoint directory's weights instead")
     parser.add_argument("--implementations", type=comma_list(("auto", "cuda", "cpu", "reference")), default=["auto"])
     parser.add_argument("--attention", type=comma_list(tuple(ATTENTION)), default=["xla"])
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
@@ -113,7 +117,13 @@ def main(argv=None):
             raise cli.UsageError(f"--implementations {implementation}: {error}") from None
     if "cudnn" in args.attention and jax.default_backend() != "gpu":
         raise cli.UsageError(f"--attention cudnn needs a GPU; JAX's backend is {jax.default_backend()!r}")
-    config = model_config(args.model)
+    if args.checkpoint is not None:
+        try:
+            config = qwen3_moe.Qwen3MoeConfig.from_json(args.checkpoint)
+        except (OSError, ValueError) as error:
+            raise cli.UsageError(f"--checkpoint {args.checkpoint}: {error}") from None
+    else:
+        config = model_config(args.model)
     rng = np.random.default_rng(args.seed)
     lengths = rng.integers(1, args.prompt + 1, args.prompts)
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in lengths]
@@ -122,10 +132,12 @@ def main(argv=None):
     rows = []
     for implementation in args.implementations:
         for attention in args.attention:
-            model = qwen3_moe.Qwen3MoeForCausalLM(
-                config, dtype=dtype, param_dtype=param_dtype, implementation=implementation, recipe=args.recipe,
-                attention_impl=ATTENTION[attention], rngs=nnx.Rngs(args.seed),
-            )  # fmt: skip
+            options = dict(dtype=dtype, param_dtype=param_dtype, implementation=implementation, recipe=args.recipe,
+                           attention_impl=ATTENTION[attention])  # fmt: skip
+            if weights is None and args.checkpoint is not None:
+                model = qwen3_moe.from_pretrained(args.checkpoint, **options)
+            else:
+                model = qwen3_moe.Qwen3MoeForCausalLM(config, rngs=nnx.Rngs(args.seed), **options)
             if weights is None:
                 weights = nnx.state(model, nnx.Param)
             else:  # every configuration the same weights
@@ -133,8 +145,10 @@ def main(argv=None):
             row = dict(implementation=implementation, attention=attention, **measure(model, prompts, args))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"{args.model}, {args.dtype}{', ' + args.recipe if args.recipe else ''}, {jax.devices()[0].device_kind}: "
-          f"{args.prompts} prompts of up to {args.prompt} tokens, {args.new} new tokens at temperature 1")  # fmt: skip
+    weights_of = args.checkpoint or args.model
+    recipe = f", {args.recipe}" if args.recipe else ""
+    print(f"{weights_of}, {args.dtype}{recipe}, {jax.devices()[0].device_kind}: {args.prompts} prompts of up to "
+          f"{args.prompt} tokens, {args.new} new tokens at temperature 1")  # fmt: skip
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:

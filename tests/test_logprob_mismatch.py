@@ -40,8 +40,36 @@ def test_float32_sampler_and_trainer_agree_without_and_with_replay(tmp_path):
     assert "| reference | xla |" in proc.stdout
 
 
+def test_a_checkpoints_weights_are_measured(tmp_path):
+    """`--checkpoint`: a saved model (here a random one of another width than `tiny`) is what every configuration
+    runs; in float32 the two sides agree on it too."""
+    import dataclasses
+
+    from flax import nnx
+
+    from jax_megamoe.models import qwen3_moe
+
+    config = dataclasses.replace(qwen3_moe.tiny(), hidden_size=48)
+    qwen3_moe.save_pretrained(qwen3_moe.Qwen3MoeForCausalLM(config, rngs=nnx.Rngs(5)), tmp_path / "model")
+    out = tmp_path / "mismatch.json"
+    flags = "--implementations cpu,reference --dtype float32 --prompts 4 --prompt 8 --new 6 --json"
+    proc = run_script("logprob_mismatch.py", "--checkpoint", str(tmp_path / "model"), *flags.split(), str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 and all(row["tokens"] == 24 and row["log_ratio_max"] <= 1e-5 for row in rows)
+    assert f"{tmp_path / 'model'}, float32" in proc.stdout
+
+
 @pytest.mark.parametrize(
-    "flags", [("--implementations", "triton"), ("--attention", "flash"), ("--new", "0"), ("--attention", "cudnn")]
+    "flags",
+    [
+        ("--implementations", "triton"),
+        ("--attention", "flash"),
+        ("--new", "0"),
+        ("--attention", "cudnn"),
+        ("--checkpoint", "/nonexistent/model"),
+        ("--model", "tiny", "--checkpoint", "/nonexistent/model"),
+    ],
 )
 def test_logprob_mismatch_rejects_a_bad_command_line(flags):
     proc = run_script("logprob_mismatch.py", *flags)
