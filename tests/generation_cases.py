@@ -35,27 +35,25 @@ def generated_and_trained_logprobs(model, prompts, new_tokens, **sampling):
 
 
 def sampler_and_trainer_logprobs(model, prompts, new_tokens, **sampling):
-    """What the sampler and the trainer make of one generation, each `[B, new_tokens]`: `generate`'s log-probs,
-    the training forward's (`rl.sequence_logprobs` over the rows prompt then completion, right-padded), the
+    """What the sampler and the trainer make of one generation, over its sampled tokens (flat, row by row):
+    `generate`'s log-probs, the training forward's (`rl.sequence_logprobs` over the RL job's rows, `rl.pack`), the
     training forward's with the sampler's routing record replayed, and `rerouted`: true where some sparse layer of
     the trainer routed the token that predicts this one, or a token before it, apart from the sampler."""
     out = qwen3_moe.generate(model, prompts, max_new_tokens=new_tokens, return_routing=True, **sampling)
-    width = max(map(len, prompts)) + new_tokens
-    rows = np.zeros((len(prompts), width), np.int32)
-    for row, prompt in enumerate(prompts):
-        rows[row, : len(prompt)] = prompt
-        rows[row, len(prompt) : len(prompt) + new_tokens] = out.tokens[row]
-    record = jnp.asarray(out.routing[:, :width])
+    prompt_ids, prompt_lengths = rl.pad_prompts(prompts, max(map(len, prompts)))
+    tokens, lengths, logprobs, routing = (np.asarray(a) for a in (out.tokens, out.lengths, out.logprobs, out.routing))
+    rows = rl.pack(prompt_ids, prompt_lengths, tokens, lengths, logprobs, routing=routing)
     trainer = nnx.jit(lambda m, t, r: rl.sequence_logprobs(m, t, routing=r, return_routing=True))
-    trained, aux = trainer(model, jnp.asarray(rows), None)
-    replayed, _ = trainer(model, jnp.asarray(rows), record)
-    recorded = np.sort(np.asarray(record[:, :-1], np.int32), axis=-1)
+    trained, aux = trainer(model, jnp.asarray(rows.tokens), None)
+    replayed, _ = trainer(model, jnp.asarray(rows.tokens), jnp.asarray(rows.routing))
+    recorded = np.sort(rows.routing[:, :-1].astype(np.int32), axis=-1)
     chosen = np.sort(np.asarray(aux.routing, np.int32), axis=-1)
-    apart = np.any((recorded != chosen) & (recorded >= 0), axis=(-2, -1))  # [B, width - 1]
+    apart = np.any((recorded != chosen) & (recorded >= 0), axis=(-2, -1))  # [R, S - 1]
     rerouted = np.logical_or.accumulate(apart, axis=1)
-    starts = [len(prompt) - 1 for prompt in prompts]
-
-    def completions(values):
-        return np.stack([np.asarray(values)[row, s : s + new_tokens] for row, s in enumerate(starts)])
-
-    return np.asarray(out.logprobs), completions(trained), completions(replayed), completions(rerouted)
+    sampled = rows.mask > 0
+    return (
+        rows.sampler_logprobs[sampled],
+        np.asarray(trained)[sampled],
+        np.asarray(replayed)[sampled],
+        rerouted[sampled],
+    )

@@ -228,7 +228,7 @@ def test_sampler_and_trainer_agree_in_float32_with_and_without_replay():
     generated, trained, replayed, rerouted = sampler_and_trainer_logprobs(
         model, prompts_of((5, 11, 3)), 6, temperature=1.0, key=jax.random.key(3)
     )
-    assert generated.shape == trained.shape == replayed.shape == rerouted.shape == (3, 6)
+    assert generated.shape == trained.shape == replayed.shape == rerouted.shape == (3 * 6,)
     assert not np.any(rerouted)
     np.testing.assert_allclose(trained, generated, atol=1e-5)
     np.testing.assert_allclose(replayed, generated, atol=1e-5)
